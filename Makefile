@@ -10,7 +10,6 @@ TORCH   ?= torch==2.13.0
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
