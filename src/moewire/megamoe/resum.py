@@ -1,0 +1,175 @@
+"""The kernel's combine sum, redone in Python from the rows left in the buffer.
+
+Exact order of the Mega-MoE combine (SPEC 1.1): per token, ``acc`` starts at +0.0 in FP32;
+the valid routed slots (``topk_idx >= 0``) are added in ascending slot order,
+``acc += float(row)``; a fused shared slot is added first or last (its flavour's place);
+then **one** round to BF16 (nearest even). A token with no valid row gets +0 (or its
+shared row). Invalid slots are *selected away* (``torch.where``), never multiplied by a
+mask: their rows are stale and may hold NaN. ``acc + (+0)`` never changes ``acc`` here
+(``acc`` starts at +0 and a sum of finite values is never -0), so selecting the sum is
+bitwise the kernel's ``acc += row`` over valid rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["resum", "routed_rows", "SHARED_SLOTS"]
+
+SHARED_SLOTS = (None, "first", "last")
+
+
+def routed_rows(rows: torch.Tensor, shared_slot: str | None) -> torch.Tensor:
+    """The routed slots of ``rows`` in slot order: ``rows[1:]`` when the shared slot is
+    first, ``rows[:-1]`` when it is last, else ``rows`` (views)."""
+    if shared_slot == "first":
+        return rows[1:]
+    if shared_slot == "last":
+        return rows[:-1]
+    return rows
+
+
+def _check(
+    rows: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_tokens: int,
+    shared_slot: str | None,
+    out: torch.Tensor | None,
+) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bfloat16 or rows.dim() != 3:
+        raise ValueError(
+            "resum: rows must be a BF16 tensor [num_slots, Tmax, H] (the combine region from "
+            f"combine_rows), got {_describe(rows)}"
+        )
+    if (
+        not isinstance(topk_idx, torch.Tensor)
+        or topk_idx.dim() != 2
+        or topk_idx.is_floating_point()
+    ):
+        raise ValueError(
+            f"resum: topk_idx must be an integer tensor [T, k], got {_describe(topk_idx)}"
+        )
+    if shared_slot not in SHARED_SLOTS:
+        raise ValueError(f"resum: shared_slot must be None, 'first' or 'last', got {shared_slot!r}")
+    k = topk_idx.shape[1]
+    expected = k + (shared_slot is not None)
+    if rows.shape[0] != expected:
+        raise ValueError(
+            f"resum: rows has {rows.shape[0]} slots but topk_idx has k={k} and "
+            f"shared_slot={shared_slot!r}, which needs {expected}; pass fused_shared to "
+            "combine_rows exactly when the kernel fuses a shared expert"
+        )
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise TypeError(f"resum: num_tokens must be an int, got {type(num_tokens).__name__}")
+    limit = min(rows.shape[1], topk_idx.shape[0])
+    if not 0 <= num_tokens <= limit:
+        raise ValueError(
+            f"resum: num_tokens={num_tokens} must lie in [0, {limit}]"
+            f" (rows hold {rows.shape[1]} tokens, topk_idx {topk_idx.shape[0]})"
+        )
+    if topk_idx.device != rows.device:
+        raise ValueError(f"resum: topk_idx is on {topk_idx.device}, rows on {rows.device}")
+    if out is not None:
+        want = (num_tokens, rows.shape[2])
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dtype != torch.bfloat16
+            or tuple(out.shape) != want
+            or out.device != rows.device
+        ):
+            raise ValueError(
+                f"resum: out must be BF16 {list(want)} on {rows.device} (the kernel's y), got "
+                f"{_describe(out)}"
+            )
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {list(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+def _fused_combine(
+    rows: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_tokens: int,
+    shared_slot: str | None,
+    row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None,
+    out: torch.Tensor,
+) -> bool:
+    """Run ``moewire.kernels.fused_combine`` when it supports this call; True if it ran.
+
+    The Triton kernel takes a format name and an FP32 device amax; it is used for a
+    quantizer in quantize mode whose format it supports, on CUDA only. Everything else
+    (CPU, calibration, plain callables, unsupported formats) takes the torch path, which
+    is the definition the kernel is tested against.
+    """
+    if not rows.is_cuda or row_quantizer is None:
+        return False
+    spec = getattr(row_quantizer, "kernel_spec", None)
+    if spec is None:
+        return False
+    fmt_name, amax = spec()
+    if fmt_name is None:
+        return False
+    try:
+        from moewire import kernels
+    except ImportError:
+        return False
+    supports = getattr(kernels, "supports", None)
+    if not kernels.available() or (supports is not None and not supports(fmt_name)):
+        return False
+    kernels.fused_combine(rows, topk_idx, num_tokens, out, fmt_name, amax, shared_slot)
+    return True
+
+
+def resum(
+    rows: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_tokens: int,
+    shared_slot: str | None = None,
+    row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Re-sum the combine rows in the kernel's order, optionally fake-quantizing each row.
+
+    ``y[t] = bf16(sum_{s ascending, topk_idx[t, s] >= 0} float(q(rows[routed s, t])))`` with
+    the FP32 sum starting at +0.0, a fused shared row (never quantized) added first or last,
+    and one BF16 rounding (RNE). ``q`` is ``row_quantizer`` (identity when ``None``); it sees
+    the routed rows ``[k, T, H]`` of the first ``T`` tokens and must be row-local (its
+    result for a row depends on that row only: the stale rows it also sees are then
+    selected away without effect).
+
+    Args:
+        rows: BF16 ``[num_slots, Tmax, H]``, the combine region (``combine_rows``);
+            ``num_slots = k`` or ``k + 1`` with a fused shared slot (slot 0 when
+            ``shared_slot == "first"``, slot ``k`` when ``"last"``).
+        topk_idx: int ``[>= T, k]``, the staged expert ids; ``-1`` marks an invalid slot.
+        num_tokens: ``T``, the tokens of this call (``y.shape[0]``).
+        shared_slot: ``None`` (no fused shared expert), ``"first"`` or ``"last"``.
+        row_quantizer: callable BF16 ``[k, T, H]`` -> BF16 ``[k, T, H]``, or ``None``.
+        out: BF16 ``[T, H]`` written in place (its address is kept), or ``None`` for a new
+            tensor.
+
+    Returns:
+        ``out`` (or the new BF16 ``[T, H]`` tensor).
+    """
+    _check(rows, topk_idx, num_tokens, shared_slot, out)
+    if out is None:
+        out = torch.empty((num_tokens, rows.shape[2]), dtype=torch.bfloat16, device=rows.device)
+    if _fused_combine(rows, topk_idx, num_tokens, shared_slot, row_quantizer, out):
+        return out
+    routed = routed_rows(rows, shared_slot)[:, :num_tokens]
+    if row_quantizer is not None:
+        routed = row_quantizer(routed)
+    valid = (topk_idx[:num_tokens] >= 0).unsqueeze(-1)
+    acc = torch.zeros((num_tokens, rows.shape[2]), dtype=torch.float32, device=rows.device)
+    if shared_slot == "first":
+        acc = acc + rows[0, :num_tokens].float()
+    for s in range(routed.shape[0]):
+        acc = torch.where(valid[:, s], acc + routed[s].float(), acc)
+    if shared_slot == "last":
+        acc = acc + rows[-1, :num_tokens].float()
+    return out.copy_(acc.to(torch.bfloat16))
