@@ -1,0 +1,163 @@
+"""WireTensorQuantizer: a ModelOpt TensorQuantizer with moewire's math and quantizer surface."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.modelopt
+pytest.importorskip("modelopt")
+
+from modelopt.torch.quantization.config import QuantizerAttributeConfig  # noqa: E402
+from modelopt.torch.quantization.nn import TensorQuantizer  # noqa: E402
+
+import moewire  # noqa: E402
+from moewire.integrations.modelopt import BACKEND, WireTensorQuantizer, format_name  # noqa: E402
+
+FP8 = {"num_bits": (4, 3)}
+NVFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
+MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
+INT8 = {"num_bits": 8}
+
+
+def _wtq(cfg: dict) -> WireTensorQuantizer:
+    return WireTensorQuantizer(QuantizerAttributeConfig(**cfg))
+
+
+def _x(seed: int, shape=(8, 64), dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 3).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "expected"),
+    [
+        (FP8, "fp8"),
+        (NVFP4, "nvfp4"),
+        ({**FP8, "axis": 0}, None),
+        ({**NVFP4, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (4, 3)}}, None),
+        (MXFP8, None),
+        (INT8, None),
+        ({**FP8, "type": "dynamic"}, None),
+    ],
+    ids=["fp8", "nvfp4", "fp8-per-channel", "nvfp4-block32", "mxfp8", "int8", "fp8-dynamic"],
+)
+def test_format_name(cfg, expected):
+    assert format_name(_wtq(cfg)) == expected
+
+
+@pytest.mark.parametrize(
+    ("cfg", "math"),
+    [
+        (FP8, "moewire"),
+        (NVFP4, "moewire"),
+        (INT8, "modelopt"),
+        (MXFP8, "modelopt"),
+        ({**FP8, "backend_extra_args": {"math": "modelopt"}}, "modelopt"),
+        ({**NVFP4, "backend": BACKEND}, "moewire"),
+    ],
+    ids=["fp8", "nvfp4", "int8", "mxfp8", "fp8-asks-modelopt", "nvfp4-backend"],
+)
+def test_math_choice(cfg, math):
+    q = _wtq(cfg)
+    assert q.math == math
+    assert (q.fmt is None) == (math == "modelopt")
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({**INT8, "backend_extra_args": {"math": "moewire"}}, "name no moewire format"),
+        ({**MXFP8, "backend": BACKEND}, "name no moewire format"),
+        ({**FP8, "backend_extra_args": {"math": "triton"}}, "use 'moewire'"),
+    ],
+    ids=["int8-asks-moewire", "mxfp8-backend-moewire", "unknown-math"],
+)
+def test_math_refusals(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        _ = _wtq(cfg).math
+
+
+def test_backend_refuses_unknown_format_on_plain_tensor_quantizer():
+    tq = TensorQuantizer(QuantizerAttributeConfig(**INT8, backend=BACKEND))
+    tq.amax = torch.tensor(2.0)
+    with pytest.raises(ValueError, match="name no moewire format"):
+        tq(_x(0))
+
+
+def test_mode_follows_modelopt_flags():
+    q = _wtq(FP8)
+    assert q.mode == "quantize"
+    q.disable_quant()
+    q.enable_calib()
+    assert q.mode == "calibrate"
+    q.disable_calib()
+    assert q.mode == "disabled"  # ModelOpt's "quant off" for constant-amax during calibration
+    q.enable_quant()
+    q.disable()
+    assert q.mode == "disabled"
+
+
+@pytest.mark.parametrize(
+    ("cfg", "amax", "static"),
+    [
+        (FP8, None, False),
+        (FP8, 3.0, True),
+        ({**NVFP4, "constant_amax": 2688.0}, None, True),
+        (NVFP4, None, False),
+        (MXFP8, None, True),
+        (INT8, None, False),
+        (INT8, 2.0, True),
+    ],
+    ids=["fp8-uncalibrated", "fp8-amax", "nvfp4-constant", "nvfp4-uncalibrated", "mxfp8",
+         "int8-uncalibrated", "int8-amax"],
+)
+def test_is_static_scale(cfg, amax, static):
+    q = _wtq(cfg)
+    if amax is not None:
+        q.amax = torch.tensor(amax)
+    assert q.is_static_scale() is static
+    assert q.has_amax is (static and cfg is not MXFP8)
+
+
+@pytest.mark.parametrize("cfg,name", [(FP8, "fp8"), (NVFP4, "nvfp4")], ids=["fp8", "nvfp4"])
+def test_forward_is_moewire_format_with_the_quantizer_amax(cfg, name):
+    x = _x(1, (16, 64))
+    q = _wtq(cfg)
+    q.amax = torch.tensor(5.5)
+    out = q(x)
+    assert out.dtype == x.dtype
+    assert torch.equal(out, moewire.fake_quant(x, name, torch.tensor(5.5)))
+    assert not torch.equal(out, x)
+    assert torch.equal(q(out), out)  # idempotent with a fixed scale
+
+
+def test_backend_on_plain_tensor_quantizer_is_moewire_math():
+    """``backend: "moewire"`` makes NVFP4 run on CPU, where ModelOpt's own asserts CUDA."""
+    x = _x(2, (8, 32))
+    tq = TensorQuantizer(QuantizerAttributeConfig(**NVFP4, backend=BACKEND))
+    tq.amax = torch.tensor(9.0)
+    assert torch.equal(tq(x), moewire.fake_quant(x, "nvfp4", torch.tensor(9.0)))
+    plain = TensorQuantizer(QuantizerAttributeConfig(**NVFP4))
+    plain.amax = torch.tensor(9.0)
+    with pytest.raises(AssertionError, match="CUDA"):
+        plain(x)
+
+
+def test_modelopt_math_is_tensor_quantizer_math():
+    x = _x(3, (8, 64))
+    ours = _wtq({**INT8})
+    ours.amax = torch.tensor(4.0)
+    theirs = TensorQuantizer(QuantizerAttributeConfig(**INT8))
+    theirs.amax = torch.tensor(4.0)
+    assert torch.equal(ours(x), theirs(x))
+
+
+def test_calibrating_collects_max_and_passes_values_through():
+    q = _wtq(FP8)
+    a, b = _x(4), _x(5) * 7
+    with q.calibrating():
+        assert torch.equal(q(a), a)
+        assert torch.equal(q(b), b)
+        q.collect(a[:0])  # an empty batch (no valid row) adds nothing
+    expected = torch.maximum(a.abs().max(), b.abs().max()).float()
+    assert torch.equal(q.static_amax, expected)
+    assert q.mode == "quantize" and q.is_static_scale()
