@@ -1,0 +1,121 @@
+"""The two call-time lookups of vLLM's Mega-MoE forwards, rebound to globals of this module.
+
+vLLM's Mega-MoE experts (0.32 and 0.33) read the staging function
+``prepare_megamoe_inputs`` from their module globals, but reach DeepGEMM through a local
+``from vllm.utils.deep_gemm import _import_deep_gemm`` in the forward (and in the backend's
+``run_mega_moe`` on 0.32): the kernel namespace is no global of the forward's module.
+:func:`install` points both lookups at globals of this module, so a moewire experts adapter
+names one module (this one) for both, as ``docs/architecture.md`` asks:
+
+- ``deep_gemm``: the namespace vLLM's ``_import_deep_gemm()`` returns, resolved on first
+  use (never at plugin load: importing DeepGEMM may initialise CUDA);
+- ``stage__<site>``: the staging function of one vLLM forward module.
+
+Both rebinds keep behaviour: outside a quantized module's forward vLLM gets exactly what it
+got before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+_UNRESOLVED = object()
+_resolver: dict[str, Callable[[], Any] | None] = {"vllm": None, "override": None}
+_installed_sites: dict[str, str] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "deep_gemm":
+        namespace = kernel_source()
+        if namespace is None:
+            # Not cached: vLLM itself returns None here, and a later import may succeed.
+            return None
+        globals()["deep_gemm"] = namespace
+        return namespace
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def kernel_source() -> Any:
+    """The DeepGEMM namespace vLLM would import, without moewire's proxies.
+
+    Returns:
+        The test override (:func:`set_kernel_override`) if one is set, else what vLLM's
+        original ``_import_deep_gemm()`` returns (a module, or ``None`` when vLLM finds none).
+    """
+    override = _resolver["override"]
+    if override is not None:
+        return override()
+    original = _resolver["vllm"]
+    return None if original is None else original()
+
+
+def set_kernel_override(getter: Callable[[], Any] | None) -> None:
+    """Make ``deep_gemm`` resolve to ``getter()`` (``None`` restores vLLM's import)."""
+    _resolver["override"] = getter
+    globals().pop("deep_gemm", None)
+
+
+def import_deep_gemm() -> Any:
+    """Replacement of ``vllm.utils.deep_gemm._import_deep_gemm``: this module's ``deep_gemm``."""
+    return sys.modules[__name__].deep_gemm
+
+
+def _cache_clear() -> None:
+    globals().pop("deep_gemm", None)
+    original = _resolver["vllm"]
+    if original is not None and hasattr(original, "cache_clear"):
+        original.cache_clear()
+
+
+# vLLM's original is a functools.cache; keep the one method callers may use.
+import_deep_gemm.cache_clear = _cache_clear  # type: ignore[attr-defined]
+
+
+def stage_global_name(forward_module: str) -> str:
+    """The global of this module that holds ``forward_module``'s staging function."""
+    return "stage__" + forward_module.replace(".", "_")
+
+
+def _stage_trampoline(global_name: str) -> Callable[..., Any]:
+    def prepare_megamoe_inputs(*args: Any, **kwargs: Any) -> Any:
+        return getattr(sys.modules[__name__], global_name)(*args, **kwargs)
+
+    prepare_megamoe_inputs._moewire_trampoline = global_name  # type: ignore[attr-defined]
+    return prepare_megamoe_inputs
+
+
+def install(forward_module: str, stage_fn: str) -> str:
+    """Rebind ``forward_module.<stage_fn>`` and vLLM's DeepGEMM import to this module.
+
+    Idempotent. Args:
+        forward_module: the vLLM module whose forward calls ``stage_fn`` at call time.
+        stage_fn: the name of the staging global there (``"prepare_megamoe_inputs"``).
+
+    Returns:
+        The name of the global of this module now holding the staging function.
+
+    Raises:
+        RuntimeError: ``forward_module`` has no ``stage_fn`` (a vLLM that moewire does not
+            know: see docs/vllm.md, version table).
+    """
+    utils = importlib.import_module("vllm.utils.deep_gemm")
+    if utils._import_deep_gemm is not import_deep_gemm:
+        _resolver["vllm"] = utils._import_deep_gemm
+        utils._import_deep_gemm = import_deep_gemm
+    name = stage_global_name(forward_module)
+    if _installed_sites.get(forward_module) == name:
+        return name
+    module = importlib.import_module(forward_module)
+    original = getattr(module, stage_fn, None)
+    if original is None or not callable(original):
+        raise RuntimeError(
+            f"{forward_module}: no staging function {stage_fn!r} to interpose on; this vLLM "
+            "build differs from the versions moewire supports (docs/vllm.md, version table)"
+        )
+    globals()[name] = original
+    setattr(module, stage_fn, _stage_trampoline(name))
+    _installed_sites[forward_module] = name
+    return name
