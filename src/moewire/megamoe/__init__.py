@@ -1,0 +1,43 @@
+"""Where the combine rows are and in what order they add up; the experts wrapper.
+
+- ``flavours``: kernel build flavours (``upstream``, ``vllm``, ``sgl``), a registry.
+- ``combine_rows(symm_buffer, flavour)``: the BF16 ``[num_slots, Tmax, H]`` combine view.
+- ``resum(rows, topk_idx, num_tokens, ...)``: the kernel's combine sum, with fake-quantized
+  rows.
+- ``ExpertsAdapter`` / ``register_experts_class`` / ``adapter_for``: how an experts class
+  is hooked.
+- ``convert`` (the in-place ModelOpt-style class swap), ``quantize``, ``calibrate``,
+  ``save_scales``, ``load_scales``, ``summary``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "Flavour": ("moewire.megamoe.flavours", "Flavour"),
+    "combine_rows": ("moewire.megamoe.layout", "combine_rows"),
+    "resum": ("moewire.megamoe.resum", "resum"),
+    "ExpertsAdapter": ("moewire.megamoe.registry", "ExpertsAdapter"),
+    "register_experts_class": ("moewire.megamoe.registry", "register_experts_class"),
+    "adapter_for": ("moewire.megamoe.registry", "adapter_for"),
+    "convert": ("moewire.megamoe.wrapper", "convert"),
+    "is_converted": ("moewire.megamoe.wrapper", "is_converted"),
+    "quantize": ("moewire.megamoe.api", "quantize"),
+    "calibrate": ("moewire.megamoe.api", "calibrate"),
+    "save_scales": ("moewire.megamoe.api", "save_scales"),
+    "load_scales": ("moewire.megamoe.api", "load_scales"),
+    "summary": ("moewire.megamoe.api", "summary"),
+}
+
+__all__ = sorted(_LAZY) + ["flavours"]
+
+
+def __getattr__(name: str):
+    # Lazy: integrations import the registry alone, without the quantizer stack.
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    if name == "flavours":
+        return importlib.import_module("moewire.megamoe.flavours")
+    raise AttributeError(f"module 'moewire.megamoe' has no attribute {name!r}")

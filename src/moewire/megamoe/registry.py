@@ -1,0 +1,119 @@
+"""Experts adapters: how moewire hooks a Mega-MoE experts class without copying its forward.
+
+An adapter says which module's globals the class's forward reads at call time (the
+staging function and the DeepGEMM namespace), where ``hidden_states`` sits in the staging
+call, and how to get the module's buffer, kernel flavour, fused-shared setting and EP
+group. Register a class once with :func:`register_experts_class`; subclasses inherit the
+adapter of their nearest registered base unless registered themselves.
+
+The stand-in ``moewire.reference.experts.MegaMoEExperts`` is registered here as
+``"reference"``; ``moewire.integrations.vllm`` registers vLLM's classes the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ExpertsAdapter", "adapter_for", "register_experts_class", "registered_classes"]
+
+
+@dataclass(frozen=True)
+class ExpertsAdapter:
+    """Where a Mega-MoE experts class's forward looks things up.
+
+    Attributes:
+        name: ``"reference"``, ``"vllm-0.32-deepseek_v4"``, ...
+        forward_module: dotted name of the module whose globals the forward reads at call
+            time.
+        stage_fn: global name of the staging function there (vLLM's
+            ``prepare_megamoe_inputs``).
+        stage_hidden_arg: position (int) or keyword (str) of ``hidden_states`` in the
+            staging call.
+        kernel_ns: global name of the DeepGEMM namespace there (``"deep_gemm"``).
+        get_symm_buffer: ``module -> SymmBuffer``.
+        flavour: ``module -> str``, the kernel build's flavour name
+            (``moewire.megamoe.flavours``).
+        fused_shared: ``module -> bool``, a shared expert is fused into the kernel.
+        ep_group: ``module -> torch.distributed group or None`` (None: a single rank, no
+            reduction of calibrated amaxes).
+    """
+
+    name: str
+    forward_module: str
+    stage_fn: str
+    stage_hidden_arg: int | str
+    kernel_ns: str
+    get_symm_buffer: Callable[[nn.Module], Any]
+    flavour: Callable[[nn.Module], str]
+    fused_shared: Callable[[nn.Module], bool]
+    ep_group: Callable[[nn.Module], Any]
+
+
+_ADAPTERS: dict[type, ExpertsAdapter] = {}
+
+
+def register_experts_class(cls: type, adapter: ExpertsAdapter) -> None:
+    """Register ``adapter`` for ``cls`` (and its subclasses without their own adapter).
+
+    Registering a class again replaces its adapter: integrations re-register when a
+    plugin is loaded twice, and tests register variants.
+
+    Raises:
+        TypeError: ``cls`` is not an ``nn.Module`` subclass or ``adapter`` not an
+            :class:`ExpertsAdapter`.
+    """
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"register_experts_class: cls must be an nn.Module subclass, got {cls!r}")
+    if not isinstance(adapter, ExpertsAdapter):
+        raise TypeError(
+            f"register_experts_class: adapter must be an ExpertsAdapter, got "
+            f"{type(adapter).__name__}"
+        )
+    if getattr(cls, "_moewire_quant_class", False):
+        raise TypeError(
+            f"register_experts_class: {cls.__name__} is a class moewire generated; register "
+            "the original experts class"
+        )
+    _ADAPTERS[cls] = adapter
+
+
+def adapter_for(module: nn.Module) -> ExpertsAdapter | None:
+    """The adapter of ``module``'s class or its nearest registered base, else ``None``."""
+    for klass in type(module).__mro__:
+        adapter = _ADAPTERS.get(klass)
+        if adapter is not None:
+            return adapter
+    return None
+
+
+def registered_classes() -> dict[type, ExpertsAdapter]:
+    """A copy of the registry: class -> adapter."""
+    return dict(_ADAPTERS)
+
+
+def _register_reference() -> None:
+    from moewire.reference import deep_gemm
+    from moewire.reference.experts import MegaMoEExperts
+
+    register_experts_class(
+        MegaMoEExperts,
+        ExpertsAdapter(
+            name="reference",
+            forward_module="moewire.reference.experts",
+            stage_fn="stage_mega_moe_inputs",
+            stage_hidden_arg=0,
+            kernel_ns="deep_gemm",
+            get_symm_buffer=lambda m: m.get_symm_buffer(),
+            # The stand-in's "build" is the flavour selected now (use_flavour / env var).
+            flavour=lambda m: deep_gemm.current_flavour(),
+            fused_shared=lambda m: m.fused_shared,
+            ep_group=lambda m: m.ep_group,
+        ),
+    )
+
+
+_register_reference()
