@@ -1,0 +1,106 @@
+"""Real vLLM 0.32 Mega-MoE experts on CPU: a minimal vLLM config, gloo EP, seeded weights."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+E, K, H, INTER = 4, 2, 512, 512
+PREFIX = "model.layers.0.ffn.experts"
+
+
+def make_config(max_tokens: int = 64):
+    from vllm.config import ParallelConfig, SchedulerConfig, VllmConfig
+
+    return VllmConfig(
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=max_tokens,
+            max_num_seqs=8,
+            max_model_len=max_tokens,
+            is_encoder_decoder=False,
+        ),
+        parallel_config=ParallelConfig(enable_expert_parallel=True),
+    )
+
+
+@contextlib.contextmanager
+def vllm_world(rank: int, world_size: int, init_file: str) -> Iterator[object]:
+    """vLLM's config context and distributed state (gloo; EP group = all ranks)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    os.environ.setdefault("VLLM_MOE_SKIP_PADDING", "1")
+    config = make_config()
+    config.parallel_config.tensor_parallel_size = world_size
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=world_size,
+            rank=rank,
+            distributed_init_method=f"file://{init_file}",
+            local_rank=rank,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(world_size, 1)
+        yield config
+
+
+def make_experts(config, rank: int = 0, world_size: int = 1, seed: int = 0, prefix: str = PREFIX):
+    """The real ``DeepseekV4MegaMoEExperts`` with seeded checkpoint-format weights.
+
+    Expert ``e``'s FP4 bytes and UE8M0 scale bytes come from a generator seeded with
+    ``seed * 1000 + e``, so every rank builds the same expert from the same numbers.
+    """
+    from vllm.models.deepseek_v4.nvidia.model import DeepseekV4MegaMoEExperts
+
+    local = E // world_size
+    experts = DeepseekV4MegaMoEExperts(
+        config,
+        num_experts=E,
+        num_local_experts=local,
+        experts_start_idx=rank * local,
+        top_k=K,
+        hidden_size=H,
+        intermediate_size=INTER,
+        prefix=prefix,
+    )
+    for j in range(local):
+        g = torch.Generator().manual_seed(seed * 1000 + rank * local + j)
+        for name in ("w13_weight", "w2_weight"):
+            param = getattr(experts, name)
+            param.data[j] = torch.randint(0, 256, param.shape[1:], dtype=torch.uint8, generator=g)
+        for name in ("w13_weight_scale", "w2_weight_scale"):
+            param = getattr(experts, name)
+            # Exponents 122..126: weights of magnitude 2^-5..2^-1, outputs stay finite.
+            param.data[j] = torch.randint(122, 127, param.shape[1:], dtype=torch.uint8, generator=g)
+    return experts
+
+
+def routing(num_tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(num_tokens, H, generator=g) * 2).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, K, generator=g)
+    return x, ids, weights
+
+
+def oracle_rows(buffer, num_slots: int) -> torch.Tensor:
+    """BF16 ``[num_slots, Tmax, H]``: the combine region, last in the buffer (flavour vllm)."""
+    tmax = buffer.num_max_tokens_per_rank
+    nbytes = num_slots * tmax * H * 2
+    flat = buffer.buffer.view(torch.int8).reshape(-1)
+    return flat[flat.numel() - nbytes :].view(torch.bfloat16).view(num_slots, tmax, H)
+
+
+def oracle_resum(rows: torch.Tensor, topk_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """FP32 sum from +0.0 over valid slots in ascending order, one BF16 rounding (SPEC 1.1)."""
+    out = torch.zeros(num_tokens, rows.shape[-1], dtype=torch.float32)
+    for s in range(topk_idx.shape[1]):
+        valid = (topk_idx[:num_tokens, s] >= 0)[:, None]
+        out = torch.where(valid, out + rows[s, :num_tokens].float(), out)
+    return out.bfloat16()

@@ -1,0 +1,184 @@
+"""moewire.integrations.vllm against the real vLLM 0.32 Mega-MoE experts, on CPU."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import tempfile
+
+import _vllm_world as _setup
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _vllm_world import H, K
+
+pytestmark = pytest.mark.vllm
+
+vllm_mod = pytest.importorskip("moewire.integrations.vllm")
+_layer_ids = itertools.count(1)
+
+
+def _prefix() -> str:
+    # vLLM refuses a duplicate layer name in the static forward context.
+    return f"model.layers.{next(_layer_ids)}.ffn.experts"
+
+
+def test_sites_of_installed_vllm_are_the_real_classes():
+    from vllm.models.deepseek_v4.nvidia.model import DeepseekV4MegaMoEExperts
+    from vllm.models.kimi_k3.nvidia.model import KimiK3MegaMoEExperts
+
+    assert vllm_mod.vllm_version() == "0.32"
+    found = vllm_mod.experts_sites()
+    assert [cls for cls, _ in found] == [DeepseekV4MegaMoEExperts, KimiK3MegaMoEExperts]
+    assert issubclass(KimiK3MegaMoEExperts, DeepseekV4MegaMoEExperts)
+
+
+@pytest.mark.parametrize("version", ["0.31", "1.0", "0.34"], ids=["older", "major", "newer"])
+def test_unknown_vllm_version_is_refused_with_the_list(version):
+    with pytest.raises(RuntimeError) as info:
+        vllm_mod.experts_sites(version)
+    message = str(info.value)
+    assert f"vLLM {version} is not supported" in message
+    for sites in vllm_mod.SITES.values():
+        for site in sites:
+            assert site.path in message
+
+
+def _oracle_stage(x: torch.Tensor, pad: torch.Tensor):
+    """float64 / ml_dtypes staging: UE8M0 ``2^ceil(log2(fp32(amax)/448))`` per 32."""
+    xf = x.float().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.maximum(np.abs(xf).max(-1), np.float32(1e-4)).astype(np.float32)
+    ratio = (amax / np.float32(448.0)).astype(np.float32)
+    mant, exp = np.frexp(ratio.astype(np.float64))
+    e = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2) of an exact float
+    q = (xf.astype(np.float64) * np.exp2(-e.astype(np.float64))[..., None]).astype(
+        ml_dtypes.float8_e4m3fn
+    )
+    biased = (e + 127).astype(np.int64).reshape(x.shape[0], -1, 4)
+    packed = (biased << (np.arange(4) * 8)).sum(-1).astype(np.uint32).view(np.int32)
+    return q.reshape(x.shape[0], -1).view(np.uint8), packed
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["no-padding", "padding"])
+def test_reference_staging_matches_oracle(padding):
+    g = torch.Generator().manual_seed(11)
+    t = 7
+    x = (torch.randn(t, H, generator=g) * torch.logspace(-3, 3, H)).bfloat16()
+    ids = torch.randint(0, 4, (t, K), generator=g, dtype=torch.int32)
+    w = torch.rand(t, K, generator=g)
+    pad = torch.rand(t, generator=g) < 0.4 if padding else torch.zeros(t, dtype=torch.bool)
+    x_fp8 = torch.empty(t, H, dtype=torch.float8_e4m3fn)
+    x_sf = torch.empty(t, H // 128, dtype=torch.int32)
+    idx = torch.empty(t, K, dtype=torch.int64)
+    wo = torch.empty(t, K, dtype=torch.float32)
+    vllm_mod.prepare_megamoe_inputs_reference(
+        x, w, ids, x_fp8, x_sf, idx, wo, is_padding=pad if padding else None
+    )
+    q, packed = _oracle_stage(x, pad)
+    np.testing.assert_array_equal(x_fp8.view(torch.uint8).numpy(), q)
+    np.testing.assert_array_equal(x_sf.numpy(), packed)
+    assert torch.equal(idx, torch.where(pad[:, None], -1, ids.long()))
+    assert torch.equal(wo, torch.where(pad[:, None], 0.0, w))
+
+
+def _forward(experts, x, ids, w, pad=None):
+    from vllm.forward_context import create_forward_context, override_forward_context
+
+    config = experts_config()
+    with override_forward_context(create_forward_context(None, config, is_padding=pad)):
+        return experts(x, w, ids, activation_clamp=10.0)
+
+
+def experts_config():
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config()
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["no-padding", "padding"])
+def test_real_dsv4_forward_reaches_reference_kernel(vllm_config, padding):
+    """vLLM's own forward, staging and backend, through the bridge into the stand-in."""
+    vllm_mod.register_vllm_experts()
+    experts = _setup.make_experts(vllm_config, prefix=_prefix())
+    t = 9
+    x, ids, w = _setup.routing(t, seed=3)
+    pad = torch.zeros(t, dtype=torch.bool)
+    if padding:
+        pad[[1, 4, 8]] = True
+    with vllm_mod.use_reference_deep_gemm("vllm"):
+        experts.finalize_weights()
+        y = _forward(experts, x, ids, w, pad if padding else None)
+        buffer = experts.get_symm_buffer()
+        assert vllm_mod.kernel_flavour(experts) == "vllm"
+    assert buffer.__class__.__module__ == "moewire.reference.deep_gemm"
+    assert torch.equal(buffer.topk_idx[:t], torch.where(pad[:, None], -1, ids.long()))
+    rows = _setup.oracle_rows(buffer, K)
+    expected = _setup.oracle_resum(rows, buffer.topk_idx, t)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+    assert not torch.equal(y[~pad], torch.zeros_like(y[~pad]))
+    if padding:
+        assert torch.equal(y[pad], torch.zeros_like(y[pad]))
+
+
+def test_kernel_flavour_without_deep_gemm_is_refused(vllm_config):
+    vllm_mod.register_vllm_experts()
+    experts = _setup.make_experts(vllm_config, prefix=_prefix())
+    with pytest.raises(RuntimeError, match="imports no DeepGEMM"):
+        vllm_mod.kernel_flavour(experts)
+
+
+def test_plugin_does_nothing_without_recipe(monkeypatch):
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    monkeypatch.delenv(vllm_mod.ENV_RECIPE, raising=False)
+    before = BaseModelLoader.load_model
+    vllm_mod.register()
+    assert BaseModelLoader.load_model is before
+
+
+def test_plugin_entry_point_is_declared():
+    entry = [
+        e for e in importlib.metadata.entry_points(group="vllm.general_plugins")
+        if e.name == "moewire"
+    ]
+    assert [e.value for e in entry] == ["moewire.integrations.vllm:register"]
+    assert entry[0].load() is vllm_mod.register
+
+
+def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
+    with _setup.vllm_world(rank, 2, init_file) as config:
+        vllm_mod.register_vllm_experts()
+        experts = _setup.make_experts(config, rank=rank, world_size=2)
+        t = 6 + rank
+        x, ids, w = _setup.routing(t, seed=20 + rank)
+        pad = torch.zeros(t, dtype=torch.bool)
+        pad[0] = True
+        with vllm_mod.use_reference_deep_gemm("vllm"):
+            experts.finalize_weights()
+            y = _forward(experts, x, ids, w, pad)
+            buffer = experts.get_symm_buffer()
+        rows = _setup.oracle_rows(buffer, K)
+        expected = _setup.oracle_resum(rows, buffer.topk_idx, t)
+        torch.save(
+            {"y": y, "expected": expected, "remote": int((ids[~pad] // 2 != rank).sum())},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+
+
+def test_two_rank_gloo_ep_group():
+    with tempfile.TemporaryDirectory() as out_dir:
+        init_file = os.path.join(out_dir, "init")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_two_rank_worker, args=(r, init_file, out_dir)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+        assert [p.exitcode for p in procs] == [0, 0]
+        for rank in (0, 1):
+            result = torch.load(os.path.join(out_dir, f"rank{rank}.pt"))
+            assert torch.equal(result["y"].view(torch.int16), result["expected"].view(torch.int16))
+            assert result["remote"] > 0
