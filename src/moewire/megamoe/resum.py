@@ -101,27 +101,26 @@ def _fused_combine(
 ) -> bool:
     """Run ``moewire.kernels.fused_combine`` when it supports this call; True if it ran.
 
-    The Triton kernel takes a format name and an FP32 device amax; it is used for a
-    quantizer in quantize mode whose format it supports, on CUDA only. Everything else
-    (CPU, calibration, plain callables, unsupported formats) takes the torch path, which
-    is the definition the kernel is tested against.
+    The Triton kernel takes a format name and an FP32 device amax (or ``None``); it runs
+    for a quantizer in quantize mode (``row_quantizer.mode == "quantize"``, its format in
+    ``row_quantizer.fmt``, its amax in ``row_quantizer.static_amax``) on CUDA. Everything
+    else (CPU, plain callables, unsupported formats) takes the torch path below, which is
+    the definition the kernel is tested against.
     """
-    if not rows.is_cuda or row_quantizer is None:
+    if not rows.is_cuda or getattr(row_quantizer, "mode", None) != "quantize":
         return False
-    spec = getattr(row_quantizer, "kernel_spec", None)
-    if spec is None:
-        return False
-    fmt_name, amax = spec()
-    if fmt_name is None:
+    fmt = getattr(row_quantizer, "fmt", None)
+    if fmt is None:
         return False
     try:
         from moewire import kernels
     except ImportError:
         return False
     supports = getattr(kernels, "supports", None)
-    if not kernels.available() or (supports is not None and not supports(fmt_name)):
+    if not kernels.available() or (supports is not None and not supports(fmt.name)):
         return False
-    kernels.fused_combine(rows, topk_idx, num_tokens, out, fmt_name, amax, shared_slot)
+    amax = row_quantizer.static_amax
+    kernels.fused_combine(rows, topk_idx, num_tokens, out, fmt.name, amax, shared_slot)
     return True
 
 
