@@ -34,11 +34,14 @@ from typing import Any
 import torch
 
 try:
-    from modelopt.torch.quantization.nn import TensorQuantizer
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import QuantModule, QuantModuleRegistry, TensorQuantizer
     from modelopt.torch.quantization.nn.modules.tensor_quantizer import (
         is_registered_quant_backend,
         register_quant_backend,
     )
+    from modelopt.torch.quantization.plugins import custom as _mo_plugins
+    from modelopt.torch.utils.distributed import ParallelState
 except ImportError as err:  # pragma: no cover - exercised only without modelopt
     raise ImportError(
         "moewire.integrations.modelopt needs nvidia-modelopt: "
@@ -48,7 +51,15 @@ except ImportError as err:  # pragma: no cover - exercised only without modelopt
 
 from moewire import formats
 
-__all__ = ["BACKEND", "WireTensorQuantizer", "format_name"]
+__all__ = [
+    "BACKEND",
+    "WireTensorQuantizer",
+    "format_name",
+    "from_modelopt_state",
+    "register",
+    "registered_classes",
+    "to_modelopt_state",
+]
 
 #: Name of the ModelOpt quant backend moewire registers: ``{"backend": "moewire"}`` in a
 #: quantizer cfg forces moewire's math on any ``TensorQuantizer`` of the model.
@@ -202,6 +213,14 @@ class WireTensorQuantizer(TensorQuantizer):
             return x.detach().abs().amax().float()
         return amax.to(x.device)
 
+    def load_amax(self, amax: torch.Tensor | float) -> None:
+        """Fix the amax (FP32 ``[]``), as ``moewire.load_scales`` does for its quantizers."""
+        value = torch.as_tensor(amax, dtype=torch.float32).detach().reshape(())
+        if getattr(self, "_amax", None) is not None:
+            # A BF16 buffer left by calibration on BF16 data would round an FP32 value.
+            self._amax = self._amax.float()
+        self.amax = value
+
     def _fake_quantize(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.backend is None and self.math == "moewire":
             return self.fmt.qdq(inputs, self.scale_amax(inputs))
@@ -235,3 +254,228 @@ class WireTensorQuantizer(TensorQuantizer):
 
 if not is_registered_quant_backend(BACKEND):
     register_quant_backend(BACKEND, _moewire_qdq)
+
+
+# -- the experts classes in ModelOpt's QuantModuleRegistry -----------------------------
+
+
+class _QuantMegaMoEExperts(QuantModule):
+    """ModelOpt's quantized counterpart of every registered Mega-MoE experts class.
+
+    ModelOpt's registry builds ``Quant<Cls>(_QuantMegaMoEExperts, QuantModule, Cls)`` and
+    swaps the module's class to it; :meth:`_setup` then hands the module to moewire's
+    wrapper (``moewire.megamoe.wrapper.convert``: call-time proxies, layout check, combine
+    re-sum; a second class swap, to the wrapper's ``Quant<...>`` subclass) and gives it
+    ModelOpt quantizers in place of the wrapper's own.
+    """
+
+    def _setup(self) -> None:
+        from moewire.megamoe.registry import adapter_for
+        from moewire.megamoe.wrapper import convert
+
+        convert(self)
+        for attr in _QUANTIZER_ATTRS:
+            # The wrapper's WireQuantizers give way to TensorQuantizers: ModelOpt's cfg
+            # wildcards, calibration, summary and state only see those.
+            delattr(self, attr)
+            quantizer = WireTensorQuantizer(QuantizerAttributeConfig(enable=False))
+            self._register_temp_attribute(attr, quantizer.to(_device_of(self)))
+        group = adapter_for(self).ep_group(self)
+        # No DP group of its own: an EP group of a Mega-MoE layer spans the DP x TP ranks
+        # that hold its experts, and the world group would mix pipeline stages.
+        self.parallel_state = ParallelState(
+            data_parallel_group=-1, expert_model_parallel_group=-1 if group is None else group
+        )
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for tensor in module.state_dict().values():
+        if isinstance(tensor, torch.Tensor):
+            return tensor.device
+    return torch.device("cpu")
+
+
+_REGISTERED: dict[type, str] = {}
+
+
+def _key(cls: type) -> str:
+    return f"moewire:{cls.__module__}.{cls.__qualname__}"
+
+
+def _register_classes(classes: list[type]) -> None:
+    for cls in classes:
+        if cls in _REGISTERED or getattr(cls, "_moewire_quant_class", False):
+            continue
+        key = _key(cls)
+        if key not in QuantModuleRegistry:
+            QuantModuleRegistry.register({cls: key})(_QuantMegaMoEExperts)
+        _REGISTERED[cls] = key
+
+
+def _register_model_classes(model: torch.nn.Module) -> None:
+    """ModelOpt model plugin (runs before conversion): classes registered with moewire
+    after :func:`register` was called are picked up from the model itself."""
+    from moewire.megamoe.registry import adapter_for
+
+    _register_classes(
+        [type(m) for m in model.modules()
+         if adapter_for(m) is not None and not isinstance(m, QuantModule)]
+    )
+
+
+def _name_converted_modules(model: torch.nn.Module) -> None:
+    """ModelOpt post-conversion plugin: the wrapper's errors name the module's path."""
+    from moewire.megamoe.wrapper import convert
+
+    for name, module in model.named_modules():
+        if isinstance(module, _QuantMegaMoEExperts):
+            convert(module, name or type(module).__name__)
+
+
+def register(vllm: bool | None = None) -> list[type]:
+    """Register the Mega-MoE experts classes in ModelOpt's ``QuantModuleRegistry``.
+
+    Every class of ``moewire.megamoe.registry.registered_classes()`` is registered (key
+    ``"moewire:<module>.<qualname>"``); with ``vllm`` (default: when vLLM imports),
+    vLLM's Mega-MoE classes are registered with moewire first. Also installs two ModelOpt
+    plug-ins: one that registers, at ``mtq.quantize`` time, experts classes registered with
+    moewire later, and one that gives the converted modules their paths for error messages.
+    Idempotent.
+
+    Args:
+        vllm: register vLLM's classes (``True``), skip them (``False``) or only when
+            ``import vllm`` works (``None``).
+
+    Returns:
+        The classes registered with ModelOpt by moewire (this call and earlier ones).
+
+    Raises:
+        RuntimeError: ``vllm`` is requested and the installed vLLM is not supported
+            (``moewire.integrations.vllm.register_vllm_experts`` says which classes it
+            looked for).
+    """
+    import importlib.util
+
+    from moewire.megamoe.registry import registered_classes as moewire_classes
+
+    if vllm is None:
+        vllm = importlib.util.find_spec("vllm") is not None
+    if vllm:
+        from moewire.integrations.vllm import register_vllm_experts
+
+        register_vllm_experts()
+    _register_classes(list(moewire_classes()))
+    _mo_plugins.CUSTOM_MODEL_PLUGINS.add(_register_model_classes)
+    _mo_plugins.CUSTOM_POST_CONVERSION_PLUGINS.add(_name_converted_modules)
+    return registered_classes()
+
+
+def registered_classes() -> list[type]:
+    """The experts classes moewire registered with ModelOpt, in registration order."""
+    return list(_REGISTERED)
+
+
+# -- scales interchange ----------------------------------------------------------------
+
+_QUANTIZER_ATTRS = ("dispatch_quantizer", "combine_quantizer")
+_AMAX_SUFFIX = "._amax"
+
+
+def _comm_quantizers(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(path, quantizer)`` for every dispatch/combine quantizer of a Mega-MoE experts
+    module (moewire- or ModelOpt-converted); ``path`` is the quantizer's module path."""
+    from moewire.megamoe.registry import adapter_for
+
+    for name, module in model.named_modules():
+        if adapter_for(module) is None:
+            continue
+        for attr in _QUANTIZER_ATTRS:
+            quantizer = getattr(module, attr, None)
+            if quantizer is not None:
+                yield (f"{name}.{attr}" if name else attr), quantizer
+
+
+def to_modelopt_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The fixed amax of every dispatch/combine quantizer, keyed as ModelOpt's ``state_dict``.
+
+    Args:
+        model: a model whose Mega-MoE experts were converted by ``moewire.quantize`` or by
+            ``mtq.quantize`` (after :func:`register`).
+
+    Returns:
+        ``{"<experts path>.dispatch_quantizer._amax": FP32 [] (CPU), ...}`` for each
+        quantizer with a calibrated, constant or loaded amax (others are left out). The
+        keys are those of a ModelOpt-converted model's ``state_dict``, so the dict loads
+        with :func:`from_modelopt_state` into either kind of model.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for path, quantizer in _comm_quantizers(model):
+        amax = quantizer.static_amax
+        if amax is not None:
+            state[path + _AMAX_SUFFIX] = amax.detach().float().reshape(()).cpu().clone()
+    return state
+
+
+def _set_amax(quantizer: Any, amax: torch.Tensor, path: str) -> None:
+    load = getattr(quantizer, "load_amax", None)
+    if load is None:
+        raise TypeError(
+            f"{path}: is a {type(quantizer).__name__}, neither moewire's WireQuantizer nor a "
+            "WireTensorQuantizer; convert the experts with moewire.quantize or mtq.quantize"
+        )
+    load(amax)
+
+
+def from_modelopt_state(
+    model: torch.nn.Module, state_dict: dict[str, Any], *, strict: bool = True
+) -> list[str]:
+    """Load dispatch/combine amax values saved by ModelOpt into ``model``'s quantizers.
+
+    Args:
+        model: a model whose Mega-MoE experts were converted by ``moewire.quantize`` or by
+            ``mtq.quantize``.
+        state_dict: a ModelOpt-converted model's ``state_dict()``, an ``mto.save``
+            checkpoint (``{"model_state_dict": ...}``) or :func:`to_modelopt_state`'s dict.
+            Only keys ``*.dispatch_quantizer._amax`` / ``*.combine_quantizer._amax`` are
+            read; every other key is ignored.
+        strict: refuse a saved amax without a quantizer in ``model``, and an enabled
+            quantizer of ``model`` without a saved amax.
+
+    Returns:
+        The quantizer paths whose amax was set, sorted.
+
+    Raises:
+        KeyError: (strict) the two sets of names differ; the message lists them.
+        ValueError: a saved amax is not a single finite value >= 0.
+    """
+    state_dict = state_dict.get("model_state_dict", state_dict)
+    saved = {
+        key.removesuffix(_AMAX_SUFFIX): value
+        for key, value in state_dict.items()
+        if key.endswith(_AMAX_SUFFIX) and key.removesuffix(_AMAX_SUFFIX).endswith(_QUANTIZER_ATTRS)
+    }
+    quantizers = dict(_comm_quantizers(model))
+    if strict:
+        unknown = sorted(saved.keys() - quantizers.keys())
+        missing = sorted(
+            path for path, q in quantizers.items()
+            if path not in saved and getattr(q, "mode", "disabled") != "disabled"
+        )
+        if unknown or missing:
+            raise KeyError(
+                "from_modelopt_state: the saved scales and the model's quantizers differ; "
+                f"saved without a quantizer: {unknown}; enabled quantizers without a saved "
+                f"amax: {missing}. Convert the model with the same recipe/cfg and module "
+                "names, or pass strict=False"
+            )
+    loaded = []
+    for path in sorted(saved.keys() & quantizers.keys()):
+        amax = torch.as_tensor(saved[path])
+        if amax.numel() != 1 or not bool(torch.isfinite(amax).all()) or float(amax) < 0:
+            raise ValueError(
+                f"{path}: the saved amax must be one finite value >= 0, got "
+                f"{amax.flatten()[:4].tolist()} (shape {tuple(amax.shape)})"
+            )
+        _set_amax(quantizers[path], amax, path)
+        loaded.append(path)
+    return loaded
