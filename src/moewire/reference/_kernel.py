@@ -1,0 +1,472 @@
+"""The stand-in Mega-MoE kernel body: checks, dispatch, expert GEMMs, combine.
+
+Vectorized over tokens: rows are grouped by expert and each expert does one matmul on its
+rows (a loop over experts, never over tokens). Weights are dequantized to FP32 (exact:
+E2M1 or E4M3 times a power of two) and cached; FP8 x FP4 and BF16 x BF16 products are
+exact in FP32, so the result differs from the hardware's only in the order in which the
+FP32 accumulator adds the K products (and in ``silu``, see ``docs/reference.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moewire.reference._numerics import (
+    cast_to_fp8_ue8m0,
+    dequantize_weight,
+    pack_ue8m0,
+    scale_groups,
+    unpack_ue8m0,
+)
+
+ENV_CACHE_BYTES = "MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES"
+_DEFAULT_CACHE_BYTES = {"cpu": 1 << 30, "cuda": 16 << 30}
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _as_experts(weights: Any) -> Any:
+    """A shared expert's 2-D weights as one expert ``[1, N, K]``; 3-D ones unchanged."""
+    if isinstance(weights, tuple):
+        return tuple(w.unsqueeze(0) if w.dim() == 2 else w for w in weights)
+    return weights.unsqueeze(0) if weights.dim() == 2 else weights
+
+
+def _untranspose_sf(sf: torch.Tensor) -> torch.Tensor:
+    """Undo the UTCCP row permutation of ``deep_gemm.transform_weights_for_mega_moe``."""
+    g, mn, cols = sf.shape
+    return sf.reshape(g, mn // 128, 32, 4, cols).transpose(2, 3).reshape(g, mn, cols)
+
+
+def _uninterleave_gate_up(t: torch.Tensor, gran: int = 8) -> torch.Tensor:
+    """``[g0..7, u0..7, g8..15, ...]`` rows -> ``[gate | up]`` rows."""
+    g, n, k = t.shape
+    blocks = t.reshape(g, n // (2 * gran), 2, gran, k)
+    return torch.cat([blocks[:, :, 0], blocks[:, :, 1]], dim=1).reshape(g, n, k)
+
+
+def _dequantize_experts(weights: Any, first: int, last: int, is_l1: bool) -> torch.Tensor:
+    """FP32 ``[last - first, N, K]`` of experts ``first..last-1`` in ``[gate | up]`` order."""
+    weights = _as_experts(weights)
+    if isinstance(weights, tuple):
+        w, sf = weights[0][first:last], weights[1][first:last]
+        dense = dequantize_weight(w, _untranspose_sf(sf))
+    else:
+        dense = weights[first:last].float()
+    return _uninterleave_gate_up(dense) if is_l1 else dense
+
+
+class _WeightCache:
+    """Dequantized weights, keyed by the identity and version of the source tensors.
+
+    Holds at most ``budget`` bytes (LRU). Entries die with their source tensors, and a new
+    in-place write to a source (its ``_version`` changes) invalidates its entry.
+    """
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple, tuple[list, tuple, torch.Tensor]] = OrderedDict()
+        self._bytes = 0
+
+    @staticmethod
+    def budget(device: torch.device) -> int:
+        env = os.environ.get(ENV_CACHE_BYTES)
+        if env:
+            return int(env)
+        return _DEFAULT_CACHE_BYTES.get(device.type, _DEFAULT_CACHE_BYTES["cuda"])
+
+    def get(self, sources: tuple[torch.Tensor, ...], build, nbytes: int, device) -> Any:
+        key = tuple(id(s) for s in sources)
+        versions = tuple(s._version for s in sources)
+        entry = self._entries.get(key)
+        if entry is not None:
+            refs, cached_versions, value = entry
+            if all(r() is s for r, s in zip(refs, sources, strict=True)) and (
+                cached_versions == versions
+            ):
+                self._entries.move_to_end(key)
+                return value
+            self._drop(key)
+        budget = self.budget(device)
+        if nbytes > budget:
+            return None
+        value = build()
+        while self._entries and self._bytes + nbytes > budget:
+            self._drop(next(iter(self._entries)))
+        refs = [weakref.ref(s, lambda _r, key=key: self._drop(key)) for s in sources]
+        self._entries[key] = (refs, versions, value)
+        self._bytes += nbytes
+        return value
+
+    def _drop(self, key: tuple) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry[2].numel() * entry[2].element_size()
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+
+WEIGHT_CACHE = _WeightCache()
+
+
+class _Experts:
+    """One set of expert weights (routed, or a 2-D shared one) handing out FP32 ``[N, K]``."""
+
+    def __init__(self, weights: Any, is_l1: bool, num_experts: int, n: int, k: int) -> None:
+        self.weights = weights
+        self.is_l1 = is_l1
+        self.n = n
+        sources = weights if isinstance(weights, tuple) else (weights,)
+        device = sources[0].device
+        self.dense = WEIGHT_CACHE.get(
+            sources,
+            lambda: self._dequantize_all(num_experts),
+            num_experts * n * k * 4,
+            device,
+        )
+
+    def _dequantize_all(self, num_experts: int) -> torch.Tensor:
+        # Chunks keep the temporary int64/FP32 unpacking tensors small.
+        parts = [
+            _dequantize_experts(self.weights, e, min(e + 8, num_experts), self.is_l1)
+            for e in range(0, num_experts, 8)
+        ]
+        return torch.cat(parts)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense[e]
+        return _dequantize_experts(self.weights, e, e + 1, self.is_l1)[0]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _fail(kernel: str, message: str, exc: type[Exception] = ValueError) -> None:
+    raise exc(f"{kernel}: {message}")
+
+
+def _check_tensor(kernel, name, t, dtype, shape, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(kernel, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    if t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        _fail(kernel, f"{name} must have dtype {dtype}, got {t.dtype}", TypeError)
+    if tuple(t.shape) != tuple(shape):
+        _fail(kernel, f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        _fail(kernel, f"{name} is on {t.device} but the symm buffer is on {device}; move it")
+
+
+def _check_weights(kernel, name, weights, fp8, n, k, lead, device) -> None:
+    """``lead`` is the expert dim (``(E_local,)``) or ``()`` for a shared expert."""
+    if fp8:
+        if not isinstance(weights, tuple) or len(weights) != 2:
+            _fail(kernel, f"{name} must be a (weight, scale) tuple", TypeError)
+        w, sf = weights
+        if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn:
+            _check_tensor(kernel, f"{name}[0]", w, torch.float8_e4m3fn, (*lead, n, k), device)
+        else:
+            packed = (torch.int8, torch.uint8)
+            _check_tensor(kernel, f"{name}[0]", w, packed, (*lead, n, k // 2), device)
+        _check_tensor(kernel, f"{name}[1]", sf, torch.int32, (*lead, n, k // 128), device)
+    else:
+        _check_tensor(kernel, name, weights, torch.bfloat16, (*lead, n, k), device)
+
+
+def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, activation, clamp):
+    from moewire.reference.deep_gemm import SymmBuffer
+
+    if not isinstance(buf, SymmBuffer):
+        _fail(
+            kernel,
+            f"sym_buffer must be a SymmBuffer from get_symm_buffer_for_mega_moe, got "
+            f"{type(buf).__name__}",
+            TypeError,
+        )
+    if buf.buffer is None:
+        _fail(kernel, "sym_buffer was destroyed; allocate a new one")
+    fp8 = kernel == "fp8_fp4_mega_moe"
+    wanted = "fp8xfp4" if fp8 else "bf16xbf16"
+    if buf.mma_type != wanted:
+        _fail(
+            kernel,
+            f"sym_buffer was built with mma_type={buf.mma_type!r}; this kernel needs "
+            f"{wanted!r} (call {'bf16_mega_moe' if fp8 else 'fp8_fp4_mega_moe'} instead)",
+        )
+    if fp8 and tuple(recipe) != (1, 1, 32):
+        _fail(kernel, f"recipe must be (1, 1, 32), got {recipe!r}")
+    if activation != "swiglu":
+        _fail(kernel, f"activation must be 'swiglu', got {activation!r}")
+    if clamp is not None and not (isinstance(clamp, (int, float)) and clamp > 0):
+        _fail(kernel, f"activation_clamp must be a positive float or None, got {clamp!r}")
+    device = buf.buffer.device
+    h, i, e = buf.hidden, buf.intermediate_hidden, buf.num_experts_per_rank
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        _fail(kernel, "y must be a 2-D BF16 tensor [T, H]", TypeError)
+    t = y.shape[0]
+    if t > buf.num_max_tokens_per_rank:
+        _fail(
+            kernel,
+            f"y has T={t} tokens but the symm buffer holds at most "
+            f"num_max_tokens_per_rank={buf.num_max_tokens_per_rank}; allocate a larger buffer "
+            f"or split the batch",
+        )
+    _check_tensor(kernel, "y", y, torch.bfloat16, (t, h), device)
+    if not y.is_contiguous():
+        _fail(kernel, "y must be contiguous")
+    _check_weights(kernel, "l1_weights", l1, fp8, 2 * i, h, (e,), device)
+    _check_weights(kernel, "l2_weights", l2, fp8, h, i, (e,), device)
+    if (shared_l1 is None) != (shared_l2 is None):
+        _fail(kernel, "pass both shared_l1_weights and shared_l2_weights, or neither")
+    if buf.num_shared_experts and shared_l1 is None:
+        _fail(
+            kernel,
+            f"sym_buffer was built with num_shared_experts={buf.num_shared_experts}; pass "
+            f"shared_l1_weights and shared_l2_weights",
+        )
+    if not buf.num_shared_experts and shared_l1 is not None:
+        _fail(
+            kernel,
+            "shared_l1_weights given but sym_buffer has no shared slot; build it with "
+            "num_shared_experts > 0",
+        )
+    if shared_l1 is not None:
+        shared_i = buf.num_shared_experts * i
+        _check_weights(kernel, "shared_l1_weights", shared_l1, fp8, 2 * shared_i, h, (), device)
+        _check_weights(kernel, "shared_l2_weights", shared_l2, fp8, h, shared_i, (), device)
+    return t
+
+
+# --------------------------------------------------------------------------- math
+
+
+def _expert_mlp(
+    x: torch.Tensor,
+    counts: list[int],
+    l1: _Experts,
+    l2: _Experts,
+    weight: torch.Tensor,
+    clamp: float | None,
+    fp8: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """SPEC 1.1 for rows grouped by expert.
+
+    Args:
+        x: FP32 ``[N, H]`` dequantized inputs, rows of expert 0 first, then expert 1, ...
+        counts: rows per expert (sums to N).
+        weight: FP32 ``[N]`` router weight of each row.
+
+    Returns:
+        ``(rows, h_q, h_sf)``: BF16 ``[N, H]`` combine rows, the L2 input as staged in the
+        buffer (FP8 ``[N, I]`` and packed int32 scales, or BF16 and ``None``).
+    """
+    n = x.shape[0]
+    gate_up = torch.empty((n, l1.n), dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            torch.mm(x[start : start + count], l1[e].t(), out=gate_up[start : start + count])
+        start += count
+    gate, up = gate_up.bfloat16().float().chunk(2, dim=1)
+    if clamp is not None:
+        gate = gate.clamp(max=clamp)
+        up = up.clamp(min=-clamp, max=clamp)
+    h = F.silu(gate) * up
+    h = h * weight.unsqueeze(1)
+    if fp8:
+        h_q, h_sf = cast_to_fp8_ue8m0(h, 32, amax_floor=None)
+        h_in = scale_groups(h_q.float(), h_sf)
+        h_sf = pack_ue8m0(h_sf)
+    else:
+        h_q, h_sf = h.bfloat16(), None
+        h_in = h_q.float()
+    out = torch.empty((n, l2.n), dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            torch.mm(h_in[start : start + count], l2[e].t(), out=out[start : start + count])
+        start += count
+    return out.bfloat16(), h_q, h_sf
+
+
+# --------------------------------------------------------------------------- comm
+
+
+def _all_to_all(payload: torch.Tensor, send_counts: list[int], buf) -> tuple[torch.Tensor, list]:
+    """Exchange rows of a uint8 ``[n, P]`` payload; returns the received rows and counts."""
+    width = payload.shape[1]
+    send = torch.tensor(send_counts, dtype=torch.int64, device=payload.device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=buf.group)
+    recv_counts = recv.tolist()
+    out = torch.empty((sum(recv_counts), width), dtype=torch.uint8, device=payload.device)
+    dist.all_to_all_single(
+        out.view(-1),
+        payload.contiguous().view(-1),
+        [c * width for c in recv_counts],
+        [c * width for c in send_counts],
+        group=buf.group,
+    )
+    return out, recv_counts
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[n, bytes per row]`` view of a 2-D tensor's rows."""
+    width = math.prod(t.shape[1:]) * t.element_size()
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def mega_moe(
+    kernel: str,
+    y: torch.Tensor,
+    l1_weights: Any,
+    l2_weights: Any,
+    buf,
+    shared_l1: Any,
+    shared_l2: Any,
+    *,
+    recipe,
+    activation: str,
+    activation_clamp: float | None,
+    stats: torch.Tensor | None,
+) -> None:
+    """Run one Mega-MoE call (see ``deep_gemm.fp8_fp4_mega_moe`` for the math)."""
+    t = _validate(
+        kernel, y, l1_weights, l2_weights, buf, shared_l1, shared_l2, recipe, activation,
+        activation_clamp,
+    )
+    fp8 = kernel == "fp8_fp4_mega_moe"
+    device = buf.buffer.device
+    e_local, h, i, k = buf.num_experts_per_rank, buf.hidden, buf.intermediate_hidden, buf.num_topk
+    if stats is not None:
+        _check_tensor(
+            kernel, "cumulative_local_expert_recv_stats", stats, torch.int32, (e_local,), device
+        )
+
+    topk_idx = buf.topk_idx[:t]
+    bad = (topk_idx < -1) | (topk_idx >= buf.num_experts)
+    if bool(bad.any()):
+        _fail(
+            kernel,
+            f"sym_buffer.topk_idx[:{t}] holds expert ids outside [-1, {buf.num_experts}); "
+            "stage valid ids (padding slots get -1)",
+        )
+
+    # Dispatch: one payload row per valid (token, slot), sorted by destination rank.
+    token, slot = torch.nonzero(topk_idx >= 0, as_tuple=True)
+    expert = topk_idx[token, slot]
+    dest = torch.div(expert, e_local, rounding_mode="floor")
+    order = torch.argsort(dest, stable=True)
+    token, slot, expert, dest = token[order], slot[order], expert[order], dest[order]
+    x_rows = buf.x[:t][token]
+    fields = [_bytes(x_rows)]
+    if fp8:
+        fields.append(_bytes(buf.x_sf[:t][token]))
+    fields.append(_bytes(buf.topk_weights[:t][token, slot].unsqueeze(1)))
+    fields.append(_bytes((expert - dest * e_local).to(torch.int32).unsqueeze(1)))
+    widths = [f.shape[1] for f in fields]
+    payload = torch.cat(fields, dim=1)
+    send_counts = torch.bincount(dest, minlength=buf.num_ranks).tolist()
+    if buf.num_ranks > 1:
+        received, recv_counts = _all_to_all(payload, send_counts, buf)
+    else:
+        received, recv_counts = payload, send_counts
+
+    # Expert side: group the received rows by local expert.
+    parts = list(torch.split(received, widths, dim=1))
+    local = parts[-1].contiguous().view(torch.int32).squeeze(1).long()
+    r_weight = parts[-2].contiguous().view(torch.float32).squeeze(1)
+    by_expert = torch.argsort(local, stable=True)
+    counts = torch.bincount(local, minlength=e_local)
+    n_recv = received.shape[0]
+    act_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    r_x = parts[0][by_expert].contiguous().view(act_dtype)
+    buf.l1_acts[:n_recv].copy_(r_x)
+    if fp8:
+        r_sf = parts[1][by_expert].contiguous().view(torch.int32)
+        buf.l1_acts_sf[:n_recv].copy_(r_sf)
+        x_in = scale_groups(r_x.float(), unpack_ue8m0(r_sf))
+    else:
+        x_in = r_x.float()
+    l1 = _Experts(l1_weights, True, e_local, 2 * i, h)
+    l2 = _Experts(l2_weights, False, e_local, h, i)
+    rows, h_q, h_sf = _expert_mlp(
+        x_in, counts.tolist(), l1, l2, r_weight[by_expert], activation_clamp, fp8
+    )
+    buf.l2_acts[:n_recv].copy_(h_q)
+    if fp8:
+        buf.l2_acts_sf[:n_recv].copy_(h_sf)
+    if stats is not None:
+        stats += counts.to(torch.int32)
+    if hasattr(buf, "workspace"):
+        buf.workspace[:e_local].copy_(counts.to(torch.int32))
+
+    # Back to the source ranks, in the order they were sent.
+    back = torch.empty_like(rows)
+    back[by_expert] = rows
+    if buf.num_ranks > 1:
+        back_bytes, _ = _all_to_all(_bytes(back), recv_counts, buf)
+        back = back_bytes.view(torch.bfloat16)
+
+    # Source side: write the rows into this rank's combine region, then sum.
+    tmax, num_slots = buf.num_max_tokens_per_rank, buf.num_slots
+    start, nbytes = buf._moewire_regions["combine"]
+    region = buf.buffer[start : start + nbytes].view(torch.bfloat16).view(num_slots, tmax, h)
+    shared_first = buf.num_shared_experts > 0 and buf.flavour.shared_slot == "first"
+    routed_base = 1 if shared_first else 0
+    region.view(num_slots * tmax, h).index_copy_(0, (slot + routed_base) * tmax + token, back)
+
+    shared_pos = None
+    if shared_l1 is not None:
+        shared_pos = 0 if shared_first else k
+        if t:
+            x_all = buf.x[:t].float()
+            if fp8:
+                x_all = scale_groups(x_all, unpack_ue8m0(buf.x_sf[:t]))
+            shared_i = buf.num_shared_experts * i
+            s1 = _Experts(shared_l1, True, 1, 2 * shared_i, h)
+            s2 = _Experts(shared_l2, False, 1, h, shared_i)
+            ones = torch.ones(t, dtype=torch.float32, device=device)
+            shared_rows, _, shared_sf = _expert_mlp(
+                x_all, [t], s1, s2, ones, activation_clamp, fp8
+            )
+            region[shared_pos, :t].copy_(shared_rows)
+            if fp8 and hasattr(buf, "shared_l2_acts_sf"):
+                buf.shared_l2_acts_sf[:t].copy_(shared_sf)
+
+    valid = buf.topk_idx[:t] >= 0
+    acc = torch.zeros((t, h), dtype=torch.float32, device=device)
+    order_of_adds = [("routed", s) for s in range(k)]
+    if shared_pos is not None:
+        if shared_first:
+            order_of_adds.insert(0, ("shared", None))
+        else:
+            order_of_adds.append(("shared", None))
+    for kind, s in order_of_adds:
+        if kind == "shared":
+            acc += region[shared_pos, :t].float()
+        else:
+            # Select, never multiply: an invalid slot's row is stale and may hold NaN.
+            row = region[s + routed_base, :t].float()
+            acc += torch.where(valid[:, s : s + 1], row, torch.zeros((), device=device))
+    y.copy_(acc.bfloat16())
+
+    if _debug_zeroing():
+        buf.buffer.zero_()
+
+
+def _debug_zeroing() -> bool:
+    return os.environ.get("DG_COMM_KERNEL_DEBUG", "0").strip() not in ("", "0")

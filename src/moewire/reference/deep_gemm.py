@@ -1,0 +1,608 @@
+"""Stand-in for DeepGEMM's Mega-MoE Python API (``deep_gemm``), runnable on CPU and GPU.
+
+Same names and signatures as upstream ``deep_gemm``: :func:`get_symm_buffer_for_mega_moe`,
+:class:`SymmBuffer`, :func:`fp8_fp4_mega_moe`, :func:`bf16_mega_moe`,
+:func:`transform_weights_for_mega_moe`, :func:`per_token_cast_to_fp8`. The buffer layout
+follows a named *flavour* (a property of the kernel build, see ``docs/reference.md``):
+
+- ``upstream``: regions ``x, x_sf, topk_idx, topk_weights, l1_acts, l1_acts_sf, l2_acts,
+  l2_acts_sf, combine``; the combine region is last. No fused shared expert.
+- ``vllm`` (the default): the upstream layout; a fused shared expert owns slot ``k`` of the
+  combine region and is added last.
+- ``sgl``: a fused shared expert owns slot 0 (routed slot ``s`` lives at ``s + 1``) and is
+  added first; small regions follow the combine region (``shared_l2_acts_sf`` with a shared
+  expert, then ``workspace``), so its base is the end of the ``l2_acts_sf`` view.
+
+The combine region is BF16 ``[num_slots][Tmax][H]``, slot-major; no view exposes it.
+Choose the flavour with ``use_flavour(name)`` (a setter and a context manager) or the
+environment variable ``MOEWIRE_REFERENCE_FLAVOUR``; a buffer keeps the flavour it was
+built with in ``_moewire_flavour``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moewire.reference import _kernel
+from moewire.reference._numerics import FP8_MAX, ceil_to_ue8m0, pack_ue8m0
+
+__all__ = [
+    "FLAVOURS",
+    "SymmBuffer",
+    "bf16_mega_moe",
+    "current_flavour",
+    "fp8_fp4_mega_moe",
+    "get_symm_buffer_for_mega_moe",
+    "get_token_alignment_for_mega_moe",
+    "per_token_cast_to_fp8",
+    "transform_weights_for_mega_moe",
+    "use_flavour",
+]
+
+TOKEN_ALIGNMENT = 384
+MMA_TYPES = ("fp8xfp4", "bf16xbf16")
+# fp8xfp4 tiles K by 512 (FP4 weights, 128-byte rows); bf16 by 128.
+HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128}
+ENV_FLAVOUR = "MOEWIRE_REFERENCE_FLAVOUR"
+DEFAULT_FLAVOUR = "vllm"
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """A kernel build's buffer layout.
+
+    Attributes:
+        name: ``upstream``, ``vllm`` or ``sgl``.
+        shared_slot: where a fused shared expert's row lives and is added: ``"last"``
+            (slot ``k``), ``"first"`` (slot 0), or ``None`` (fusion refused).
+        combine_last: True when the combine region is the buffer's last region.
+    """
+
+    name: str
+    shared_slot: str | None
+    combine_last: bool
+
+
+FLAVOURS: dict[str, Flavour] = {
+    "upstream": Flavour("upstream", None, True),
+    "vllm": Flavour("vllm", "last", True),
+    "sgl": Flavour("sgl", "first", False),
+}
+
+_flavour_setting: str | None = None
+
+
+def _check_flavour(name: Any, where: str) -> str:
+    if name not in FLAVOURS:
+        raise ValueError(
+            f"{where}: unknown reference kernel flavour {name!r}; "
+            f"use one of {sorted(FLAVOURS)}"
+        )
+    return name
+
+
+def current_flavour() -> str:
+    """The flavour new buffers get: ``use_flavour``'s, else the env var's, else ``vllm``."""
+    if _flavour_setting is not None:
+        return _flavour_setting
+    env = os.environ.get(ENV_FLAVOUR)
+    if env:
+        return _check_flavour(env, f"environment variable {ENV_FLAVOUR}")
+    return DEFAULT_FLAVOUR
+
+
+class use_flavour:  # noqa: N801 - lower case: it reads as a function call, as a setter too
+    """Select the layout flavour of buffers built from now on.
+
+    ``use_flavour("sgl")`` sets it until changed; ``with use_flavour("sgl"): ...`` sets it
+    for the block and restores the previous setting on exit.
+    """
+
+    def __init__(self, name: str) -> None:
+        global _flavour_setting
+        _check_flavour(name, "use_flavour")
+        self.name = name
+        self._previous = _flavour_setting
+        _flavour_setting = name
+
+    def __enter__(self) -> use_flavour:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _flavour_setting
+        _flavour_setting = self._previous
+
+
+def get_token_alignment_for_mega_moe() -> int:
+    """Token alignment of the buffer capacity (384, as upstream)."""
+    return TOKEN_ALIGNMENT
+
+
+def _align(x: int, y: int) -> int:
+    return (x + y - 1) // y * y
+
+
+def _group_size_rank(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"get_symm_buffer_for_mega_moe: group must be a torch.distributed.ProcessGroup or "
+            f"None (one rank), got {type(group).__name__}"
+        )
+    return group.size(), group.rank()
+
+
+def _default_device(group: Any) -> torch.device:
+    backend = None if group is None else dist.get_backend(group)
+    if torch.cuda.is_available() and backend in (None, "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _allocate(num_bytes: int, device: torch.device, group: Any, num_ranks: int):
+    """A flat int8 buffer: symmetric memory on CUDA with several ranks when torch has it."""
+    if num_ranks > 1 and device.type == "cuda":
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buffer = symm_mem.empty(num_bytes, dtype=torch.int8, device=device)
+            return buffer, symm_mem.rendezvous(buffer, group=group)
+        except Exception:  # noqa: BLE001 - any failure means: no symmetric memory here
+            pass
+    return torch.empty(num_bytes, dtype=torch.int8, device=device), None
+
+
+class SymmBuffer:
+    """The Mega-MoE buffer of one rank: a flat int8 tensor and typed views into it.
+
+    Attributes:
+        group: the EP process group (``None`` for one rank).
+        num_experts: experts over the whole group; ``num_experts_per_rank`` per rank.
+        num_max_tokens_per_rank: capacity ``Tmax`` (a multiple of 384).
+        num_topk, hidden, intermediate_hidden, num_shared_experts, mma_type, activation.
+        buffer: int8 ``[nbytes]``.
+        x: FP8 E4M3 ``[Tmax, H]`` (BF16 for ``bf16xbf16``), the staged tokens.
+        x_sf: int32 ``[Tmax, H / 128]``, packed UE8M0 per 32 (None for ``bf16xbf16``, as
+            are ``l1_acts_sf`` and ``l2_acts_sf``).
+        topk_idx: int64 ``[Tmax, k]``; topk_weights: FP32 ``[Tmax, k]``.
+        l1_acts, l1_acts_sf: tokens this rank received, FP8 ``[R * Tmax * k, H]`` and packed
+            scales (the kernel writes them, grouped by local expert).
+        l2_acts, l2_acts_sf: the re-quantized ``h``, FP8 ``[R * Tmax * k, I]`` and scales.
+        _moewire_flavour: the flavour this buffer was laid out for.
+        _moewire_regions: ``{name: (byte offset, byte size)}`` of every region.
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        num_topk: int,
+        hidden: int,
+        intermediate_hidden: int,
+        num_shared_experts: int,
+        mma_type: str,
+        activation: str,
+        flavour: Flavour,
+        device: torch.device,
+    ) -> None:
+        self.group = group
+        self.num_ranks, self.rank = _group_size_rank(group)
+        self.num_experts = num_experts
+        self.num_experts_per_rank = num_experts // self.num_ranks
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_topk = num_topk
+        self.hidden = hidden
+        self.intermediate_hidden = intermediate_hidden
+        self.num_shared_experts = num_shared_experts
+        self.mma_type = mma_type
+        self.activation = activation
+        self._moewire_flavour = flavour.name
+        self.num_slots = num_topk + (1 if num_shared_experts > 0 else 0)
+
+        regions = self._regions(flavour)
+        for name, dtype, _ in regions:
+            if dtype is None:
+                setattr(self, name, None)
+        regions = [r for r in regions if r[1] is not None]
+        offsets, offset = {}, 0
+        for name, dtype, shape in regions:
+            nbytes = _numel(shape) * _itemsize(dtype)
+            offsets[name] = (offset, nbytes)
+            offset += nbytes
+        self._moewire_regions = offsets
+        self.buffer, self.handle = _allocate(offset, device, group, self.num_ranks)
+        self.buffer.zero_()
+        for name, dtype, shape in regions:
+            start, nbytes = offsets[name]
+            view = self.buffer[start : start + nbytes].view(dtype).view(shape)
+            if name != "combine":
+                setattr(self, name, view)
+        if self.num_ranks > 1:
+            dist.barrier(group=group)
+
+    def _regions(self, flavour: Flavour) -> list[tuple[str, Any, Any]]:
+        tmax, k, h, i = (
+            self.num_max_tokens_per_rank,
+            self.num_topk,
+            self.hidden,
+            self.intermediate_hidden,
+        )
+        recv = self.num_ranks * tmax * k
+        fp8 = self.mma_type == "fp8xfp4"
+        act = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        # BF16 has no scale regions: those views are None and take no bytes.
+        regions = [
+            ("x", act, (tmax, h)),
+            ("x_sf", torch.int32, (tmax, h // 128)) if fp8 else ("x_sf", None, None),
+            ("topk_idx", torch.int64, (tmax, k)),
+            ("topk_weights", torch.float32, (tmax, k)),
+            ("l1_acts", act, (recv, h)),
+            ("l1_acts_sf", torch.int32, (recv, h // 128)) if fp8 else ("l1_acts_sf", None, None),
+            ("l2_acts", act, (recv, i)),
+            ("l2_acts_sf", torch.int32, (recv, i // 128)) if fp8 else ("l2_acts_sf", None, None),
+            ("combine", torch.bfloat16, (self.num_slots, tmax, h)),
+        ]
+        if not flavour.combine_last:
+            if self.num_shared_experts > 0 and fp8:
+                shared_i = self.num_shared_experts * i
+                regions.append(("shared_l2_acts_sf", torch.int32, (tmax, shared_i // 128)))
+            regions.append(("workspace", torch.int32, (_align(self.num_experts_per_rank, 4),)))
+        return regions
+
+    @property
+    def flavour(self) -> Flavour:
+        return FLAVOURS[self._moewire_flavour]
+
+    def destroy(self) -> None:
+        """Drop the buffer and its views (upstream's ``destroy``)."""
+        for name in list(self._moewire_regions) + ["buffer", "handle", "group"]:
+            if hasattr(self, name):
+                setattr(self, name, None)
+
+    def __repr__(self) -> str:
+        return (
+            f"SymmBuffer(flavour={self._moewire_flavour}, rank={self.rank}/{self.num_ranks}, "
+            f"experts={self.num_experts}, Tmax={self.num_max_tokens_per_rank}, "
+            f"k={self.num_topk}, H={self.hidden}, I={self.intermediate_hidden}, "
+            f"shared={self.num_shared_experts}, mma={self.mma_type})"
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _positive_int(value: Any, name: str, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def get_symm_buffer_for_mega_moe(
+    group: Any,
+    num_experts: int,
+    num_max_tokens_per_rank: int,
+    num_topk: int,
+    hidden: int,
+    intermediate_hidden: int,
+    num_shared_experts: int = 0,
+    mma_type: str = "fp8xfp4",
+    activation: str = "swiglu",
+    *,
+    device: torch.device | str | None = None,
+) -> SymmBuffer:
+    """Allocate one rank's Mega-MoE buffer, laid out for the current flavour.
+
+    Args:
+        group: EP process group (experts are split evenly over its ranks), or ``None``.
+        num_experts: routed experts over the whole group.
+        num_max_tokens_per_rank: requested capacity; rounded up to a multiple of 384. Read
+            the real capacity back from ``buffer.num_max_tokens_per_rank``.
+        num_topk: routed slots per token.
+        hidden: H, a multiple of 512 for ``fp8xfp4`` (128 for ``bf16xbf16``).
+        intermediate_hidden: I per expert, same rule as ``hidden``.
+        num_shared_experts: shared experts fused into the kernel (one combine slot).
+        mma_type: ``"fp8xfp4"`` or ``"bf16xbf16"``.
+        activation: ``"swiglu"``.
+        device: moewire extension; default CUDA when available and the group is NCCL (or
+            ``None``), else CPU.
+
+    Returns:
+        The :class:`SymmBuffer`, zero-filled.
+    """
+    where = "get_symm_buffer_for_mega_moe"
+    num_ranks, _ = _group_size_rank(group)
+    flavour = FLAVOURS[current_flavour()]
+    _positive_int(num_experts, "num_experts", where)
+    _positive_int(num_max_tokens_per_rank, "num_max_tokens_per_rank", where)
+    _positive_int(num_topk, "num_topk", where)
+    _positive_int(num_shared_experts, "num_shared_experts", where, minimum=0)
+    if num_experts % num_ranks:
+        raise ValueError(
+            f"{where}: num_experts={num_experts} is not divisible by the group size "
+            f"{num_ranks}; experts are split evenly over the ranks"
+        )
+    if num_topk > num_experts:
+        raise ValueError(f"{where}: num_topk={num_topk} exceeds num_experts={num_experts}")
+    if mma_type not in MMA_TYPES:
+        raise ValueError(f"{where}: unknown mma_type {mma_type!r}; use one of {MMA_TYPES}")
+    if activation != "swiglu":
+        raise ValueError(f"{where}: activation must be 'swiglu', got {activation!r}")
+    multiple = HIDDEN_MULTIPLE[mma_type]
+    for name, value in (("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
+        _positive_int(value, name, where)
+        if value % multiple:
+            raise ValueError(
+                f"{where}: {name}={value} must be a multiple of {multiple} for "
+                f"mma_type={mma_type!r}"
+            )
+    if num_shared_experts > 0 and flavour.shared_slot is None:
+        raise ValueError(
+            f"{where}: the {flavour.name!r} kernel flavour has no fused shared expert "
+            f"(num_shared_experts={num_shared_experts}); use the 'vllm' or 'sgl' flavour "
+            f"(deep_gemm.use_flavour) or pass the shared expert unfused"
+        )
+    device = torch.device(device) if device is not None else _default_device(group)
+    return SymmBuffer(
+        group,
+        num_experts,
+        _align(num_max_tokens_per_rank, TOKEN_ALIGNMENT),
+        num_topk,
+        hidden,
+        intermediate_hidden,
+        num_shared_experts,
+        mma_type,
+        activation,
+        flavour,
+        device,
+    )
+
+
+def per_token_cast_to_fp8(
+    x: torch.Tensor, use_ue8m0: bool, gran_k: int = 128, use_packed_ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepGEMM's per-token FP8 cast (``deep_gemm.utils.math.per_token_cast_to_fp8``).
+
+    Per row and per ``gran_k`` columns (the last group zero-padded): ``amax = max(max|x|,
+    1e-4)``, ``sf = amax / 448`` in FP32, rounded up to a power of two when ``use_ue8m0``;
+    ``q = e4m3(x * (1 / sf))``.
+
+    Args:
+        x: ``[M, N]`` floating tensor.
+        use_ue8m0: power-of-two scales.
+        gran_k: group size along N.
+        use_packed_ue8m0: return the scales packed four per int32 (needs ``use_ue8m0`` and a
+            group count divisible by 4).
+
+    Returns:
+        ``(q, sf)``: FP8 E4M3 ``[M, N]`` and FP32 ``[M, ceil(N / gran_k)]`` scales (int32
+        ``[M, ceil(N / gran_k) / 4]`` when packed).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"per_token_cast_to_fp8: x must be 2-D [M, N], got shape {tuple(x.shape)}")
+    m, n = x.shape
+    padded_n = _align(n, gran_k)
+    if use_packed_ue8m0 and (not use_ue8m0 or (padded_n // gran_k) % 4):
+        raise ValueError(
+            "per_token_cast_to_fp8: use_packed_ue8m0 needs use_ue8m0=True and a number of "
+            f"groups divisible by 4 (N={n}, gran_k={gran_k})"
+        )
+    padded = torch.zeros((m, padded_n), dtype=x.dtype, device=x.device)
+    padded[:, :n] = x
+    groups = padded.view(m, padded_n // gran_k, gran_k)
+    sf = groups.abs().float().amax(dim=2).clamp(min=1e-4) / FP8_MAX
+    if use_ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    q = (groups * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn)
+    q = q.view(m, padded_n)[:, :n].contiguous()
+    return q, (pack_ue8m0(sf) if use_packed_ue8m0 else sf)
+
+
+def _interleave_gate_up(t: torch.Tensor, gran: int = 8) -> torch.Tensor:
+    """Rows ``[gate | up]`` -> ``[gate 0..7, up 0..7, gate 8..15, up 8..15, ...]``."""
+    g, n = t.shape[:2]
+    gate, up = t[:, : n // 2], t[:, n // 2 :]
+    blocks = [b.reshape(g, n // 2 // gran, gran, *t.shape[2:]) for b in (gate, up)]
+    return torch.stack(blocks, dim=2).reshape(t.shape).contiguous()
+
+
+def _transpose_sf_for_utccp(sf: torch.Tensor) -> torch.Tensor:
+    """Within each block of 128 rows, row ``4 * r + q`` <- row ``32 * q + r``."""
+    g, mn, cols = sf.shape
+    return sf.reshape(g, mn // 128, 4, 32, cols).transpose(2, 3).reshape(g, mn, cols).contiguous()
+
+
+def _check_transformable(t: torch.Tensor, name: str, rows_multiple: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3):
+        raise ValueError(
+            f"transform_weights_for_mega_moe: {name} must be a 2-D or 3-D tensor "
+            f"[(experts,) N, K], got {type(t).__name__}"
+            + (f" of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else "")
+        )
+    if t.shape[-2] % rows_multiple:
+        raise ValueError(
+            f"transform_weights_for_mega_moe: {name} has {t.shape[-2]} rows; "
+            f"it needs a multiple of {rows_multiple}"
+        )
+
+
+def transform_weights_for_mega_moe(
+    l1_weights: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    l2_weights: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    activation: str = "swiglu",
+) -> tuple[Any, Any]:
+    """Put weights in the layout the kernel reads (upstream's permutations).
+
+    Quantized ``(w, sf)`` pairs: L1 rows ``[gate | up]`` are interleaved in blocks of 8
+    (``[g0..7, u0..7, g8..15, ...]``) for ``w`` and ``sf``, then the L1 and L2 scale rows
+    are permuted within blocks of 128 (row ``4r + q`` <- row ``32q + r``, UTCCP order).
+    BF16 weights: L1 interleaved, L2 copied unchanged. 2-D weights (a shared expert) are treated
+    as one group.
+
+    Args:
+        l1_weights: ``(int8 [E, 2I, H/2] FP4 or FP8 E4M3 [E, 2I, H], int32 [E, 2I, H/128])``
+            or BF16 ``[E, 2I, H]``.
+        l2_weights: ``(int8 [E, H, I/2] or FP8 [E, H, I], int32 [E, H, I/128])`` or BF16
+            ``[E, H, I]``.
+        activation: ``"swiglu"``.
+
+    Returns:
+        ``(l1, l2)`` in the same structure, new contiguous tensors.
+    """
+    if activation != "swiglu":
+        raise ValueError(
+            f"transform_weights_for_mega_moe: activation must be 'swiglu', got {activation!r}"
+        )
+
+    def as3d(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        return (t.unsqueeze(0), True) if t.dim() == 2 else (t, False)
+
+    def back(t: torch.Tensor, squeeze: bool) -> torch.Tensor:
+        return t.squeeze(0) if squeeze else t
+
+    if isinstance(l1_weights, tuple) != isinstance(l2_weights, tuple):
+        raise TypeError(
+            "transform_weights_for_mega_moe: l1_weights and l2_weights must both be "
+            "(weight, scale) tuples or both BF16 tensors"
+        )
+    if isinstance(l1_weights, tuple):
+        for name, pair in (("l1_weights", l1_weights), ("l2_weights", l2_weights)):
+            if len(pair) != 2:
+                raise ValueError(
+                    f"transform_weights_for_mega_moe: {name} must be a (weight, scale) pair"
+                )
+            _check_transformable(pair[0], f"{name}[0]", 16)
+            _check_transformable(pair[1], f"{name}[1]", 128)
+        (w1, s1), (w2, s2) = l1_weights, l2_weights
+        (w1, q1), (s1, _), (w2, q2), (s2, _) = as3d(w1), as3d(s1), as3d(w2), as3d(s2)
+        l1 = (
+            back(_interleave_gate_up(w1), q1),
+            back(_transpose_sf_for_utccp(_interleave_gate_up(s1)), q1),
+        )
+        l2 = (back(w2.clone(memory_format=torch.contiguous_format), q2),
+              back(_transpose_sf_for_utccp(s2), q2))
+        return l1, l2
+    _check_transformable(l1_weights, "l1_weights", 16)
+    w1, q1 = as3d(l1_weights)
+    l2 = l2_weights.clone(memory_format=torch.contiguous_format)
+    return back(_interleave_gate_up(w1), q1), l2
+
+
+def fp8_fp4_mega_moe(
+    y: torch.Tensor,
+    l1_weights: tuple[torch.Tensor, torch.Tensor],
+    l2_weights: tuple[torch.Tensor, torch.Tensor],
+    sym_buffer: SymmBuffer,
+    shared_l1_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared_l2_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    recipe: tuple[int, int, int] = (1, 1, 32),
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    fast_math: bool = True,
+    *,
+    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+) -> None:
+    """The fused FP8 x FP4 Mega-MoE: dispatch, L1, SwiGLU, L2, combine; writes ``y``.
+
+    Reads the ``T = y.shape[0]`` staged tokens of ``sym_buffer`` (``x``, ``x_sf``,
+    ``topk_idx``, ``topk_weights``). For every valid slot (``topk_idx >= 0``) of every
+    token, on the rank owning expert ``e`` (experts split evenly, ``e // E_local``):
+
+    1. ``x = fp8 * sf`` (exact); ``gu = bf16(x @ W1[e].T)`` with FP32 accumulation.
+    2. ``gate = min(gate, c)``, ``up = clamp(up, -c, c)`` when ``activation_clamp = c``;
+       ``h = silu(gate) * up`` then ``h *= topk_weight``, all FP32.
+    3. ``h`` re-quantized: FP8 E4M3 with UE8M0 per 32 (``2^ceil(log2(amax / 448))``).
+    4. ``row = bf16(h @ W2[e].T)`` (FP32 accumulation, RNE), written to the source rank's
+       combine region at (slot, token). Rows of invalid slots are not written.
+
+    A fused shared expert (``shared_*_weights``) runs on every token of this rank with
+    weight 1.0 into its flavour's slot. Then ``y[t] = bf16(sum of the valid rows in the
+    flavour's order, FP32 from +0.0)``; a token with no valid row gets 0.
+    ``DG_COMM_KERNEL_DEBUG=1`` zeroes the whole buffer afterwards.
+
+    Args:
+        y: BF16 ``[T, H]``, ``T <= sym_buffer.num_max_tokens_per_rank``, written in place.
+        l1_weights: this rank's experts, transformed (see
+            :func:`transform_weights_for_mega_moe`): ``(int8 [E_local, 2I, H/2], int32
+            [E_local, 2I, H/128])``, FP4 E2M1 packed two per byte with packed UE8M0 per 32.
+        l2_weights: ``(int8 [E_local, H, I/2], int32 [E_local, H, I/128])``, transformed.
+        sym_buffer: the buffer from :func:`get_symm_buffer_for_mega_moe` (``fp8xfp4``).
+        shared_l1_weights: fused shared expert, ``(int8 [2Is, H/2] or FP8 E4M3 [2Is, H],
+            int32 [2Is, H/128])`` transformed, with ``Is = num_shared_experts * I``.
+        shared_l2_weights: ``(int8 [H, Is/2] or FP8 [H, Is], int32 [H, Is/128])``.
+        recipe: ``(1, 1, 32)`` only.
+        activation: ``"swiglu"``.
+        activation_clamp: SwiGLU clamp ``c`` or ``None``.
+        fast_math: accepted; the reference always uses exact ``silu`` (see the docs).
+        cumulative_local_expert_recv_stats: optional int32 ``[E_local]``, incremented by the
+            number of (token, slot) rows each local expert received.
+    """
+    _kernel.mega_moe(
+        "fp8_fp4_mega_moe",
+        y,
+        l1_weights,
+        l2_weights,
+        sym_buffer,
+        shared_l1_weights,
+        shared_l2_weights,
+        recipe=recipe,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        stats=cumulative_local_expert_recv_stats,
+    )
+
+
+def bf16_mega_moe(
+    y: torch.Tensor,
+    l1_weights: torch.Tensor,
+    l2_weights: torch.Tensor,
+    sym_buffer: SymmBuffer,
+    shared_l1_weights: torch.Tensor | None = None,
+    shared_l2_weights: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    fast_math: bool = True,
+    *,
+    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+) -> None:
+    """The fused BF16 Mega-MoE; as :func:`fp8_fp4_mega_moe` without scales.
+
+    ``x`` is staged in BF16; ``gu = bf16(x @ W1.T)``; ``h`` (clamped SwiGLU times the router
+    weight, FP32) is rounded to BF16 instead of FP8; ``row = bf16(h @ W2.T)``.
+
+    Args:
+        y: BF16 ``[T, H]``.
+        l1_weights: BF16 ``[E_local, 2I, H]``, transformed (gate/up interleaved by 8).
+        l2_weights: BF16 ``[E_local, H, I]``.
+        sym_buffer: a ``bf16xbf16`` buffer.
+        shared_l1_weights: BF16 ``[2Is, H]`` transformed; shared_l2_weights: BF16 ``[H, Is]``.
+        activation, activation_clamp, fast_math, cumulative_local_expert_recv_stats: as
+            :func:`fp8_fp4_mega_moe`.
+    """
+    _kernel.mega_moe(
+        "bf16_mega_moe",
+        y,
+        l1_weights,
+        l2_weights,
+        sym_buffer,
+        shared_l1_weights,
+        shared_l2_weights,
+        recipe=None,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        stats=cumulative_local_expert_recv_stats,
+    )

@@ -1,0 +1,345 @@
+"""A vLLM-like Mega-MoE experts module on top of the stand-in kernel.
+
+:class:`MegaMoEExperts` follows vLLM's ``DeepGemmMegaMoEExperts.forward`` step by step:
+check ``T <= max_num_tokens``, read ``is_padding`` from the forward context, stage the
+inputs into the symmetric buffer, allocate ``y``, call the kernel through the ``deep_gemm``
+namespace, then add an unfused shared expert. The staging function and the kernel
+namespace are module globals looked up at call time (``stage_mega_moe_inputs`` and
+``deep_gemm``), which is where a quantization wrapper interposes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moewire.reference import deep_gemm
+from moewire.reference.weights import MegaMoEWeights, make_weights
+
+__all__ = [
+    "ForwardContext",
+    "MegaMoEExperts",
+    "forward_context",
+    "get_forward_context",
+    "stage_mega_moe_inputs",
+]
+
+
+@dataclass
+class ForwardContext:
+    """vLLM's forward context, reduced to what the experts read.
+
+    Attributes:
+        is_padding: bool ``[>= T]`` (True for padding tokens), or None.
+    """
+
+    is_padding: torch.Tensor | None = None
+
+
+_CONTEXTS: list[ForwardContext] = []
+
+
+@contextlib.contextmanager
+def forward_context(is_padding: torch.Tensor | None = None) -> Iterator[ForwardContext]:
+    """Set the forward context for the block (vLLM's ``set_forward_context`` stand-in)."""
+    context = ForwardContext(is_padding=is_padding)
+    _CONTEXTS.append(context)
+    try:
+        yield context
+    finally:
+        _CONTEXTS.pop()
+
+
+def get_forward_context() -> ForwardContext:
+    """The innermost :func:`forward_context`, or an empty one outside any."""
+    return _CONTEXTS[-1] if _CONTEXTS else ForwardContext()
+
+
+def stage_mega_moe_inputs(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    symm_buffer: deep_gemm.SymmBuffer,
+    is_padding: torch.Tensor | None = None,
+) -> None:
+    """Stage ``T`` tokens into the buffer (vLLM's ``prepare_megamoe_inputs``).
+
+    ``fp8xfp4``: ``x[:T], x_sf[:T] = per_token_cast_to_fp8(hidden_states, use_ue8m0=True,
+    gran_k=32, use_packed_ue8m0=True)`` (MXFP8-like, UE8M0 per 32, amax floor 1e-4);
+    ``bf16xbf16``: ``x[:T] = bf16(hidden_states)``. ``topk_idx[:T] = topk_ids`` (int64),
+    ``topk_weights[:T] = topk_weights`` (FP32); padding tokens get id -1 and weight 0 in
+    every slot.
+
+    Args:
+        hidden_states: ``[T, H]`` floating.
+        topk_ids: integer ``[T, k]``, -1 for a masked slot.
+        topk_weights: floating ``[T, k]``.
+        symm_buffer: the layer's buffer.
+        is_padding: bool ``[>= T]`` or None.
+    """
+    where = "stage_mega_moe_inputs"
+    buf = symm_buffer
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != buf.hidden:
+        raise ValueError(
+            f"{where}: hidden_states must be [T, {buf.hidden}], got {tuple(hidden_states.shape)}"
+        )
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"{where}: hidden_states must be floating, got {hidden_states.dtype}")
+    t = hidden_states.shape[0]
+    if t > buf.num_max_tokens_per_rank:
+        raise ValueError(
+            f"{where}: T={t} tokens exceed the buffer's num_max_tokens_per_rank="
+            f"{buf.num_max_tokens_per_rank}"
+        )
+    for name, value in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if tuple(value.shape) != (t, buf.num_topk):
+            raise ValueError(
+                f"{where}: {name} must be [T, k] = [{t}, {buf.num_topk}], got "
+                f"{tuple(value.shape)}"
+            )
+    if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
+        raise TypeError(f"{where}: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"{where}: topk_weights must be floating, got {topk_weights.dtype}")
+    device = buf.buffer.device
+    for name, value in (("hidden_states", hidden_states), ("topk_ids", topk_ids),
+                        ("topk_weights", topk_weights)):
+        if value.device != device:
+            raise ValueError(
+                f"{where}: {name} is on {value.device} but the symm buffer is on {device}"
+            )
+    ids, weights = topk_ids.long(), topk_weights.float()
+    if is_padding is not None:
+        if is_padding.dim() != 1 or is_padding.shape[0] < t:
+            raise ValueError(
+                f"{where}: is_padding must be 1-D with at least T={t} entries, got "
+                f"{tuple(is_padding.shape)}"
+            )
+        pad = is_padding[:t].to(device=device, dtype=torch.bool).unsqueeze(1)
+        ids = torch.where(pad, torch.full_like(ids, -1), ids)
+        weights = torch.where(pad, torch.zeros_like(weights), weights)
+    if buf.mma_type == "fp8xfp4":
+        q, sf = deep_gemm.per_token_cast_to_fp8(
+            hidden_states, use_ue8m0=True, gran_k=32, use_packed_ue8m0=True
+        )
+        buf.x[:t].copy_(q)
+        buf.x_sf[:t].copy_(sf)
+    else:
+        buf.x[:t].copy_(hidden_states)
+    buf.topk_idx[:t].copy_(ids)
+    buf.topk_weights[:t].copy_(weights)
+
+
+_SYMM_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _ep_size_rank(group: Any) -> tuple[int, int]:
+    return (1, 0) if group is None else (group.size(), group.rank())
+
+
+class MegaMoEExperts(nn.Module):
+    """Mega-MoE routed experts of one EP rank, with vLLM's forward contract.
+
+    Args:
+        num_experts: routed experts over the EP group (split evenly over its ranks).
+        top_k: routed slots per token.
+        hidden: H; intermediate: I per expert.
+        max_num_tokens: tokens per rank per call (the buffer rounds its capacity up to 384).
+        group: EP process group or None (one rank).
+        num_fused_shared_experts: > 0 fuses a shared expert of ``n * I`` into the kernel.
+        mma_type: ``"fp8xfp4"`` or ``"bf16xbf16"``.
+        activation_clamp: SwiGLU clamp, or None.
+        weights: this rank's :class:`MegaMoEWeights`; default ``make_weights(seed=seed)``
+            for the local experts.
+        seed: seed of the default weights.
+        device: default CUDA when available and the group is NCCL or None, else CPU.
+        dtype: the dtype of ``hidden_states`` (the output ``y`` is BF16, as the kernel's).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden: int,
+        intermediate: int,
+        max_num_tokens: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        num_fused_shared_experts: int = 0,
+        mma_type: str = "fp8xfp4",
+        activation_clamp: float | None = None,
+        weights: MegaMoEWeights | None = None,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        where = type(self).__name__
+        ep_size, ep_rank = _ep_size_rank(group)
+        if num_experts % ep_size:
+            raise ValueError(
+                f"{where}: num_experts={num_experts} is not divisible by the EP size {ep_size}"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden, self.intermediate = hidden, intermediate
+        self.max_num_tokens = max_num_tokens
+        self.ep_group = group
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+        self.num_local_experts = num_experts // ep_size
+        self.local_experts = tuple(
+            range(ep_rank * self.num_local_experts, (ep_rank + 1) * self.num_local_experts)
+        )
+        self.num_fused_shared_experts = num_fused_shared_experts
+        self.fused_shared = num_fused_shared_experts > 0
+        self.mma_type = mma_type
+        self.activation_clamp = activation_clamp
+        self.dtype = dtype
+        self.kernel_name = "fp8_fp4_mega_moe" if mma_type == "fp8xfp4" else "bf16_mega_moe"
+        if device is None:
+            device = deep_gemm._default_device(group)
+        device = torch.device(device)
+        self.symm_buffer = self._build_symm_buffer(device)
+        if weights is None:
+            weights = make_weights(
+                num_experts, hidden, intermediate, experts=self.local_experts,
+                mma_type=mma_type, num_shared_experts=num_fused_shared_experts, seed=seed,
+                device=device,
+            )
+        self._check_weights(weights, where)
+        fp8 = mma_type == "fp8xfp4"
+        self.register_buffer("w13_weight", weights.l1[0] if fp8 else weights.l1)
+        self.register_buffer("w13_weight_scale", weights.l1[1] if fp8 else None)
+        self.register_buffer("w2_weight", weights.l2[0] if fp8 else weights.l2)
+        self.register_buffer("w2_weight_scale", weights.l2[1] if fp8 else None)
+        shared = weights.shared_l1 is not None
+        self.register_buffer("shared_w13_weight", _part(weights.shared_l1, 0, fp8, shared))
+        self.register_buffer("shared_w13_weight_scale", _part(weights.shared_l1, 1, fp8, shared))
+        self.register_buffer("shared_w2_weight", _part(weights.shared_l2, 0, fp8, shared))
+        self.register_buffer("shared_w2_weight_scale", _part(weights.shared_l2, 1, fp8, shared))
+
+    def _check_weights(self, weights: MegaMoEWeights, where: str) -> None:
+        if weights.mma_type != self.mma_type:
+            raise ValueError(
+                f"{where}: weights are {weights.mma_type!r} but mma_type={self.mma_type!r}"
+            )
+        if tuple(weights.experts) != self.local_experts:
+            raise ValueError(
+                f"{where}: weights hold experts {weights.experts[:4]}... but EP rank "
+                f"{self.ep_rank} owns {self.local_experts[:4]}...; build them with "
+                f"make_weights(experts=range({self.local_experts[0]}, "
+                f"{self.local_experts[-1] + 1}))"
+            )
+        if self.fused_shared != (weights.shared_l1 is not None):
+            raise ValueError(
+                f"{where}: num_fused_shared_experts={self.num_fused_shared_experts} but the "
+                f"weights {'lack' if self.fused_shared else 'hold'} a fused shared expert"
+            )
+
+    def _build_symm_buffer(self, device: torch.device) -> deep_gemm.SymmBuffer:
+        # Keyed like vLLM's cache: EP group and shapes (plus the flavour and device, which
+        # a real build fixes once).
+        key = (
+            None if self.ep_group is None else id(self.ep_group),
+            self.num_experts, self.max_num_tokens, self.top_k, self.hidden, self.intermediate,
+            self.num_fused_shared_experts, self.mma_type, deep_gemm.current_flavour(), device,
+        )
+        buffer = _SYMM_BUFFERS.get(key)
+        if buffer is None:
+            buffer = deep_gemm.get_symm_buffer_for_mega_moe(
+                self.ep_group, self.num_experts, self.max_num_tokens, self.top_k,
+                self.hidden, self.intermediate,
+                num_shared_experts=self.num_fused_shared_experts, mma_type=self.mma_type,
+                device=device,
+            )
+            _SYMM_BUFFERS[key] = buffer
+        return buffer
+
+    def get_symm_buffer(self) -> deep_gemm.SymmBuffer:
+        """The layer's symmetric buffer (shared by layers of the same shapes and group)."""
+        return self.symm_buffer
+
+    @property
+    def l1_weights(self) -> Any:
+        if self.w13_weight_scale is None:
+            return self.w13_weight
+        return (self.w13_weight, self.w13_weight_scale)
+
+    @property
+    def l2_weights(self) -> Any:
+        if self.w2_weight_scale is None:
+            return self.w2_weight
+        return (self.w2_weight, self.w2_weight_scale)
+
+    @property
+    def shared_l1_weights(self) -> Any:
+        if self.shared_w13_weight_scale is None:
+            return self.shared_w13_weight
+        return (self.shared_w13_weight, self.shared_w13_weight_scale)
+
+    @property
+    def shared_l2_weights(self) -> Any:
+        if self.shared_w2_weight_scale is None:
+            return self.shared_w2_weight
+        return (self.shared_w2_weight, self.shared_w2_weight_scale)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """Routed experts (plus a fused shared expert), then an unfused one if given.
+
+        Args:
+            hidden_states: ``[T, H]`` in ``dtype``, ``T <= max_num_tokens``.
+            topk_weights: FP32 ``[T, k]`` router weights.
+            topk_ids: integer ``[T, k]`` global expert ids (-1 masks a slot).
+            shared_experts: an unfused shared expert, added after the kernel.
+
+        Returns:
+            BF16 ``[T, H]``.
+        """
+        num_tokens = hidden_states.shape[0]
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"{type(self).__name__}: got {num_tokens} tokens but max_num_tokens="
+                f"{self.max_num_tokens}; split the batch or build the layer with a larger "
+                f"max_num_tokens"
+            )
+        if hidden_states.dtype != self.dtype:
+            raise TypeError(
+                f"{type(self).__name__}: hidden_states is {hidden_states.dtype} but the "
+                f"layer was built for dtype={self.dtype}"
+            )
+        is_padding = get_forward_context().is_padding
+        symm_buffer = self.get_symm_buffer()
+        stage_mega_moe_inputs(hidden_states, topk_ids, topk_weights, symm_buffer, is_padding)
+        y = torch.empty(
+            (num_tokens, self.hidden), dtype=torch.bfloat16, device=hidden_states.device
+        )
+        kwargs: dict[str, Any] = {"activation_clamp": self.activation_clamp}
+        if self.fused_shared:
+            kwargs["shared_l1_weights"] = self.shared_l1_weights
+            kwargs["shared_l2_weights"] = self.shared_l2_weights
+        getattr(deep_gemm, self.kernel_name)(
+            y, self.l1_weights, self.l2_weights, symm_buffer, **kwargs
+        )
+        if shared_experts is not None:
+            y += shared_experts(hidden_states)
+        return y
+
+
+def _part(weights: Any, index: int, fp8: bool, present: bool) -> torch.Tensor | None:
+    if not present:
+        return None
+    if fp8:
+        return weights[index]
+    return weights if index == 0 else None
