@@ -322,7 +322,8 @@ def use_reference_deep_gemm(flavour: str | None = None) -> Iterator[Any]:
     the staging function of every registered site is
     :func:`prepare_megamoe_inputs_reference` (vLLM's is Triton, which has no CPU backend),
     vLLM's SM100 capability checks pass, and on a machine with no accelerator
-    ``torch.accelerator.current_device_index()`` (read by ``get_symm_buffer``) returns 0.
+    ``torch.accelerator.current_device_index()`` (read by ``get_symm_buffer``) returns 0
+    and ``torch.accelerator.synchronize()`` (0.33's first-launch barrier) does nothing.
 
     Args:
         flavour: the stand-in's layout flavour (``upstream``, ``vllm``, ``sgl``); default
@@ -351,6 +352,7 @@ def use_reference_deep_gemm(flavour: str | None = None) -> Iterator[Any]:
         _bypass_capability_checks(patch)
         if not torch.accelerator.is_available():
             patch(torch.accelerator, "current_device_index", lambda: 0)
+            patch(torch.accelerator, "synchronize", lambda device=None: None)
         yield reference
     finally:
         for owner, name, value in reversed(patches):
@@ -413,32 +415,26 @@ def _bypass_capability_checks(patch: Callable[[Any, str, Any], None]) -> None:
             return mega.DeepGemmSm100MegaMoEBackend()
 
         patch(dsv4, "get_deep_gemm_mega_moe_backend", sm100_backend)
-    if hasattr(mega, "check_deep_gemm_mega_moe_supported"):
-        patch(mega, "check_deep_gemm_mega_moe_supported", lambda *args: None)
+    # 0.33 checks in the experts' __init__; also a 0.33 module loaded under another name.
+    for name in {mega.__name__, *_vllm_bridge._installed_sites}:
+        module = importlib.import_module(name)
+        if hasattr(module, "check_deep_gemm_mega_moe_supported"):
+            patch(module, "check_deep_gemm_mega_moe_supported", lambda *args: None)
 
 
-def _quantizers(model: nn.Module) -> list[nn.Module]:
-    from moewire.quantizer import WireQuantizer
+def _active_quantizers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    from moewire.megamoe import api
 
-    return [m for m in model.modules() if isinstance(m, WireQuantizer)]
+    return [(m, q) for _, m, q in api.quantizers(model) if q.mode != "disabled"]
 
 
 def _sync_amax(model: nn.Module) -> None:
-    from vllm.distributed import parallel_state
-
-    if parallel_state._EP is None or parallel_state.get_ep_group().world_size == 1:
-        return
-    group = parallel_state.get_ep_group().device_group
-    for quantizer in _quantizers(model):
-        quantizer.sync_amax(group)
-
-
-def _load_recipe(recipe: Any) -> Any:
-    if isinstance(recipe, str | os.PathLike):
-        from moewire.recipes import load
-
-        return load(str(recipe))
-    return recipe
+    # As moewire.megamoe.api.calibrate: each amax max-reduced over its module's EP group,
+    # in module order on every rank.
+    for module, quantizer in _active_quantizers(model):
+        group = module._moewire_adapter.ep_group(module)
+        if group is not None:
+            quantizer.sync_amax(group)
 
 
 def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None = None) -> int:
@@ -456,7 +452,7 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
         RuntimeError: the model has no registered Mega-MoE experts module (vLLM not run
             with ``--moe-backend deep_gemm_mega_moe``, or an unsupported vLLM).
     """
-    import moewire
+    from moewire.megamoe import api
 
     classes = tuple(register_vllm_experts())
     count = sum(isinstance(m, classes) for m in model.modules())
@@ -466,9 +462,9 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
             f"{[c.__qualname__ for c in classes]}; serve with --moe-backend "
             "deep_gemm_mega_moe --enable-expert-parallel"
         )
-    moewire.quantize(model, _load_recipe(recipe))
+    api.quantize(model, recipe)
     if scales_path:
-        moewire.load_scales(model, scales_path)
+        api.load_scales(model, _rank_path(scales_path))
     return count
 
 
@@ -518,14 +514,14 @@ class MoewireWorkerExtension:
         _refuse_captured_graphs(self)
         count = quantize_vllm_model(model, recipe)
         stack = contextlib.ExitStack()
-        for quantizer in _quantizers(model):
+        for _, quantizer in _active_quantizers(model):
             stack.enter_context(quantizer.calibrating())
         self._moewire_calibration = stack
         return count
 
     def moewire_finish_calibration(self, scales_path: str) -> str:
         """Leave calibrate mode, max-reduce amax over the EP group, save the scales."""
-        import moewire
+        from moewire.megamoe import api
 
         stack = getattr(self, "_moewire_calibration", None)
         if stack is None:
@@ -538,7 +534,7 @@ class MoewireWorkerExtension:
         model = self.model_runner.get_model()
         _sync_amax(model)
         path = _rank_path(scales_path)
-        moewire.save_scales(model, path)
+        api.save_scales(model, path)
         return path
 
     def moewire_load_scales(self, recipe: Any, scales_path: str) -> int:

@@ -1,0 +1,110 @@
+"""vLLM 0.33's ``DeepGemmMegaMoEExperts`` loaded from its source file on the 0.32 install.
+
+``make test-vllm`` fetches the two files (tests/vllm/fetch_vllm033.py) into
+``.venv-vllm/vllm-0.33.0-src``; the rest of 0.33 is not needed: the module imports only
+names 0.32 also has, plus 0.33's ``prepare_megamoe`` (loaded from its file too).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import _vllm_world as setup
+import pytest
+import torch
+from _vllm_world import INTER, E, H, K
+
+pytestmark = pytest.mark.vllm
+
+vllm_mod = pytest.importorskip("moewire.integrations.vllm")
+SRC = Path(os.environ.get("MOEWIRE_VLLM033_SRC", ".venv-vllm/vllm-0.33.0-src"))
+NAME = "vllm033_deep_gemm_mega_moe"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def v033():
+    if not (SRC / "deep_gemm_mega_moe.py").is_file():
+        pytest.fail(f"vLLM 0.33 sources missing in {SRC}: run `make test-vllm` (it fetches them)")
+    _load("vllm.model_executor.layers.fused_moe.prepare_megamoe", SRC / "prepare_megamoe.py")
+    module = _load(NAME, SRC / "deep_gemm_mega_moe.py")
+    site = vllm_mod.ExpertsSite("0.33", NAME, "DeepGemmMegaMoEExperts")
+    vllm_mod.register_site(module.DeepGemmMegaMoEExperts, site)
+    return module
+
+
+def _make_033(module, config, prefix: str):
+    experts = module.DeepGemmMegaMoEExperts(
+        config,
+        num_experts=E,
+        num_local_experts=E,
+        experts_start_idx=0,
+        top_k=K,
+        hidden_size=H,
+        intermediate_size=INTER,
+        activation=module.MegaMoEActivation(clamp=10.0),
+        weight_format=module.MEGA_MOE_MXFP4,
+        prefix=prefix,
+    )
+    # The same checkpoint as the 0.32 experts, written by vLLM 0.33's own weight loader.
+    reference = setup.make_experts(config, prefix=prefix + ".ckpt")
+    for e in range(E):
+        for which, ours in (("w13", "w13"), ("w2", "w2")):
+            for suffix in ("weight", "weight_scale"):
+                data = getattr(reference, f"{ours}_{suffix}").data[e]
+                param = getattr(experts, f"{which}_{suffix}")
+                name = f"{prefix}.{which}_{suffix}"
+                shards = [("w2", data)] if which == "w2" else [
+                    ("w1", data[:INTER]), ("w3", data[INTER:])
+                ]
+                for shard_id, shard in shards:
+                    experts.weight_loader(param, shard, name, shard_id, e)
+    return experts, reference
+
+
+def test_033_class_equals_032_class_bit_for_bit(vllm_config, v033):
+    from vllm.forward_context import create_forward_context, override_forward_context
+
+    vllm_mod.register_vllm_experts()
+    x, ids, w = setup.routing(8, seed=5)
+    pad = torch.zeros(8, dtype=torch.bool)
+    pad[2] = True
+    with vllm_mod.use_reference_deep_gemm("vllm"):
+        experts, old = _make_033(v033, vllm_config, "model.layers.40.ffn.experts")
+        old.finalize_weights()
+        context = create_forward_context(None, vllm_config, is_padding=pad)
+        with override_forward_context(context):
+            y_new = experts(x, w, ids)
+            buffer = experts.get_symm_buffer()
+            rows = setup.oracle_rows(buffer, K)
+            expected = setup.oracle_resum(rows, buffer.topk_idx, 8)
+            y_old = old(x, w, ids, activation_clamp=10.0)
+        assert vllm_mod.kernel_flavour(experts) == "vllm"
+    assert torch.equal(y_new.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(y_new.view(torch.int16), y_old.view(torch.int16))
+    assert torch.equal(y_new[2], torch.zeros_like(y_new[2]))
+
+
+def test_033_unfused_shared_expert_is_added_after_the_kernel(vllm_config, v033):
+    """0.33's forward adds an unfused shared expert itself; moewire needs nothing more."""
+    vllm_mod.register_vllm_experts()
+    with vllm_mod.use_reference_deep_gemm("vllm"):
+        experts, _ = _make_033(v033, vllm_config, "model.layers.41.ffn.experts")
+        x, ids, w = setup.routing(4, seed=6)
+        shared = torch.nn.Linear(H, H, bias=False).bfloat16()
+        y = experts(x, w, ids, shared_experts=shared)
+        buffer = experts.get_symm_buffer()
+        routed = setup.oracle_resum(setup.oracle_rows(buffer, K), buffer.topk_idx, 4)
+    expected = routed.clone()
+    expected += shared(x)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
