@@ -1,14 +1,28 @@
 """Wire formats: what a number becomes on the wire.
 
 ``moewire.formats.get(name)`` returns the registered :class:`WireFormat`;
-``moewire.fake_quant(x, name, amax=None)`` applies it.
+``moewire.fake_quant(x, name, amax=None)`` applies it. The exact math of every format is
+in its class docstring and in ``docs/formats.md``.
 """
 
+from __future__ import annotations
+
+import torch
+
+from moewire.formats import bf16, fp8  # noqa: F401  (importing registers the formats)
 from moewire.formats.base import WireFormat, get, names, register
 
 __all__ = ["WireFormat", "fake_quant", "get", "names", "register"]
 
 
-def fake_quant(x, name, amax=None):
-    """Fake-quantize ``x`` in the wire format ``name``; returns a tensor of ``x.dtype``."""
+def fake_quant(
+    x: torch.Tensor, name: str | WireFormat, amax: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """Fake-quantize ``x`` in the wire format ``name``; returns a tensor of ``x.dtype``.
+
+    Args:
+        x: BF16/FP16/FP32, any shape; blocks run along the last dim.
+        name: a registered format name (``moewire.formats.names()``) or format object.
+        amax: the global amax, required by formats with ``needs_amax`` (``fp8``, ``nvfp4``).
+    """
     return get(name).qdq(x, amax)

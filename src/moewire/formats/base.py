@@ -11,11 +11,33 @@ the wire), and a block of ``block_size`` consecutive elements of a row shares a 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _kernel_qdq(
+    name: str, x: torch.Tensor, amax: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The fast kernel's result, or ``None`` when no usable kernel exists for ``name``.
+
+    ``moewire.kernels`` may be missing or partial (no Triton, an older build): only an
+    ImportError or a missing attribute means "no kernel"; an error raised by a kernel
+    itself propagates.
+    """
+    try:
+        from moewire import kernels
+
+        available, supports, qdq = kernels.available, kernels.supports, kernels.qdq
+    except (ImportError, AttributeError):
+        return None
+    if available() and supports(name):
+        return qdq(x, name, amax)
+    return None
 
 
 class WireFormat:
@@ -44,13 +66,46 @@ class WireFormat:
     row_scale_bits: int = 0
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
-        """The definition: plain torch, CPU and CUDA. ``x`` is already validated."""
+        """The definition: plain torch, CPU and CUDA.
+
+        Args:
+            x: BF16/FP16/FP32 ``[..., H]``, already validated by :meth:`check_input`.
+            amax: FP32 ``[]`` on ``x.device`` for formats with ``needs_amax``, else ``None``.
+
+        Returns:
+            A new tensor, ``x.dtype`` and ``x.shape``.
+        """
         raise NotImplementedError
 
-    def qdq(self, x: torch.Tensor, amax: torch.Tensor | float | None = None) -> torch.Tensor:
-        """Fake-quantize ``x`` (BF16/FP16/FP32, any shape) and return it in ``x.dtype``."""
+    def qdq(
+        self,
+        x: torch.Tensor,
+        amax: torch.Tensor | float | None = None,
+        *,
+        use_kernel: bool = True,
+    ) -> torch.Tensor:
+        """Fake-quantize ``x`` (quantize, then dequantize) and return it in ``x.dtype``.
+
+        Args:
+            x: BF16/FP16/FP32 tensor, any shape with at least one dim; blocks run along the
+                last dim, which must be a multiple of ``block_size``.
+            amax: the global amax for formats with ``needs_amax`` (a scalar: Python number
+                or one-element tensor). Formats without ``needs_amax`` ignore it.
+            use_kernel: on CUDA, use ``moewire.kernels`` when it supports the format
+                (it equals :meth:`reference` bit for bit); ``False`` forces the reference.
+
+        Returns:
+            A new tensor, same shape and dtype as ``x``; ``x`` is never modified.
+        """
         x = self.check_input(x)
-        return self.reference(x, self.check_amax(amax, x))
+        amax_t = self.check_amax(amax, x)
+        if x.numel() == 0:
+            return x.clone()
+        if use_kernel and x.is_cuda:
+            out = _kernel_qdq(self.name, x, amax_t)
+            if out is not None:
+                return out
+        return self.reference(x, amax_t)
 
     def wire_bits(self, hidden: int) -> float:
         """Bits one row of ``hidden`` elements occupies on the wire, scales included."""
@@ -60,15 +115,19 @@ class WireFormat:
     # -- validation shared by every format ---------------------------------------------
 
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Refuse what the format cannot take: non-tensors, non-float dtypes, bad shapes."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"format {self.name!r}: x must be a torch.Tensor, got {type(x)}")
         if x.dtype not in _FLOAT_DTYPES:
             raise ValueError(
                 f"format {self.name!r}: x has dtype {x.dtype}; fake quantization takes "
-                "bfloat16, float16 or float32 tensors (cast integer data first)"
+                "bfloat16, float16 or float32 tensors (cast the data first, e.g. x.float())"
             )
         if x.dim() == 0:
-            raise ValueError(f"format {self.name!r}: x must have at least one dimension")
+            raise ValueError(
+                f"format {self.name!r}: x is a 0-d tensor; pass at least one dim "
+                "(blocks run along the last dim), e.g. x.reshape(1)"
+            )
         if self.block_size is not None and x.shape[-1] % self.block_size != 0:
             raise ValueError(
                 f"format {self.name!r}: the last dim of x is {x.shape[-1]}, not a multiple of "
@@ -79,19 +138,46 @@ class WireFormat:
     def check_amax(
         self, amax: torch.Tensor | float | None, x: torch.Tensor
     ) -> torch.Tensor | None:
-        if amax is None:
-            if self.needs_amax:
-                raise ValueError(
-                    f"format {self.name!r} needs an amax (its scale is global); pass amax= "
-                    "from calibration or a constant, e.g. amax=x.abs().amax()"
-                )
+        """Validate ``amax`` and return it as FP32 ``[]`` on ``x.device`` (or ``None``).
+
+        Formats without ``needs_amax`` ignore ``amax`` and get ``None``. For the others,
+        ``amax=None`` and non-scalars are refused. A value known on the host (Python
+        number or CPU tensor) must be finite and >= 0: NaN, inf and negatives are refused;
+        0 goes to the format's documented ModelOpt fallback. A CUDA amax is not inspected,
+        since reading it would be a host sync (forbidden under CUDA-graph capture); the
+        quantizer validates its amax when it is calibrated or loaded.
+        """
+        if not self.needs_amax:
             return None
-        amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+        if amax is None:
+            raise ValueError(
+                f"format {self.name!r} needs an amax (its scale is global); pass amax= "
+                "from calibration or a constant, e.g. amax=x.abs().amax()"
+            )
+        if isinstance(amax, bool) or not isinstance(amax, (torch.Tensor, numbers.Real)):
+            raise TypeError(
+                f"format {self.name!r}: amax must be a number or a one-element tensor, "
+                f"got {type(amax).__name__}"
+            )
+        amax_t = torch.as_tensor(amax).detach()
         if amax_t.numel() != 1:
             raise ValueError(
-                f"format {self.name!r}: amax must be a scalar, got shape {tuple(amax_t.shape)}"
+                f"format {self.name!r}: amax must be a scalar (one element), got shape "
+                f"{tuple(amax_t.shape)}; reduce it first, e.g. amax.max()"
             )
-        return amax_t.reshape(())
+        if not (amax_t.is_floating_point() or amax_t.dtype in _INT_DTYPES):
+            raise TypeError(
+                f"format {self.name!r}: amax has dtype {amax_t.dtype}; pass a real number"
+            )
+        amax_t = amax_t.to(torch.float32).reshape(())
+        if amax_t.device.type == "cpu":
+            value = float(amax_t)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(
+                    f"format {self.name!r}: amax is {value}; it must be finite and >= 0 "
+                    "(check the calibration data for NaN/inf, or pass a constant amax)"
+                )
+        return amax_t.to(x.device)
 
     def __repr__(self) -> str:
         return f"<WireFormat {self.name}>"

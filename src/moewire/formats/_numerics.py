@@ -1,0 +1,77 @@
+"""Element casts and power-of-two helpers shared by the formats (plain torch, CPU and CUDA).
+
+Every helper takes and returns FP32 tensors and is exact: the only rounding is the one
+the helper names (round to nearest, ties to even, onto the element grid).
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+# E2M1 magnitudes and the round-to-nearest-even decision points between them: a tie goes
+# to the neighbour with an even mantissa (0, 1, 2, 4 have mantissa 0; 0.5, 1.5, 3, 6 have 1).
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_UP_AT_TIE = (False, True, False, True, False, True, False)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def e4m3(v: torch.Tensor) -> torch.Tensor:
+    """FP32 -> nearest FP8 E4M3 ("fn") value, saturating, back in FP32.
+
+    ``clamp(v, -448, 448)`` then RNE onto E4M3 (subnormals kept, step 2^-9). ±inf
+    saturates to ±448, NaN stays NaN, -0.0 stays -0.0. The clamp comes first because
+    torch's own cast of an out-of-range value differs between versions and devices.
+    """
+    return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """|v| (FP32, >= 0 or NaN) -> nearest FP4 E2M1 magnitude, saturating at 6, RNE.
+
+    Rounds ``a`` onto {0, 0.5, 1, 1.5, 2, 3, 4, 6}: a <= 0.25 -> 0, < 0.75 -> 0.5,
+    <= 1.25 -> 1, < 1.75 -> 1.5, <= 2.5 -> 2, < 3.5 -> 3, <= 5 -> 4, else 6 (inf too).
+    NaN stays NaN.
+    """
+    idx = torch.zeros(a.shape, dtype=torch.int64, device=a.device)
+    for mid, up_at_tie in zip(_E2M1_MIDPOINTS, _E2M1_UP_AT_TIE, strict=True):
+        idx += (a >= mid) if up_at_tie else (a > mid)
+    values = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=a.device)
+    return torch.where(torch.isnan(a), a, values[idx])
+
+
+def floor_log2(v: torch.Tensor) -> torch.Tensor:
+    """Exact ``floor(log2(v))`` (int32) of positive finite FP32 values, subnormals included.
+
+    Read from the binary exponent (``frexp``), never from a rounded ``log2``: a value just
+    below a power of two must not round up to it. Other inputs give an unspecified value.
+    """
+    _, exponent = torch.frexp(v)
+    return exponent - 1
+
+
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** k`` as FP32, exactly, for int32 ``k`` in [-149, 127] (subnormals included)."""
+    k = k.to(torch.int32)
+    normal = (k + 127).clamp(min=1) << 23
+    subnormal = torch.ones_like(k) << (k + 149).clamp(0, 22)
+    return torch.where(k >= -126, normal, subnormal).view(torch.float32)
+
+
+def ceil_pow2_ue8m0(v: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM's ``ceil_to_ue8m0``: the smallest power of two >= |v|, as FP32.
+
+    From the bits of ``|v|``: biased exponent ``e`` plus one when the mantissa is non-zero,
+    clamped to [1, 254], i.e. ``2^clamp(ceil(log2|v|), -126, 127)``. So +inf and NaN map
+    to 2^127 (biased exponent 255 clamped to 254), and 0 maps to 2^-126.
+    """
+    bits = v.abs().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent.clamp(1, 254) << 23).view(torch.float32)
+
+
+def split_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``[..., H]`` -> FP32 ``[..., H // block, block]`` (may be a view of ``x``: read only)."""
+    return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)

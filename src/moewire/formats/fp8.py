@@ -1,0 +1,102 @@
+"""FP8 E4M3 wire formats: per tensor (ModelOpt) and per block (DeepGEMM, DeepEP).
+
+E4M3 ("fn"): 1 sign, 4 exponent, 3 mantissa bits, max 448, no inf. Every cast here is
+``e4m3(v) = RNE(clamp(v, -448, 448))`` (see :func:`moewire.formats._numerics.e4m3`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moewire.formats._numerics import E4M3_MAX, ceil_pow2_ue8m0, e4m3, split_blocks
+from moewire.formats.base import WireFormat, register
+
+# ModelOpt's guard for a vanishing amax (the smallest FP16 subnormal).
+_MODELOPT_TINY_AMAX = 2.0**-24
+# DeepGEMM's clamp of a block amax before the scale is formed.
+_DEEPGEMM_AMAX_FLOOR = 1e-4
+
+
+class FP8PerTensor(WireFormat):
+    """``fp8``: FP8 E4M3 with one FP32 scale per tensor, ModelOpt's eager fake quant.
+
+    Math, all in FP32 (``fl`` = one FP32 rounding)::
+
+        safe = amax if amax > 2^-24 else 1          # ModelOpt's fallback, also for amax = 0
+        s    = 448 * fl(1 / safe)                   # ModelOpt writes 448.0 / safe; torch
+                                                    # evaluates it as 448 * reciprocal(safe)
+        q    = e4m3(fl(x.float() * s))              # clamp to ±448, then RNE
+        out  = fl(q * fl(1 / s)).to(x.dtype)
+
+    The two roundings in ``s`` are ModelOpt's and differ from a true ``448 / safe`` by one
+    ulp for some amax; that ulp can move a value across an E4M3 rounding boundary.
+
+    Special values: NaN stays NaN; ±inf and anything beyond the range saturate to
+    ``±448 / s``; -0.0 stays -0.0. The amax comes from the caller (``needs_amax``); a host
+    amax must be finite and >= 0 (0 and anything <= 2^-24 take ModelOpt's fallback
+    ``safe = 1``). Row-local once the amax is fixed.
+    """
+
+    name = "fp8"
+    element_bits = 8
+    block_size = None
+    scale_bits = 0
+    needs_amax = True
+    row_local = True
+
+    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        safe = torch.where(amax > _MODELOPT_TINY_AMAX, amax, torch.ones_like(amax))
+        scale = E4M3_MAX * torch.reciprocal(safe)
+        q = e4m3(x.to(torch.float32) * scale)
+        return (q * torch.reciprocal(scale)).to(x.dtype)
+
+
+class FP8Block(WireFormat):
+    """FP8 E4M3 with one scale per ``block`` elements of a row (DeepGEMM's reference cast).
+
+    Math per block ``b`` of ``block`` consecutive elements along the last dim, FP32::
+
+        amax = max(max|x_b|, 1e-4)                  # torch.clamp: a NaN amax stays NaN
+        sf   = fl(amax / 448)
+        sf   = ceil_to_ue8m0(sf)                    # UE8M0 variants only: 2^ceil(log2 sf)
+        q    = e4m3(fl(x_b * fl(1 / sf)))
+        out  = fl(q * sf).to(x.dtype)
+
+    This is DeepGEMM's ``per_token_cast_to_fp8(x, use_ue8m0, gran_k)``
+    (``deep_gemm/utils/math.py``): ``x * (1.0 / sf)`` multiplies by the FP32 reciprocal,
+    and ``ceil_to_ue8m0`` works on the exponent bits, so it is an exact ``ceil(log2)``.
+    For finite input the clamp inside :func:`e4m3` never fires (``|x_b| / sf <= 448``).
+
+    Special values (they follow from the math, as in DeepGEMM's cast):
+
+    - all-zero block: ``amax`` = 1e-4, output zeros (signs kept), never NaN;
+    - FP32 scale (``fp8_b128``): a block holding ±inf or NaN gets ``sf`` = inf/NaN and
+      dequantizes to all NaN;
+    - UE8M0 scale: ``ceil_to_ue8m0`` maps an inf/NaN ``sf`` to 2^127, so a NaN element
+      stays NaN, ±inf saturates to ``±448 * 2^127`` = ±inf in FP32, and the finite
+      elements of that block flush to (signed) zero unless |x| > 2^117.
+    """
+
+    def __init__(self, name: str, block: int, ue8m0: bool) -> None:
+        self.name = name
+        self.block_size = block
+        self.ue8m0 = ue8m0
+        self.element_bits = 8
+        self.scale_bits = 8 if ue8m0 else 32
+        self.needs_amax = False
+        self.row_local = True
+
+    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        xb = split_blocks(x, self.block_size)
+        block_amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=_DEEPGEMM_AMAX_FLOOR)
+        sf = block_amax / E4M3_MAX
+        if self.ue8m0:
+            sf = ceil_pow2_ue8m0(sf)
+        q = e4m3(xb * torch.reciprocal(sf))
+        return (q * sf).reshape(x.shape).to(x.dtype)
+
+
+register(FP8PerTensor)
+register(FP8Block("fp8_b128", 128, ue8m0=False))
+register(FP8Block("fp8_b128_ue8m0", 128, ue8m0=True))
+register(FP8Block("fp8_b32_ue8m0", 32, ue8m0=True))
