@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moewire.formats import bf16, fp8  # noqa: F401  (importing registers the formats)
+from moewire.formats import bf16, fp8, logfmt, mx, nvfp4  # noqa: F401  (registers them)
 from moewire.formats.base import WireFormat, get, names, register
 
 __all__ = ["WireFormat", "fake_quant", "get", "names", "register"]

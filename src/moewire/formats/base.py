@@ -20,9 +20,7 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _kernel_qdq(
-    name: str, x: torch.Tensor, amax: torch.Tensor | None
-) -> torch.Tensor | None:
+def _kernel_qdq(name: str, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None:
     """The fast kernel's result, or ``None`` when no usable kernel exists for ``name``.
 
     ``moewire.kernels`` may be missing or partial (no Triton, an older build): only an
@@ -135,9 +133,7 @@ class WireFormat:
             )
         return x
 
-    def check_amax(
-        self, amax: torch.Tensor | float | None, x: torch.Tensor
-    ) -> torch.Tensor | None:
+    def check_amax(self, amax: torch.Tensor | float | None, x: torch.Tensor) -> torch.Tensor | None:
         """Validate ``amax`` and return it as FP32 ``[]`` on ``x.device`` (or ``None``).
 
         Formats without ``needs_amax`` ignore ``amax`` and get ``None``. For the others,
