@@ -1,0 +1,219 @@
+"""The ``moewire`` command: ``moewire study`` (the main job) and ``moewire formats``.
+
+Exit codes: 0 on success, 2 on a bad argument (argparse's convention; the message names
+the argument and the fix), 1 on any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {minimum}, got {text!r}"
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _study_parser(sub) -> argparse.ArgumentParser:
+    from moewire.study.config import DEFAULT_COMBINE, DEFAULT_DISPATCH, MMA_TYPES, StudyConfig
+    from moewire.study.presets import PRESETS
+
+    d = StudyConfig()
+    p = sub.add_parser(
+        "study",
+        help="sweep dispatch x combine wire formats on one MoE layer",
+        description=(
+            "Build one MoE layer on the stand-in Mega-MoE kernel, quantize it with every "
+            "dispatch x combine pair (bf16 = no quantizer, the baseline), calibrate, "
+            "evaluate on held-out batches and report the layer-output error against the "
+            "unquantized layer with the bytes on the wire. Writes results.json, "
+            "error_heatmap.png and frontier.png to --out."
+        ),
+    )
+    p.add_argument("--model", choices=list(PRESETS), default=d.model,
+                   help=f"layer shapes (default {d.model}: " + PRESETS[d.model].description + ")")
+    p.add_argument("--experts", type=_int_at_least(1), default=None,
+                   help="routed experts, overriding the preset's")
+    p.add_argument("--tokens", type=_int_at_least(1), default=d.tokens,
+                   help=f"tokens per batch over all ranks (default {d.tokens})")
+    p.add_argument("--ranks", type=_int_at_least(1), default=d.ranks,
+                   help="simulated expert-parallel ranks (default 1; see docs/study.md)")
+    p.add_argument("--dispatch", default=None,
+                   help="comma-separated dispatch formats (default "
+                   + ",".join(DEFAULT_DISPATCH) + "); bf16 is always included")
+    p.add_argument("--combine", default=None,
+                   help="comma-separated combine formats (default "
+                   + ",".join(DEFAULT_COMBINE) + "); bf16 is always included")
+    p.add_argument("--calib-batches", type=_int_at_least(1), default=d.calib_batches,
+                   help=f"calibration batches (default {d.calib_batches})")
+    p.add_argument("--eval-batches", type=_int_at_least(1), default=d.eval_batches,
+                   help=f"held-out evaluation batches (default {d.eval_batches})")
+    p.add_argument("--weights", default=None, metavar="PATH.safetensors",
+                   help="real expert weights (DeepSeek naming, see docs/study.md); "
+                   "needs --layer")
+    p.add_argument("--layer", type=_int_at_least(0), default=None, metavar="L",
+                   help="layer index to read from --weights")
+    p.add_argument("--activations", default=None, metavar="PATH",
+                   help="captured hidden states [N, H] (.pt or .safetensors)")
+    p.add_argument("--mma", choices=MMA_TYPES, default=d.mma,
+                   help="stand-in kernel MMA type (default fp8xfp4, as DeepSeek-V4 serves)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
+    p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
+    p.add_argument("--out", default=d.out, metavar="DIR",
+                   help=f"output directory (default ./{d.out}/)")
+    return p
+
+
+def _config_from_args(args: argparse.Namespace):
+    from moewire.study.config import StudyConfig, with_formats
+
+    cfg = StudyConfig(
+        model=args.model, experts=args.experts, tokens=args.tokens, ranks=args.ranks,
+        calib_batches=args.calib_batches, eval_batches=args.eval_batches,
+        weights=args.weights, layer=args.layer, activations=args.activations,
+        mma=args.mma, device=args.device, seed=args.seed, out=args.out,
+    )
+    return with_formats(cfg, args.dispatch, args.combine)
+
+
+def _run_study(args: argparse.Namespace) -> int:
+    from moewire.study import report
+    from moewire.study.config import validate
+    from moewire.study.runner import Progress, run_study
+
+    cfg = validate(_config_from_args(args))
+    tty = sys.stdout.isatty()
+    if tty:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
+
+        console = Console()
+        bar = RichProgress("[progress.description]{task.description}", BarColumn(),
+                           MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                           transient=True)
+        task = bar.add_task("building the layer", total=None)
+        hooks = Progress(
+            start=lambda total: bar.update(task, total=total),
+            step=lambda: bar.advance(task),
+            phase=lambda label: bar.update(task, description=label),
+        )
+        with bar:
+            doc = run_study(cfg, hooks)
+    else:
+        state = {"done": 0, "total": 0}
+
+        def step() -> None:
+            state["done"] += 1
+
+        def start(total: int) -> None:
+            state["total"] = total
+
+        def phase(label: str) -> None:
+            print(f"[{state['done']}/{state['total'] or '?'}] {label}", flush=True)
+
+        doc = run_study(cfg, Progress(start=start, step=step, phase=phase))
+
+    paths = report.write_all(doc, Path(cfg.out))
+    if tty:
+        console.print(report.headline(doc))
+        console.print(report.rich_table(doc))
+    else:
+        print(report.headline(doc))
+        print(report.plain_table(doc))
+    routing = doc["routing"]
+    print(
+        f"routing: hottest expert gets {routing['expert_load_max_over_mean']:.2f}x the mean "
+        f"load; {100 * routing['remote_fraction']:.1f}% of copies leave their rank "
+        f"({cfg.ranks} rank(s))"
+    )
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _run_formats(args: argparse.Namespace) -> int:
+    from moewire import formats
+
+    hidden = args.hidden
+    header = ("format", "elem bits", "block", "scale bits", "row bits", f"bits/elem @H={hidden}",
+              "needs amax", "row-local")
+    rows = []
+    for name in formats.names():
+        f = formats.get(name)
+        block = "-" if f.block_size is None else str(f.block_size)
+        if f.block_size is not None and hidden % f.block_size:
+            per_elem = "n/a"
+        else:
+            per_elem = f"{f.wire_bits(hidden) / hidden:.4g}"
+        rows.append((name, f"{f.element_bits:g}", block, str(f.scale_bits),
+                     str(f.row_scale_bits), per_elem, "yes" if f.needs_amax else "no",
+                     "yes" if f.row_local else "no"))
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="moewire wire formats")
+        for h in header:
+            table.add_column(h, justify="left" if h == "format" else "right")
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+    else:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+        for row in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``moewire`` argument parser (subcommands ``study`` and ``formats``)."""
+    parser = argparse.ArgumentParser(
+        prog="moewire",
+        description="Simulate low-precision MoE dispatch/combine in fused Mega-MoE kernels.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{study,formats}")
+    _study_parser(sub)
+    fp = sub.add_parser("formats", help="print the wire-format table")
+    fp.add_argument("--hidden", type=_int_at_least(1), default=4096,
+                    help="hidden size for the bits-per-element column (default 4096)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``moewire`` console script; returns the exit code."""
+    from moewire.study.errors import StudyArgumentError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exc:  # argparse's bad usage (2) or --help (0)
+        return int(exc.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "formats":
+            return _run_formats(args)
+        return _run_study(args)
+    except StudyArgumentError as exc:
+        print(f"moewire {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The settings of one study, and their validation.
+
+Every check raises :class:`~moewire.study.errors.StudyArgumentError` naming the flag, the
+cause and the fix; the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from moewire import formats
+from moewire.study.errors import StudyArgumentError
+from moewire.study.presets import DEFAULT_MODEL, PRESETS, ModelPreset
+
+#: The name of "no quantizer" on either axis (the baseline row and column).
+NONE = "bf16"
+_NONE_ALIASES = {"bf16", "none"}
+DEFAULT_DISPATCH = ("fp8", "mxfp8", "nvfp4", "mxfp4")
+DEFAULT_COMBINE = ("fp8", "mxfp8", "nvfp4", "logfmt10")
+MMA_TYPES = ("fp8xfp4", "bf16xbf16")
+# The stand-in kernel tiles K by 512 for FP8 x FP4 and by 128 for BF16 (deep_gemm).
+_HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128}
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """What ``moewire study`` runs (the CLI flags, one field each).
+
+    Attributes:
+        model: preset name (:data:`~moewire.study.presets.PRESETS`).
+        experts: routed experts, overriding the preset's (``None``: the preset's).
+        tokens: tokens per batch, over all simulated EP ranks.
+        ranks: simulated EP ranks ``R`` (experts and tokens split evenly).
+        dispatch, combine: the formats of each axis, ``bf16`` (no quantizer) first.
+        calib_batches, eval_batches: calibration and held-out evaluation batches.
+        weights, layer: a safetensors checkpoint and the layer index to read from it.
+        activations: captured hidden states ``[N, H]`` (``.pt`` / ``.safetensors``).
+        mma: the stand-in kernel's MMA type, ``fp8xfp4`` (FP8 staging, FP4 weights, as
+            DeepSeek-V4 serves) or ``bf16xbf16``.
+        device: ``cpu`` or ``cuda``.
+        seed: seeds weights, router and synthetic tokens.
+        out: output directory.
+    """
+
+    model: str = DEFAULT_MODEL
+    experts: int | None = None
+    tokens: int = 128
+    ranks: int = 1
+    dispatch: tuple[str, ...] = (NONE, *DEFAULT_DISPATCH)
+    combine: tuple[str, ...] = (NONE, *DEFAULT_COMBINE)
+    calib_batches: int = 1
+    eval_batches: int = 2
+    weights: str | None = None
+    layer: int | None = None
+    activations: str | None = None
+    mma: str = "fp8xfp4"
+    device: str = "cpu"
+    seed: int = 0
+    out: str = "moewire-study"
+
+    @property
+    def preset(self) -> ModelPreset:
+        return PRESETS[self.model]
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.tokens // self.ranks
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["dispatch"] = list(self.dispatch)
+        d["combine"] = list(self.combine)
+        return d
+
+
+def parse_formats(text: str | list[str] | tuple[str, ...], argument: str) -> tuple[str, ...]:
+    """``"fp8,nvfp4"`` -> ``("bf16", "fp8", "nvfp4")``: registered names, ``bf16`` first.
+
+    ``none`` is an alias of ``bf16``; duplicates are dropped, the order is kept.
+    """
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    names = [p.strip().lower() for p in parts if p.strip()]
+    known = formats.names()
+    out = [NONE]
+    for name in names:
+        name = NONE if name in _NONE_ALIASES else name
+        if name not in known:
+            raise StudyArgumentError(
+                argument, f"unknown wire format {name!r}; pick from {', '.join(known)} "
+                "(comma-separated, e.g. fp8,nvfp4; `moewire formats` lists them)"
+            )
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def _positive(value: object, argument: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise StudyArgumentError(
+            argument, f"must be an integer >= {minimum}, got {value!r}"
+        )
+    return value
+
+
+def validate(cfg: StudyConfig) -> StudyConfig:
+    """Check every setting that can be checked before data is read; returns ``cfg``.
+
+    Shapes that come from files (``--weights``, ``--activations``) are checked when the
+    files are read (:mod:`moewire.study.data`).
+    """
+    if cfg.model not in PRESETS:
+        raise StudyArgumentError(
+            "--model", f"unknown model {cfg.model!r}; pick one of {', '.join(PRESETS)}"
+        )
+    _positive(cfg.tokens, "--tokens")
+    _positive(cfg.ranks, "--ranks")
+    _positive(cfg.calib_batches, "--calib-batches")
+    _positive(cfg.eval_batches, "--eval-batches")
+    _positive(cfg.seed, "--seed", minimum=0)
+    if cfg.experts is not None:
+        _positive(cfg.experts, "--experts")
+    if cfg.tokens % cfg.ranks:
+        raise StudyArgumentError(
+            "--tokens", f"{cfg.tokens} tokens do not split evenly over --ranks {cfg.ranks}; "
+            f"use a multiple of {cfg.ranks}"
+        )
+    if cfg.mma not in MMA_TYPES:
+        raise StudyArgumentError(
+            "--mma", f"unknown MMA type {cfg.mma!r}; pick one of {', '.join(MMA_TYPES)}"
+        )
+    if cfg.device not in ("cpu", "cuda"):
+        raise StudyArgumentError("--device", f"must be cpu or cuda, got {cfg.device!r}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise StudyArgumentError(
+            "--device", "cuda was asked for but torch sees no CUDA device; use --device cpu"
+        )
+    if (cfg.weights is None) != (cfg.layer is None):
+        missing = "--layer" if cfg.layer is None else "--weights"
+        raise StudyArgumentError(
+            missing, "--weights and --layer go together: pass the checkpoint and the index "
+            "L of the layer to read (model.layers.L.mlp.experts...)"
+        )
+    if cfg.layer is not None:
+        _positive(cfg.layer, "--layer", minimum=0)
+    for argument, path in (("--weights", cfg.weights), ("--activations", cfg.activations)):
+        if path is not None and not Path(path).is_file():
+            raise StudyArgumentError(
+                argument, f"{path} does not exist or is not a file; check the path"
+            )
+    for argument, names in (("--dispatch", cfg.dispatch), ("--combine", cfg.combine)):
+        parse_formats(list(names), argument)
+        if not names or names[0] != NONE:
+            raise StudyArgumentError(
+                argument, "the list must start with bf16 (the baseline); use parse_formats"
+            )
+    return cfg
+
+
+def check_layer_shapes(
+    cfg: StudyConfig, num_experts: int, top_k: int, hidden: int, intermediate: int
+) -> None:
+    """Checks that need the layer's shapes (from the preset or the weights file)."""
+    if top_k > num_experts:
+        raise StudyArgumentError(
+            "--experts", f"{num_experts} experts are fewer than top-k {top_k}; use at least "
+            f"{top_k}"
+        )
+    if num_experts % cfg.ranks:
+        raise StudyArgumentError(
+            "--ranks", f"{num_experts} experts do not split evenly over {cfg.ranks} ranks; "
+            "use a --ranks that divides the expert count"
+        )
+    multiple = _HIDDEN_MULTIPLE[cfg.mma]
+    for name, value in (("hidden size", hidden), ("intermediate size", intermediate)):
+        if value % multiple:
+            raise StudyArgumentError(
+                "--weights" if cfg.weights else "--model",
+                f"{name} {value} is not a multiple of {multiple}, which the {cfg.mma} kernel "
+                f"needs; pad the weights or use --mma bf16xbf16 (multiples of 128)",
+            )
+    for argument, names in (("--dispatch", cfg.dispatch), ("--combine", cfg.combine)):
+        for name in names:
+            block = formats.get(name).block_size
+            if block is not None and hidden % block:
+                raise StudyArgumentError(
+                    argument, f"format {name!r} has blocks of {block}, which do not divide "
+                    f"the hidden size {hidden}; drop it from the list"
+                )
+
+
+def with_formats(cfg: StudyConfig, dispatch: str | None, combine: str | None) -> StudyConfig:
+    """``cfg`` with ``--dispatch`` / ``--combine`` strings parsed (``None``: keep)."""
+    changes = {}
+    if dispatch is not None:
+        changes["dispatch"] = parse_formats(dispatch, "--dispatch")
+    if combine is not None:
+        changes["combine"] = parse_formats(combine, "--combine")
+    return replace(cfg, **changes)

@@ -1,0 +1,353 @@
+"""What the study feeds the layer: hidden states, expert weights and the router.
+
+Synthetic data (the default) is seeded and has the outlier structure of real MoE inputs:
+
+- hidden states ``x`` BF16 ``[N, H]``: ``x[t, c] = z[t, c] * chan[c] * tok[t]`` with ``z``
+  standard normal, ``chan[c] = exp(0.5 * n_c)`` (log-normal channel scales) and
+  ``max(1, H // 512)`` "massive" channels multiplied by 20; ``tok[t] = exp(0.25 * m_t)``
+  and one token in 64 (at least one per batch) multiplied by 10 (outlier tokens, such as
+  a sequence's first token);
+- expert weights BF16: ``w = n * row / sqrt(fan_in)`` with ``row = exp(0.3 * n_r)`` per
+  output row, and one element in 1024 multiplied by 8 (weight outliers, which move the
+  FP4 block scales);
+- router weight FP32 ``[E, H]`` ``~ N(0, 1/H)`` and a selection bias ``[E] ~ N(0, 0.5^2)``
+  that makes a few experts hot, as trained routers are.
+
+Real data: expert weights from a safetensors checkpoint in DeepSeek's naming
+(:data:`WEIGHT_NAMES`), and hidden states captured from a model (``.pt`` or
+``.safetensors``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moewire.study.errors import StudyArgumentError
+
+#: Tensor names read from ``--weights`` for layer ``L`` and expert ``e`` (DeepSeek-V3/V4
+#: and Kimi checkpoints in Hugging Face naming). Shapes: gate/up ``[I, H]``, down ``[H, I]``,
+#: router ``[E, H]``, bias ``[E]``; shared experts ``[Is, H]`` / ``[H, Is]``.
+WEIGHT_NAMES = {
+    "gate": "model.layers.{L}.mlp.experts.{e}.gate_proj.weight",
+    "up": "model.layers.{L}.mlp.experts.{e}.up_proj.weight",
+    "down": "model.layers.{L}.mlp.experts.{e}.down_proj.weight",
+    "router": "model.layers.{L}.mlp.gate.weight",
+    "router_bias": "model.layers.{L}.mlp.gate.e_score_correction_bias",
+    "shared_gate": "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
+    "shared_up": "model.layers.{L}.mlp.shared_experts.up_proj.weight",
+    "shared_down": "model.layers.{L}.mlp.shared_experts.down_proj.weight",
+}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@dataclass
+class LayerWeights:
+    """Dense weights of one MoE layer, before conversion to the kernel's formats.
+
+    Attributes:
+        w1: BF16 ``[E, 2I, H]``, rows ``[gate | up]`` (gate rows first).
+        w2: BF16 ``[E, H, I]`` (down projection).
+        router: FP32 ``[E, H]``.
+        router_bias: FP32 ``[E]`` selection bias, or ``None``.
+        shared_w1: BF16 ``[2Is, H]`` or ``None``; shared_w2: BF16 ``[H, Is]`` or ``None``.
+        source: ``"synthetic(seed=S)"`` or the checkpoint path and layer.
+    """
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    router: torch.Tensor
+    router_bias: torch.Tensor | None
+    shared_w1: torch.Tensor | None
+    shared_w2: torch.Tensor | None
+    source: str
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w1.shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w2.shape[2]
+
+    @property
+    def num_shared_intermediate(self) -> int:
+        return 0 if self.shared_w2 is None else self.shared_w2.shape[1]
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+def synthetic_hidden_states(num_tokens: int, hidden: int, generator: torch.Generator):
+    """Seeded BF16 ``[num_tokens, hidden]`` hidden states with outliers (module docstring)."""
+    chan = torch.exp(0.5 * torch.randn(hidden, generator=generator))
+    num_massive = max(1, hidden // 512)
+    massive = torch.randperm(hidden, generator=generator)[:num_massive]
+    chan[massive] *= 20.0
+    tok = torch.exp(0.25 * torch.randn(num_tokens, 1, generator=generator))
+    num_outliers = max(1, num_tokens // 64)
+    outliers = torch.randperm(num_tokens, generator=generator)[:num_outliers]
+    tok[outliers] *= 10.0
+    z = torch.randn(num_tokens, hidden, generator=generator)
+    return (z * chan * tok).to(torch.bfloat16)
+
+
+def _synthetic_matrix(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    fan_in = shape[-1]
+    w = torch.randn(shape, generator=generator)
+    w *= torch.exp(0.3 * torch.randn(*shape[:-1], 1, generator=generator))
+    w *= fan_in**-0.5
+    outlier = torch.rand(shape, generator=generator) < 1.0 / 1024
+    w[outlier] *= 8.0
+    return w.to(torch.bfloat16)
+
+
+def synthetic_weights(
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    num_shared: int,
+    generator: torch.Generator,
+    seed: int,
+) -> LayerWeights:
+    """Seeded random weights of one layer with the outlier structure of the module doc."""
+    w1 = torch.stack(
+        [_synthetic_matrix((2 * intermediate, hidden), generator) for _ in range(num_experts)]
+    )
+    w2 = torch.stack(
+        [_synthetic_matrix((hidden, intermediate), generator) for _ in range(num_experts)]
+    )
+    router = torch.randn(num_experts, hidden, generator=generator) * hidden**-0.5
+    bias = 0.5 * torch.randn(num_experts, generator=generator)
+    shared_w1 = shared_w2 = None
+    if num_shared:
+        inter_s = num_shared * intermediate
+        shared_w1 = _synthetic_matrix((2 * inter_s, hidden), generator)
+        shared_w2 = _synthetic_matrix((hidden, inter_s), generator)
+    return LayerWeights(w1, w2, router, bias, shared_w1, shared_w2, f"synthetic(seed={seed})")
+
+
+# --------------------------------------------------------------------------- router
+
+
+@dataclass
+class Router:
+    """Top-k gating over router logits ``x @ weight.T``.
+
+    ``sigmoid`` (DeepSeek-V3/V4, Kimi): ``s = sigmoid(logits)``; the top-k experts of
+    ``s + bias`` are chosen; their weights are ``s`` at those experts divided by the sum
+    of the ``k`` chosen ``s``. ``softmax``: ``p = softmax(logits + bias)``; the top-k of
+    ``p`` with their ``p`` as weights (not renormalised). Everything in FP32.
+
+    Attributes:
+        weight: FP32 ``[E, H]``.
+        bias: FP32 ``[E]`` or ``None``.
+        top_k: ``k``.
+        gating: ``"sigmoid"`` or ``"softmax"``.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    top_k: int
+    gating: str
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route BF16 ``[T, H]`` tokens; returns FP32 weights and int64 ids, ``[T, k]``."""
+        logits = x.float() @ self.weight.to(x.device).float().t()
+        bias = None if self.bias is None else self.bias.to(x.device).float()
+        if self.gating == "sigmoid":
+            scores = torch.sigmoid(logits)
+            choice = scores if bias is None else scores + bias
+            ids = choice.topk(self.top_k, dim=-1).indices
+            w = scores.gather(-1, ids)
+            w = w / w.sum(dim=-1, keepdim=True)
+        elif self.gating == "softmax":
+            probs = torch.softmax(logits if bias is None else logits + bias, dim=-1)
+            w, ids = probs.topk(self.top_k, dim=-1)
+        else:
+            raise ValueError(f"Router: unknown gating {self.gating!r}; use sigmoid or softmax")
+        return w.float().contiguous(), ids.to(torch.int64).contiguous()
+
+
+# --------------------------------------------------------------------------- real data
+
+
+def _as_float(t: torch.Tensor, what: str, arg: str) -> torch.Tensor:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise StudyArgumentError(
+            arg,
+            f"{what} has dtype {t.dtype}; the study reads BF16/FP16/FP32 tensors "
+            "(dequantize FP8/FP4 checkpoints to BF16 first)",
+        )
+    return t
+
+
+def load_weights(path: str | Path, layer: int, top_k: int) -> LayerWeights:
+    """Read layer ``layer``'s routed experts, router and shared experts from safetensors.
+
+    Names are :data:`WEIGHT_NAMES`; experts ``0, 1, ...`` are read until the first
+    missing index. The router and shared experts are optional (without a router the
+    study uses a seeded synthetic one; the caller decides).
+
+    Args:
+        path: a ``.safetensors`` file.
+        layer: the layer index ``L`` in the names.
+        top_k: routed slots per token (must not exceed the number of experts found).
+
+    Returns:
+        :class:`LayerWeights` in BF16 (router FP32); ``router`` is an empty ``[0, H]``
+        tensor when the file has none.
+
+    Raises:
+        StudyArgumentError: unreadable file, no experts for ``layer``, inconsistent shapes,
+            or non-float tensors. The message names ``--weights`` / ``--layer`` and the fix.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise StudyArgumentError(
+            "--weights", f"{path} does not exist or is not a file; pass a .safetensors file"
+        )
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+        keys = set(handle.keys())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise StudyArgumentError(
+            "--weights", f"cannot read {path} as safetensors ({exc}); pass a .safetensors file"
+        ) from None
+
+    def name(kind: str, e: int | None = None) -> str:
+        return WEIGHT_NAMES[kind].format(L=layer, e=e)
+
+    def get(key: str) -> torch.Tensor:
+        return _as_float(handle.get_tensor(key), key, "--weights")
+
+    experts = []
+    while name("gate", len(experts)) in keys:
+        e = len(experts)
+        parts = []
+        for kind in ("gate", "up", "down"):
+            if name(kind, e) not in keys:
+                raise StudyArgumentError(
+                    "--weights", f"{path} has {name('gate', e)} but no {name(kind, e)}"
+                )
+            parts.append(get(name(kind, e)))
+        experts.append(parts)
+    if not experts:
+        layers = sorted({int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")
+                         and ".mlp.experts." in k and k.split(".")[2].isdigit()})
+        hint = f"layers with experts in this file: {layers}" if layers else (
+            "the file has no tensor named like " + WEIGHT_NAMES["gate"])
+        raise StudyArgumentError(
+            "--layer", f"{path} has no {name('gate', 0)}; {hint}; pick one with --layer"
+        )
+    gate0, _, down0 = experts[0]
+    inter, hidden = gate0.shape
+    for e, (gate, up, down) in enumerate(experts):
+        for what, t, want in (("gate_proj", gate, (inter, hidden)),
+                              ("up_proj", up, (inter, hidden)),
+                              ("down_proj", down, (hidden, inter))):
+            if tuple(t.shape) != want:
+                raise StudyArgumentError(
+                    "--weights",
+                    f"expert {e} {what} of layer {layer} has shape {tuple(t.shape)}, expected "
+                    f"{want} (from expert 0's gate_proj [I, H]); mismatched shapes in {path}",
+                )
+    if top_k > len(experts):
+        raise StudyArgumentError(
+            "--model", f"top-k {top_k} exceeds the {len(experts)} experts of layer {layer} "
+            f"in {path}; pick a --model preset with a smaller top-k"
+        )
+    w1 = torch.stack([torch.cat([g, u]) for g, u, _ in experts]).to(torch.bfloat16)
+    w2 = torch.stack([d for _, _, d in experts]).to(torch.bfloat16)
+
+    router = torch.empty(0, hidden)
+    bias = None
+    if name("router") in keys:
+        router = get(name("router")).float()
+        if tuple(router.shape) != (len(experts), hidden):
+            raise StudyArgumentError(
+                "--weights", f"{name('router')} has shape {tuple(router.shape)}, expected "
+                f"({len(experts)}, {hidden}) (experts, hidden); mismatched shapes in {path}"
+            )
+        if name("router_bias") in keys:
+            bias = get(name("router_bias")).float().reshape(-1)
+            if bias.numel() != len(experts):
+                raise StudyArgumentError(
+                    "--weights", f"{name('router_bias')} has {bias.numel()} entries, "
+                    f"expected {len(experts)}; mismatched shapes in {path}"
+                )
+    shared_w1 = shared_w2 = None
+    if name("shared_gate") in keys:
+        sg, su, sd = (get(name(k)) for k in ("shared_gate", "shared_up", "shared_down"))
+        inter_s = sg.shape[0]
+        if (tuple(sg.shape) != (inter_s, hidden) or tuple(su.shape) != (inter_s, hidden)
+                or tuple(sd.shape) != (hidden, inter_s)):
+            raise StudyArgumentError(
+                "--weights", f"shared expert of layer {layer} has shapes gate "
+                f"{tuple(sg.shape)}, up {tuple(su.shape)}, down {tuple(sd.shape)}; expected "
+                f"[Is, {hidden}], [Is, {hidden}], [{hidden}, Is]; mismatched shapes in {path}"
+            )
+        shared_w1 = torch.cat([sg, su]).to(torch.bfloat16)
+        shared_w2 = sd.to(torch.bfloat16)
+    return LayerWeights(w1, w2, router, bias, shared_w1, shared_w2, f"{path}:layer {layer}")
+
+
+def load_activations(path: str | Path, hidden: int) -> torch.Tensor:
+    """Captured hidden states: BF16 ``[N, H]`` from a ``.pt`` or ``.safetensors`` file.
+
+    The file holds one tensor, or a dict with one tensor or a ``"hidden_states"`` entry.
+    Leading dims are flattened (``[B, S, H]`` -> ``[B * S, H]``).
+
+    Raises:
+        StudyArgumentError: unreadable file, no usable tensor, or a last dim that is not
+            the layer's hidden size (message names ``--activations``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise StudyArgumentError(
+            "--activations", f"{path} does not exist or is not a file; pass a .pt or "
+            ".safetensors file holding [N, H] hidden states"
+        )
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            obj = load_file(str(path))
+        else:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to read means the same fix
+        raise StudyArgumentError(
+            "--activations", f"cannot read {path} ({type(exc).__name__}: {exc}); pass a .pt "
+            "(torch.save of a tensor) or .safetensors file"
+        ) from None
+    if isinstance(obj, dict):
+        if "hidden_states" in obj:
+            obj = obj["hidden_states"]
+        elif len(obj) == 1:
+            obj = next(iter(obj.values()))
+        else:
+            raise StudyArgumentError(
+                "--activations", f"{path} holds {len(obj)} tensors {sorted(obj)[:5]}; store "
+                "one tensor, or name the hidden states 'hidden_states'"
+            )
+    if not isinstance(obj, torch.Tensor) or obj.dim() < 2:
+        raise StudyArgumentError(
+            "--activations", f"{path} must hold a [N, H] tensor, got "
+            + (f"shape {tuple(obj.shape)}" if isinstance(obj, torch.Tensor) else type(obj).__name__)
+        )
+    _as_float(obj, f"{path}", "--activations")
+    if obj.shape[-1] != hidden:
+        raise StudyArgumentError(
+            "--activations", f"{path} has hidden size {obj.shape[-1]} but the layer has "
+            f"H={hidden}; mismatched shapes: capture the layer's input or pick the --model "
+            "/ --weights it belongs to"
+        )
+    return obj.reshape(-1, hidden).to(torch.bfloat16).contiguous()

@@ -1,0 +1,264 @@
+"""The layer the study quantizes: the stand-in Mega-MoE experts, a shared expert, a router.
+
+One MoE layer is ``y = experts(x, router(x)) + shared(x)``: the router and the (unfused)
+shared expert see the unquantized tokens, the routed experts run on the stand-in DeepGEMM
+kernel (:class:`moewire.reference.MegaMoEExperts`), and ``moewire.quantize`` attaches the
+dispatch and combine quantizers to the experts module. The unquantized reference is the
+same module unconverted. Routing is computed once per batch, so every recipe sees the
+same ``(topk_weights, topk_ids)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import moewire
+from moewire.reference import MegaMoEExperts, MegaMoEWeights, SharedExpert, deep_gemm
+from moewire.reference import make_weights as reference_make_weights
+from moewire.study.config import NONE, StudyConfig, check_layer_shapes
+from moewire.study.data import LayerWeights, Router, load_weights
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class MoELayer(nn.Module):
+    """``experts(x, w, ids, shared_experts=shared)``: vLLM's Mega-MoE call, one layer.
+
+    Attributes:
+        experts: a :class:`~moewire.reference.MegaMoEExperts` (converted by
+            ``moewire.quantize`` for the quantized runs).
+        shared_experts: the unfused shared expert or ``None``; the kernel's caller adds it
+            after the combine, on the unquantized tokens.
+    """
+
+    def __init__(self, experts: nn.Module, shared_experts: nn.Module | None) -> None:
+        super().__init__()
+        self.experts = experts
+        self.shared_experts = shared_experts
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        """BF16 ``[T, H]``, FP32 ``[T, k]``, int64 ``[T, k]`` -> BF16 ``[T, H]``."""
+        return self.experts(x, topk_weights, topk_ids, shared_experts=self.shared_experts)
+
+
+def kernel_weights_from_dense(w1: torch.Tensor, w2: torch.Tensor, mma: str) -> MegaMoEWeights:
+    """Convert dense expert weights into the stand-in kernel's formats.
+
+    ``fp8xfp4``: FP4 E2M1 with one UE8M0 scale per 32 along K (the reference kernel's
+    weight cast, ``sf = 2^ceil(log2(max(amax, 1e-4) / 6))``), then DeepGEMM's layout
+    transform. ``bf16xbf16``: BF16 as is, then the transform.
+
+    Args:
+        w1: ``[E, 2I, H]`` rows ``[gate | up]``; w2: ``[E, H, I]``; any float dtype.
+        mma: ``"fp8xfp4"`` or ``"bf16xbf16"``.
+
+    Returns:
+        :class:`~moewire.reference.MegaMoEWeights` for experts ``0..E-1``.
+    """
+    # The reference's own cast, so the kernel reads exactly the format it defines.
+    from moewire.reference._numerics import quantize_fp4_ue8m0
+
+    if mma == "fp8xfp4":
+        raw1 = quantize_fp4_ue8m0(w1.float())
+        raw2 = quantize_fp4_ue8m0(w2.float())
+    else:
+        raw1, raw2 = w1.bfloat16().contiguous(), w2.bfloat16().contiguous()
+    l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
+    return MegaMoEWeights(tuple(range(w1.shape[0])), mma, l1, l2, raw1, raw2)
+
+
+@dataclass
+class StudyLayer:
+    """Everything one study needs to build fresh copies of its layer.
+
+    Attributes:
+        num_experts, top_k, hidden, intermediate, shared_intermediate: the shapes.
+        weights: the kernel-format expert weights (shared by every copy: no duplication).
+        shared: the unfused shared expert (shared by every copy) or ``None``.
+        router: the :class:`~moewire.study.data.Router`.
+        source: where the weights came from.
+        max_num_tokens: tokens per call.
+        mma, device: kernel MMA type and device.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    shared_intermediate: int
+    weights: MegaMoEWeights
+    shared: nn.Module | None
+    router: Router
+    source: str
+    max_num_tokens: int
+    mma: str
+    device: torch.device
+
+    def fresh(self) -> MoELayer:
+        """A new, unconverted layer over the same weights."""
+        experts = MegaMoEExperts(
+            self.num_experts, self.top_k, self.hidden, self.intermediate,
+            self.max_num_tokens, mma_type=self.mma, weights=self.weights, device=self.device,
+        )
+        return MoELayer(experts, self.shared)
+
+    def shapes(self) -> dict[str, Any]:
+        return {
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "shared_intermediate": self.shared_intermediate,
+            "gating": self.router.gating,
+            "mma": self.mma,
+            "weights": self.source,
+        }
+
+
+def _shared_from_dense(w1: torch.Tensor, w2: torch.Tensor, device: torch.device) -> nn.Module:
+    hidden, inter = w2.shape
+    shared = SharedExpert(hidden, inter, device=device)
+    with torch.no_grad():
+        shared.gate_up_proj.weight.copy_(w1)
+        shared.down_proj.weight.copy_(w2)
+    return shared
+
+
+def _synthetic_router(num_experts: int, hidden: int, generator: torch.Generator):
+    weight = torch.randn(num_experts, hidden, generator=generator) * hidden**-0.5
+    bias = 0.5 * torch.randn(num_experts, generator=generator)
+    return weight, bias
+
+
+def build_layer(cfg: StudyConfig, generator: torch.Generator) -> StudyLayer:
+    """The layer of ``cfg``: synthetic seeded weights, or ``--weights``/``--layer``.
+
+    Synthetic: :func:`moewire.reference.make_weights` (seed ``cfg.seed``; four input
+    channels of each matrix 16x larger, which the FP4 block scales must absorb), a seeded
+    unfused :class:`~moewire.reference.SharedExpert` of ``num_shared * I`` when the preset
+    has one, and a router ``weight ~ N(0, 1/H)`` with a selection bias ``~ N(0, 0.25)``.
+    From a checkpoint: its experts, shared expert and router (a synthetic router when the
+    file has none); the preset gives top-k and gating only.
+    """
+    preset = cfg.preset
+    device = torch.device(cfg.device)
+    if cfg.weights is not None:
+        dense: LayerWeights = load_weights(cfg.weights, cfg.layer, preset.top_k)
+        num_experts, hidden, inter = dense.num_experts, dense.hidden, dense.intermediate
+        check_layer_shapes(cfg, num_experts, preset.top_k, hidden, inter)
+        weights = kernel_weights_from_dense(dense.w1.to(device), dense.w2.to(device), cfg.mma)
+        shared = None
+        if dense.shared_w1 is not None:
+            shared = _shared_from_dense(dense.shared_w1, dense.shared_w2, device)
+        if dense.router.numel():
+            router_w, router_b = dense.router, dense.router_bias
+        else:
+            router_w, router_b = _synthetic_router(num_experts, hidden, generator)
+        shared_inter, source = dense.num_shared_intermediate, dense.source
+    else:
+        num_experts = cfg.experts or preset.num_experts
+        hidden, inter = preset.hidden, preset.intermediate
+        check_layer_shapes(cfg, num_experts, preset.top_k, hidden, inter)
+        weights = reference_make_weights(
+            num_experts, hidden, inter, mma_type=cfg.mma, seed=cfg.seed, device=device
+        )
+        shared_inter = preset.num_shared * inter
+        shared = None
+        if shared_inter:
+            shared = SharedExpert(hidden, shared_inter, seed=cfg.seed, device=device)
+        router_w, router_b = _synthetic_router(num_experts, hidden, generator)
+        source = f"synthetic(seed={cfg.seed})"
+    router = Router(router_w.to(device), None if router_b is None else router_b.to(device),
+                    preset.top_k, preset.gating)
+    return StudyLayer(
+        num_experts, preset.top_k, hidden, inter, shared_inter, weights, shared, router,
+        source, cfg.tokens, cfg.mma, device,
+    )
+
+
+def recipe_for(dispatch: str, combine: str) -> list[dict]:
+    """The moewire recipe (a list of ModelOpt-style entries) of one dispatch x combine pair.
+
+    ``bf16`` on an axis disables that quantizer (``{"enable": False}``).
+    """
+
+    def cfg(fmt: str) -> dict:
+        return {"enable": False} if fmt == NONE else {"format": fmt}
+
+    return [
+        {"quantizer_name": "*dispatch_quantizer", "cfg": cfg(dispatch)},
+        {"quantizer_name": "*combine_quantizer", "cfg": cfg(combine)},
+    ]
+
+
+def needs_calibration(dispatch: str, combine: str) -> bool:
+    """True when a format of the pair has a global scale that calibration fixes.
+
+    Block-scaled formats (MX, ``fp8_b*``, ``nvfp4_token``, ``logfmt10``) compute every scale
+    from the row itself, so their calibrated amax is never read; calibrating them would
+    cost forward passes and change nothing.
+    """
+    return any(
+        name != NONE and moewire.formats.get(name).needs_amax for name in (dispatch, combine)
+    )
+
+
+@dataclass
+class PairRun:
+    """The outputs of one quantized run and the scales it used."""
+
+    outputs: list[torch.Tensor]
+    amax: dict[str, float | None]
+    summary: str
+
+
+def run_pair(
+    layer: StudyLayer,
+    dispatch: str,
+    combine: str,
+    calib: list[Batch],
+    evals: list[Batch],
+    step: Callable[[], None] = lambda: None,
+) -> PairRun:
+    """Quantize a fresh copy of ``layer`` with the pair's recipe, calibrate, evaluate.
+
+    Calibration runs ``moewire.quantize(model, recipe, forward_loop)`` over ``calib``
+    (only when :func:`needs_calibration`); evaluation runs every batch of ``evals``.
+    ``step()`` is called after every forward pass (for the progress bar).
+    """
+    model = layer.fresh()
+
+    def forward_loop(m: nn.Module) -> None:
+        for batch in calib:
+            m(*batch)
+            step()
+
+    loop = forward_loop if needs_calibration(dispatch, combine) else None
+    moewire.quantize(model, recipe_for(dispatch, combine), forward_loop=loop)
+    outputs = []
+    with torch.no_grad():
+        for batch in evals:
+            outputs.append(model(*batch))
+            step()
+    amax = {}
+    for axis, quantizer in (("dispatch", model.experts.dispatch_quantizer),
+                            ("combine", model.experts.combine_quantizer)):
+        value = quantizer.static_amax
+        amax[axis] = None if value is None else float(value)
+    return PairRun(outputs, amax, moewire.summary(model))
+
+
+def reference_outputs(layer: StudyLayer, evals: list[Batch], step=lambda: None):
+    """The unquantized layer's outputs (an unconverted copy) on ``evals``."""
+    model = layer.fresh()
+    outputs = []
+    with torch.no_grad():
+        for batch in evals:
+            outputs.append(model(*batch))
+            step()
+    return outputs

@@ -1,0 +1,230 @@
+"""What a study leaves behind: the terminal table, ``results.json`` and two PNG plots.
+
+- ``results.json``: the document of :func:`moewire.study.runner.run_study`, with every
+  non-finite float written as the string ``"inf"`` / ``"-inf"`` / ``"nan"`` (JSON has no
+  infinities; ``bf16 x bf16`` has SQNR ``"inf"``).
+- ``error_heatmap.png``: SQNR (dB) over dispatch (rows) x combine (columns), each cell
+  annotated with its SQNR and relative L2 error.
+- ``frontier.png``: relative L2 error (log) against bytes on the wire per token, one point
+  per pair, the Pareto frontier (no other pair is both cheaper and more accurate) drawn
+  as a line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+JSON_NAME = "results.json"
+HEATMAP_NAME = "error_heatmap.png"
+FRONTIER_NAME = "frontier.png"
+_COLUMNS = (
+    ("dispatch", "dispatch"), ("combine", "combine"), ("rel_l2", "rel L2"),
+    ("sqnr_db", "SQNR dB"), ("cosine", "cosine"), ("max_abs_err", "max |err|"),
+    ("bytes_per_token", "bytes/token"), ("ratio_to_bf16", "vs BF16"),
+)
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def decode_float(value: float | str) -> float:
+    """A metric read back from ``results.json`` (``"inf"`` -> ``math.inf``)."""
+    return float(value)
+
+
+def to_json(doc: dict) -> str:
+    """``doc`` as strict JSON (non-finite floats as strings), indented, sorted keys."""
+    return json.dumps(_encode(doc), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def write_json(doc: dict, out: Path) -> Path:
+    path = out / JSON_NAME
+    path.write_text(to_json(doc))
+    return path
+
+
+def _cell(key: str, value: Any) -> str:
+    if key in ("dispatch", "combine"):
+        return str(value)
+    if key == "sqnr_db":
+        return "inf" if value == math.inf else f"{value:.2f}"
+    if key == "cosine":
+        return f"{value:.6f}"
+    if key == "bytes_per_token":
+        return f"{value:,.0f}"
+    if key == "ratio_to_bf16":
+        return f"{value:.3f}"
+    return f"{value:.3e}"
+
+
+def table_rows(doc: dict) -> list[list[str]]:
+    """The table's cells, one row per pair, in the JSON's order."""
+    return [[_cell(k, r[k]) for k, _ in _COLUMNS] for r in doc["results"]]
+
+
+def headline(doc: dict) -> str:
+    """One line that says what was measured."""
+    layer, s, routing = doc["layer"], doc["settings"], doc["routing"]
+    return (
+        f"moewire study: model {s['model']} ({layer['preset']['description']}); "
+        f"E={layer['num_experts']} k={layer['top_k']} H={layer['hidden']} "
+        f"I={layer['intermediate']} shared I={layer['shared_intermediate']} "
+        f"mma={layer['mma']}; weights {layer['weights']}; "
+        f"{routing['eval_tokens']} eval tokens, {routing['calib_tokens']} calibration "
+        f"tokens, {s['ranks']} rank(s), seed {s['seed']}"
+    )
+
+
+def plain_table(doc: dict) -> str:
+    """The results as fixed-width text (for logs and non-TTY output)."""
+    header = [title for _, title in _COLUMNS]
+    rows = table_rows(doc)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    return "\n".join(lines)
+
+
+def rich_table(doc: dict):
+    """The results as a ``rich.table.Table``; the baseline row and column are dimmed."""
+    from rich.table import Table
+
+    table = Table(title="dispatch x combine: layer output vs the unquantized layer")
+    for key, title in _COLUMNS:
+        table.add_column(title, justify="left" if key in ("dispatch", "combine") else "right")
+    for result, row in zip(doc["results"], table_rows(doc), strict=True):
+        baseline = result["dispatch"] == "bf16" and result["combine"] == "bf16"
+        table.add_row(*row, style="dim" if baseline else None)
+    return table
+
+
+def _axes(doc: dict) -> tuple[list[str], list[str]]:
+    return list(doc["settings"]["dispatch"]), list(doc["settings"]["combine"])
+
+
+def _lookup(doc: dict) -> dict[tuple[str, str], dict]:
+    return {(r["dispatch"], r["combine"]): r for r in doc["results"]}
+
+
+def plot_heatmap(doc: dict, path: Path) -> Path:
+    """SQNR heatmap over dispatch x combine (infinite SQNR drawn at the finite maximum)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    dispatch, combine = _axes(doc)
+    by_pair = _lookup(doc)
+    sqnr = np.array([[by_pair[d, c]["sqnr_db"] for c in combine] for d in dispatch], float)
+    finite = sqnr[np.isfinite(sqnr)]
+    top = float(finite.max()) if finite.size else 1.0
+    bottom = float(finite.min()) if finite.size else 0.0
+    shown = np.where(np.isfinite(sqnr), sqnr, top)
+    fig, ax = plt.subplots(figsize=(1.6 * len(combine) + 2.5, 0.9 * len(dispatch) + 2.0))
+    image = ax.imshow(shown, cmap="viridis", vmin=bottom, vmax=top, aspect="auto")
+    ax.set_xticks(range(len(combine)), combine)
+    ax.set_yticks(range(len(dispatch)), dispatch)
+    ax.set_xlabel("combine format")
+    ax.set_ylabel("dispatch format")
+    mid = (top + bottom) / 2
+    for i, d in enumerate(dispatch):
+        for j, c in enumerate(combine):
+            r = by_pair[d, c]
+            text = ("exact" if r["sqnr_db"] == math.inf
+                    else f"{r['sqnr_db']:.1f} dB\n{r['rel_l2']:.1e}")
+            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+                    color="black" if shown[i, j] > mid else "white")
+    fig.colorbar(image, ax=ax, label="SQNR (dB), higher is better")
+    layer = doc["layer"]
+    ax.set_title(
+        f"{doc['settings']['model']}: layer-output SQNR (cell: dB / rel. L2)\n"
+        f"E={layer['num_experts']} k={layer['top_k']} H={layer['hidden']} "
+        f"mma={layer['mma']}, {doc['routing']['eval_tokens']} eval tokens",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def pareto(points: list[tuple[float, float, Any]]) -> list[tuple[float, float, Any]]:
+    """The points no other point beats on both cost (x) and error (y), sorted by cost.
+
+    A point is kept when its error is strictly lower than every cheaper-or-equal point's.
+    """
+    front, best = [], math.inf
+    for x, y, tag in sorted(points, key=lambda p: (p[0], p[1])):
+        if y < best:
+            front.append((x, y, tag))
+            best = y
+    return front
+
+
+def plot_frontier(doc: dict, path: Path) -> Path:
+    """Relative L2 error against bytes per token; the exact baseline sits on the floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = doc["results"]
+    errors = [r["rel_l2"] for r in results if r["rel_l2"] > 0]
+    floor = min(errors) / 3 if errors else 1e-6
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    points = []
+    dispatch_axis = list(doc["settings"]["dispatch"])
+    cmap = plt.get_cmap("tab10")
+    for r in results:
+        y = r["rel_l2"] if r["rel_l2"] > 0 else floor
+        x = r["bytes_per_token"]
+        points.append((x, y, f"{r['dispatch']}/{r['combine']}"))
+        color = cmap(dispatch_axis.index(r["dispatch"]) % 10)
+        ax.scatter(x, y, color=color, s=28, zorder=3)
+    front = pareto(points)
+    ax.plot([p[0] for p in front], [p[1] for p in front], color="0.4", lw=1, ls="--",
+            zorder=2, label="Pareto frontier")
+    for x, y, tag in front:
+        ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for i, d in enumerate(dispatch_axis):
+        ax.scatter([], [], color=cmap(i % 10), s=28, label=f"dispatch {d}")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes on the wire per token (dispatch + combine, top-k copies)")
+    ax.set_ylabel("relative L2 error of the layer output")
+    bf16 = next(r["bytes_per_token"] / r["ratio_to_bf16"] for r in results)
+    ax.axvline(bf16, color="0.7", lw=0.8)
+    ax.text(bf16, floor, " BF16", fontsize=7, color="0.4", va="bottom")
+    ax.set_title(
+        f"{doc['settings']['model']}: error vs wire bytes "
+        f"(bf16/bf16 is exact, drawn at {floor:.1e})",
+        fontsize=10,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_all(doc: dict, out: Path) -> dict[str, Path]:
+    """Write ``results.json`` and both plots into ``out`` (created); returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    return {
+        "json": write_json(doc, out),
+        "heatmap": plot_heatmap(doc, out / HEATMAP_NAME),
+        "frontier": plot_frontier(doc, out / FRONTIER_NAME),
+    }

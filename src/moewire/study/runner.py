@@ -1,0 +1,158 @@
+"""Run a study: build the layer, route the batches, sweep every dispatch x combine pair.
+
+Simulated expert parallelism (``--ranks R``): the study runs in one process. A batch of
+``T`` tokens stands for ``R`` ranks of ``T / R`` tokens each (token ``t`` on rank
+``t // (T / R)``), and experts are split as DeepGEMM splits them (expert ``e`` on rank
+``e // (E / R)``). The numbers equal those of ``R`` real ranks because:
+
+- every combine row is computed from one token and one expert, wherever that expert
+  lives, and the combine re-quantization and re-sum are per row and per token: the rank
+  count changes no row and no sum;
+- the dispatch quantizer quantizes each token on its own rank with the same scale;
+- the one place ranks meet is calibration: each rank's amax is the max over its own
+  tokens and rows, then max-all-reduced over the EP group. A max of maxes is the max
+  over the union, exactly, so one process that sees all ``R`` ranks' calibration tokens
+  gets the synced amax bit for bit.
+
+What ``R`` does change is how much traffic leaves a rank: copies whose expert lives on
+the token's own rank stay local. The study reports that fraction (``remote_fraction``).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import moewire
+from moewire.study.config import StudyConfig, validate
+from moewire.study.data import load_activations, synthetic_hidden_states
+from moewire.study.errors import StudyArgumentError
+from moewire.study.layer import (
+    Batch,
+    StudyLayer,
+    build_layer,
+    needs_calibration,
+    reference_outputs,
+    run_pair,
+)
+from moewire.study.metrics import error_metrics
+from moewire.study.wire import remote_fraction, wire_cost
+
+SCHEMA = "moewire.study/1"
+
+
+@dataclass
+class Progress:
+    """Callbacks the runner reports to: ``start(total)``, ``step(label)`` per forward
+    pass, ``phase(label)`` when a new stage begins. Defaults do nothing."""
+
+    start: Callable[[int], None] = lambda total: None
+    step: Callable[[], None] = lambda: None
+    phase: Callable[[str], None] = lambda label: None
+
+
+def _batches(cfg: StudyConfig, layer: StudyLayer, generator: torch.Generator):
+    n_calib, n_eval, t = cfg.calib_batches, cfg.eval_batches, cfg.tokens
+    if cfg.activations is not None:
+        x = load_activations(cfg.activations, layer.hidden)
+        need = (n_calib + n_eval) * t
+        if x.shape[0] < need:
+            raise StudyArgumentError(
+                "--tokens", f"{cfg.activations} holds {x.shape[0]} tokens but "
+                f"(--calib-batches {n_calib} + --eval-batches {n_eval}) x --tokens {t} = "
+                f"{need} are needed; lower --tokens or the batch counts, or capture more"
+            )
+        chunks = list(x[:need].split(t))
+    else:
+        chunks = [synthetic_hidden_states(t, layer.hidden, generator)
+                  for _ in range(n_calib + n_eval)]
+    batches: list[Batch] = []
+    for chunk in chunks:
+        chunk = chunk.to(layer.device)
+        w, ids = layer.router(chunk)
+        batches.append((chunk, w, ids))
+    return batches[:n_calib], batches[n_calib:]
+
+
+def _pairs(cfg: StudyConfig) -> list[tuple[str, str]]:
+    return [(d, c) for d in cfg.dispatch for c in cfg.combine]
+
+
+def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
+    """Run the sweep of ``cfg`` and return the ``results.json`` document.
+
+    Args:
+        cfg: validated or not (validated here).
+        progress: optional callbacks for a progress display.
+
+    Returns:
+        A JSON-ready dict (schema in ``docs/study.md``): ``schema``, ``versions``,
+        ``settings``, ``layer``, ``routing``, ``baseline``, ``results`` (one entry per
+        pair, dispatch-major, ``bf16`` first on both axes). Non-finite floats are Python
+        ``inf``; :func:`moewire.study.report.to_json` writes them as ``"inf"``.
+    """
+    validate(cfg)
+    progress = progress or Progress()
+    torch.manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    started = time.perf_counter()
+
+    progress.phase("building the layer")
+    layer = build_layer(cfg, generator)
+    calib, evals = _batches(cfg, layer, generator)
+    pairs = _pairs(cfg)
+    total = len(evals) + sum(
+        len(evals) + (len(calib) if needs_calibration(d, c) else 0) for d, c in pairs
+    )
+    progress.start(total)
+
+    progress.phase("unquantized reference")
+    ref = torch.cat(reference_outputs(layer, evals, progress.step))
+    ids = torch.cat([b[2] for b in evals])
+    ref64 = ref.double()
+    results = []
+    for d, c in pairs:
+        progress.phase(f"dispatch {d} x combine {c}")
+        run = run_pair(layer, d, c, calib, evals, progress.step)
+        y = torch.cat(run.outputs)
+        metrics = error_metrics(y, ref)
+        results.append({
+            "dispatch": d,
+            "combine": c,
+            **metrics.as_dict(),
+            **wire_cost(d, c, layer.hidden, layer.top_k).as_dict(),
+            "calibrated": needs_calibration(d, c),
+            "amax": run.amax,
+        })
+
+    per_rank = cfg.tokens_per_rank
+    remote = [remote_fraction(b[2], layer.num_experts, cfg.ranks, per_rank) for b in evals]
+    load = torch.bincount(ids.reshape(-1).clamp(min=0), minlength=layer.num_experts)
+    doc = {
+        "schema": SCHEMA,
+        "versions": {
+            "moewire": moewire.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "settings": cfg.as_dict(),
+        "layer": {**layer.shapes(), "preset": cfg.preset.as_dict()},
+        "routing": {
+            "eval_tokens": int(ref.shape[0]),
+            "calib_tokens": sum(int(b[0].shape[0]) for b in calib),
+            "tokens_per_rank": per_rank,
+            "remote_fraction": sum(remote) / len(remote),
+            "expert_load_max_over_mean": float(load.max()) / float(load.float().mean()),
+        },
+        "baseline": {
+            "output_rms": float(ref64.square().mean().sqrt()),
+            "output_absmax": float(ref64.abs().max()),
+        },
+        "results": results,
+    }
+    progress.phase(f"done in {time.perf_counter() - started:.1f} s")
+    return doc
