@@ -1,0 +1,776 @@
+"""The wire quantizer: one format plus its calibration state (amax, enable, mode).
+
+A :class:`WireQuantizer` is what the Mega-MoE wrapper puts on the dispatch and the combine
+path. It holds a :class:`~moewire.formats.WireFormat` and the state ModelOpt's
+``TensorQuantizer`` holds for it:
+
+- ``amax``: a registered FP32 ``[]`` buffer, so ``state_dict``, ``.to(device)`` and CUDA
+  graphs see it. It is only ever updated in place (``copy_``, ``torch.maximum(out=)``), so
+  a captured graph keeps reading the live value. ``has_amax`` says whether it holds a
+  calibrated, constant or loaded value (``amax_source``).
+- the calibration state: the running max of ``|x|`` (``calib_amax``), whether any row was
+  seen (``calib_seen``) and how many NaN values were skipped (``calib_nan``); buffers too,
+  but not saved in the ``state_dict``.
+- ``mode``: ``"quantize"``, ``"calibrate"`` (values pass through unquantized, ModelOpt's
+  semantics, while :meth:`~WireQuantizer.collect` keeps the running max) or
+  ``"disabled"``.
+
+``forward`` and ``collect`` never synchronise with the host (no ``.item()``, no Python
+branch on a tensor value), so both can be captured in a CUDA graph; every check that has
+to read a value runs on the host in :meth:`~WireQuantizer.load_calib_amax`,
+:meth:`~WireQuantizer.load_amax` and :meth:`~WireQuantizer.sync_amax`.
+
+NaN during calibration: ModelOpt's ``MaxCalibrator`` asserts (a host sync) when a
+collected amax is NaN or inf. moewire cannot read values while collecting, so
+``collect`` skips NaN elements (a NaN never turns a finite max into NaN) and counts them;
+``load_calib_amax`` then warns with the count. An inf is kept in the max, and
+``load_calib_amax`` refuses it.
+
+ModelOpt-style configuration dicts map to formats with :func:`parse_cfg` (the table is in
+its docstring); :meth:`WireQuantizer.from_cfg` builds the quantizer from one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from moewire import formats
+
+__all__ = ["CFG_KEYS", "MODES", "CfgError", "QuantizerSpec", "WireQuantizer", "parse_cfg"]
+
+MODES = ("quantize", "calibrate", "disabled")
+
+#: Keys a quantizer cfg may hold: ModelOpt's attribute names plus moewire's own
+#: ``format`` and ``allow_dynamic``.
+CFG_KEYS = ("num_bits", "block_sizes", "axis", "constant_amax", "enable", "format",
+            "allow_dynamic")
+
+_BLOCK_KEYS = (-1, "type", "scale_bits")
+_NAMED_BITS = {"e4m3": (4, 3), "e2m1": (2, 1), "e8m0": (8, 0)}
+_PER_TOKEN_AXES = (0, -2)
+
+# (num_bits, block size along the last dim, block scale_bits, "tensor"/"token") -> format.
+_CFG_TABLE: dict[tuple[tuple[int, int], int | None, tuple[int, int] | None, str], str] = {
+    ((4, 3), None, None, "tensor"): "fp8",
+    ((2, 1), 16, (4, 3), "tensor"): "nvfp4",
+    ((2, 1), 16, (4, 3), "token"): "nvfp4_token",
+    ((4, 3), 128, None, "tensor"): "fp8_b128",
+    ((4, 3), 128, (8, 0), "tensor"): "fp8_b128_ue8m0",
+    ((4, 3), 32, (8, 0), "tensor"): "mxfp8",
+    ((2, 1), 32, (8, 0), "tensor"): "mxfp4",
+}
+
+
+def _describe_table() -> str:
+    lines = []
+    for (bits, block, scale_bits, axis), name in _CFG_TABLE.items():
+        parts = [f"num_bits: {list(bits)}"]
+        if block is not None:
+            blocks = f"{{-1: {block}, type: dynamic"
+            if scale_bits is not None:
+                blocks += f", scale_bits: {list(scale_bits)}"
+            parts.append(f"block_sizes: {blocks}}}")
+        if axis == "token":
+            parts.append("axis: 0")
+        lines.append(f"{', '.join(parts)} -> {name}")
+    return "; ".join(lines)
+
+
+class CfgError(ValueError):
+    """A quantizer cfg moewire cannot map; ``key`` is the path of the offending key.
+
+    ``key`` is a tuple such as ``("num_bits",)`` or ``("block_sizes", "scale_bits")``
+    (empty when the cfg as a whole is wrong), so a recipe loader can point at the line.
+    """
+
+    def __init__(self, message: str, key: tuple[Any, ...] = ()) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class QuantizerSpec:
+    """What a cfg maps to: the :class:`WireQuantizer` constructor arguments."""
+
+    fmt: str
+    constant_amax: float | None = None
+    enable: bool = True
+    allow_dynamic: bool = True
+
+
+def _bits(value: Any, key: tuple[Any, ...]) -> tuple[int, int]:
+    if isinstance(value, str) and value.lower() in _NAMED_BITS:
+        return _NAMED_BITS[value.lower()]
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return (value[0], value[1])
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise CfgError(
+            f"{'.'.join(map(str, key))}={value!r} is integer quantization, which no moewire "
+            "wire format implements; use a float format, e.g. num_bits: [4, 3] (FP8 E4M3) "
+            "or [2, 1] (FP4 E2M1)",
+            key,
+        )
+    raise CfgError(
+        f"{'.'.join(map(str, key))}={value!r} is not a pair (exponent bits, mantissa "
+        "bits); write it as a list, e.g. [4, 3] for E4M3, [2, 1] for E2M1, [8, 0] for E8M0",
+        key,
+    )
+
+
+def _blocks(value: Any) -> tuple[int | None, tuple[int, int] | None]:
+    if value is None:
+        return None, None
+    if not isinstance(value, Mapping):
+        raise CfgError(
+            f"block_sizes={value!r} must be a mapping such as "
+            "{-1: 16, type: dynamic, scale_bits: [4, 3]}",
+            ("block_sizes",),
+        )
+    for key in value:
+        if key not in _BLOCK_KEYS:
+            raise CfgError(
+                f"block_sizes has the key {key!r}; moewire's blocks run along the last dim "
+                f"only, so the accepted keys are {list(_BLOCK_KEYS)}",
+                ("block_sizes", key),
+            )
+    size = value.get(-1)
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise CfgError(
+            f"block_sizes[-1]={size!r}: give the block size along the last dim as an "
+            "integer (16 for NVFP4, 32 for MX, 128 for FP8 1x128)",
+            ("block_sizes", -1),
+        )
+    kind = value.get("type")
+    if kind != "dynamic":
+        raise CfgError(
+            f"block_sizes type={kind!r}: moewire's block scales are computed from each block "
+            "(ModelOpt's 'dynamic'); set type: dynamic",
+            ("block_sizes", "type"),
+        )
+    scale_bits = value.get("scale_bits")
+    if scale_bits is not None:
+        scale_bits = _bits(scale_bits, ("block_sizes", "scale_bits"))
+    return size, scale_bits
+
+
+def _axis(value: Any) -> str:
+    if value is None:
+        return "tensor"
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, int) and not isinstance(value, bool) and value in _PER_TOKEN_AXES:
+        return "token"
+    raise CfgError(
+        f"axis={value!r} has no moewire format: moewire takes axis: null (one amax per "
+        "tensor) or a per-token axis (0 or -2: one scale per row, NVFP4 only -> nvfp4_token); "
+        "per-channel amax (axis: -1) is not a wire format",
+        ("axis",),
+    )
+
+
+def _positive_amax(value: Any, key: tuple[Any, ...]) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise CfgError(
+            f"{key[0]}={value!r} must be a number, e.g. constant_amax: 2688.0", key
+        )
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise CfgError(
+            f"{key[0]}={value!r} must be finite and > 0 (2688.0 = 6 * 448 makes the NVFP4 "
+            "global scale 1)",
+            key,
+        )
+    return value
+
+
+def _flag(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise CfgError(f"{key}={value!r} must be true or false", (key,))
+    return value
+
+
+def parse_cfg(cfg: Mapping[str, Any]) -> QuantizerSpec:
+    """Map a ModelOpt-style quantizer cfg to a moewire format and options.
+
+    Accepted keys (:data:`CFG_KEYS`): ``num_bits``, ``block_sizes``, ``axis``,
+    ``constant_amax``, ``enable`` (ModelOpt's attribute names), and moewire's own
+    ``format`` (a registered format name) and ``allow_dynamic``. The mapping:
+
+    ============  ====================================================  ============
+    num_bits      block_sizes                                           format
+    ============  ====================================================  ============
+    (4, 3)        none (``axis`` None)                                  fp8
+    (2, 1)        {-1: 16, type: dynamic, scale_bits: (4, 3)}           nvfp4
+    (2, 1)        same, with a per-token ``axis`` (0 or -2)             nvfp4_token
+    (4, 3)        {-1: 128, type: dynamic}                              fp8_b128
+    (4, 3)        {-1: 128, type: dynamic, scale_bits: (8, 0)}          fp8_b128_ue8m0
+    (4, 3)        {-1: 32, type: dynamic, scale_bits: (8, 0)}           mxfp8
+    (2, 1)        {-1: 32, type: dynamic, scale_bits: (8, 0)}           mxfp4
+    ============  ====================================================  ============
+
+    ``num_bits`` and ``scale_bits`` are pairs (a tuple, or a list in YAML) or the names
+    ``"e4m3"``, ``"e2m1"``, ``"e8m0"``. ``fp8_b32_ue8m0``, ``logfmt10`` and ``bf16`` have no
+    ModelOpt spelling: name them with ``format``. ``format`` together with ``num_bits``
+    must name the same format. A cfg with ``enable: false`` and no format maps to ``bf16``
+    (disabled; identity if enabled later).
+
+    Args:
+        cfg: the cfg mapping (one recipe entry's ``cfg``).
+
+    Returns:
+        The :class:`QuantizerSpec` (format name, ``constant_amax``, ``enable``,
+        ``allow_dynamic``).
+
+    Raises:
+        CfgError: (a ``ValueError``) an unknown key, a value of the wrong type, a
+            combination with no moewire format, ``constant_amax`` on a format without a
+            global amax, or an unregistered format; ``.key`` names the offending key.
+    """
+    if not isinstance(cfg, Mapping):
+        raise CfgError(f"a quantizer cfg must be a mapping, got {type(cfg).__name__}: {cfg!r}")
+    for key in cfg:
+        if key not in CFG_KEYS:
+            raise CfgError(
+                f"unknown cfg key {key!r}; accepted keys: {', '.join(CFG_KEYS)}", (key,)
+            )
+    enable = _flag(cfg, "enable", True)
+    allow_dynamic = _flag(cfg, "allow_dynamic", True)
+    derived = None
+    if any(cfg.get(key) is not None for key in ("num_bits", "block_sizes", "axis")):
+        if cfg.get("num_bits") is None:
+            raise CfgError(
+                "block_sizes/axis are given without num_bits; add num_bits, e.g. [4, 3]",
+                ("num_bits",),
+            )
+        bits = _bits(cfg["num_bits"], ("num_bits",))
+        block, scale_bits = _blocks(cfg.get("block_sizes"))
+        axis = _axis(cfg.get("axis"))
+        derived = _CFG_TABLE.get((bits, block, scale_bits, axis))
+        if derived is None:
+            blocks = cfg.get("block_sizes")
+            raise CfgError(
+                f"num_bits={list(bits)}, block_sizes={blocks!r}, axis={cfg.get('axis')!r} "
+                f"name no moewire format; accepted: {_describe_table()}; or format: <name> "
+                f"({', '.join(formats.names())})",
+                ("block_sizes",) if blocks is not None and bits in ((4, 3), (2, 1))
+                else ("num_bits",),
+            )
+    name = cfg.get("format")
+    if name is not None:
+        if not isinstance(name, str) or name not in formats.names():
+            raise CfgError(
+                f"format={name!r} is not a registered wire format; known formats: "
+                f"{', '.join(formats.names())}",
+                ("format",),
+            )
+        if derived is not None and derived != name:
+            raise CfgError(
+                f"format={name!r} disagrees with num_bits/block_sizes/axis, which name "
+                f"{derived!r}; keep one of the two, or make them agree",
+                ("format",),
+            )
+    name = name or derived
+    if name is None:
+        if enable:
+            raise CfgError(
+                "the cfg names no format: add num_bits (ModelOpt spelling, e.g. [4, 3]) or "
+                "format (e.g. format: nvfp4), or set enable: false",
+                (),
+            )
+        name = "bf16"
+    if name not in formats.names():
+        raise CfgError(
+            f"the cfg maps to format {name!r}, which is not registered in this build "
+            f"(known: {', '.join(formats.names())})",
+            ("format",) if "format" in cfg else ("num_bits",),
+        )
+    constant = cfg.get("constant_amax")
+    if constant is not None:
+        constant = _positive_amax(constant, ("constant_amax",))
+        if not formats.get(name).needs_amax:
+            raise CfgError(
+                f"constant_amax is set but format {name!r} has no global amax (its scales "
+                "come from each block or row); remove constant_amax",
+                ("constant_amax",),
+            )
+    return QuantizerSpec(name, constant, enable, allow_dynamic)
+
+
+def _host_amax(value: torch.Tensor | float, what: str) -> torch.Tensor:
+    """``value`` as FP32 ``[]`` on the CPU, refused unless it is one finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (torch.Tensor, numbers.Real)):
+        raise TypeError(f"{what}: amax must be a number or a one-element tensor, got "
+                        f"{type(value).__name__}")
+    tensor = torch.as_tensor(value).detach()
+    if tensor.numel() != 1:
+        raise ValueError(f"{what}: amax must be one value, got shape {tuple(tensor.shape)}")
+    tensor = tensor.to("cpu", torch.float32).reshape(())
+    if not math.isfinite(float(tensor)) or float(tensor) < 0:
+        raise ValueError(f"{what}: amax is {float(tensor)}; it must be finite and >= 0")
+    return tensor
+
+
+class WireQuantizer(nn.Module):
+    """Fake-quantizes tensors in one wire format; holds the amax and calibration state.
+
+    Args:
+        fmt: a registered format name (``moewire.formats.names()``) or a format object.
+        constant_amax: a fixed global amax (finite, > 0) for formats with ``needs_amax``;
+            calibration then leaves it alone.
+        enable: ``False`` starts in ``"disabled"`` mode (values pass through).
+        allow_dynamic: for ``needs_amax`` formats without an amax, use ``max|x|`` of each
+            call (ModelOpt's uncalibrated behaviour). ``False`` makes such a call an error.
+        name: the quantizer's path in the model, used in messages (``None``: its class).
+
+    Attributes:
+        fmt: the :class:`~moewire.formats.WireFormat`.
+        amax: FP32 ``[]`` buffer; meaningful only when ``has_amax``.
+        calib_amax: FP32 ``[]`` buffer, the running max of the collected ``|x|``.
+        calib_seen: bool ``[]`` buffer, whether any row was collected.
+        calib_nan: int64 ``[]`` buffer, NaN values skipped while collecting.
+        has_amax: ``amax`` holds a fixed value; ``amax_source`` says where it came from:
+            ``"calibrated"``, ``"constant"`` or ``"loaded"``.
+    """
+
+    amax: torch.Tensor
+    calib_amax: torch.Tensor
+    calib_seen: torch.Tensor
+    calib_nan: torch.Tensor
+
+    def __init__(
+        self,
+        fmt: str | formats.WireFormat = "nvfp4",
+        *,
+        constant_amax: float | None = None,
+        enable: bool = True,
+        allow_dynamic: bool = True,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.fmt = formats.get(fmt)
+        self.allow_dynamic = bool(allow_dynamic)
+        self.name = name
+        self.register_buffer("amax", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("calib_amax", torch.zeros((), dtype=torch.float32),
+                             persistent=False)
+        self.register_buffer("calib_seen", torch.zeros((), dtype=torch.bool), persistent=False)
+        self.register_buffer("calib_nan", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.has_amax = False
+        self.amax_source: str | None = None
+        self.constant_amax: float | None = None
+        self._mode = "quantize" if enable else "disabled"
+        if constant_amax is not None:
+            self.set_constant_amax(constant_amax)
+
+    @classmethod
+    def from_cfg(cls, cfg: Mapping[str, Any], *, name: str | None = None) -> WireQuantizer:
+        """Build a quantizer from a ModelOpt-style cfg dict (see :func:`parse_cfg`).
+
+        Raises:
+            CfgError: (``ValueError``) the cfg cannot be mapped; the message names the key.
+        """
+        spec = parse_cfg(cfg)
+        return cls(spec.fmt, constant_amax=spec.constant_amax, enable=spec.enable,
+                   allow_dynamic=spec.allow_dynamic, name=name)
+
+    # -- mode --------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """``"quantize"``, ``"calibrate"`` or ``"disabled"``."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in MODES:
+            raise ValueError(f"{self._label()}: mode {value!r} is not one of {MODES}")
+        self._mode = value
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the quantizer does anything (``mode != "disabled"``)."""
+        return self._mode != "disabled"
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._mode = "quantize" if value else "disabled"
+
+    def enable(self) -> None:
+        """Switch to ``"quantize"`` mode."""
+        self._mode = "quantize"
+
+    def disable(self) -> None:
+        """Switch to ``"disabled"`` mode (values pass through)."""
+        self._mode = "disabled"
+
+    # -- the scale -----------------------------------------------------------------------
+
+    @property
+    def static_amax(self) -> torch.Tensor | None:
+        """The FP32 ``[]`` device tensor the scale uses, or ``None`` when none is fixed."""
+        return self.amax if self.has_amax else None
+
+    def is_static_scale(self) -> bool:
+        """True when every scale of a row depends on the row alone.
+
+        ``fmt.row_local and (not fmt.needs_amax or has_amax)``: block/row-scaled formats
+        always, global-amax formats only once the amax is calibrated, constant or loaded.
+        """
+        return self.fmt.row_local and (not self.fmt.needs_amax or self.has_amax)
+
+    def scale_amax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The amax the scale of ``x`` uses in quantize mode.
+
+        Returns:
+            ``None`` for formats without a global amax; the fixed ``amax`` buffer when
+            ``has_amax``; else (``allow_dynamic``) ``x.abs().amax()`` of this call, FP32 ``[]``.
+
+        Raises:
+            RuntimeError: the format needs an amax, none is fixed and ``allow_dynamic`` is off.
+        """
+        if not self.fmt.needs_amax:
+            return None
+        if self.has_amax:
+            return self.amax
+        if self.allow_dynamic:
+            return x.detach().abs().amax().float()
+        raise RuntimeError(
+            f"{self._label()}: format {self.fmt.name!r} needs an amax and this quantizer has "
+            "none (allow_dynamic=False forbids a per-call amax); calibrate it (with "
+            "q.calibrating(): run data) or set constant_amax"
+        )
+
+    def kernel_spec(self) -> tuple[str | None, torch.Tensor | None]:
+        """``(format name, amax or None)`` for a fused kernel, or ``(None, None)``.
+
+        Only a quantizer in quantize mode with a static scale (:meth:`is_static_scale`)
+        can be handed to a kernel that takes a format name and an FP32 device amax.
+        """
+        if self._mode != "quantize" or not self.is_static_scale():
+            return None, None
+        return self.fmt.name, (self.amax if self.fmt.needs_amax else None)
+
+    def set_constant_amax(self, value: float) -> None:
+        """Fix the amax to ``value`` (finite, > 0); calibration will not change it."""
+        if not self.fmt.needs_amax:
+            raise ValueError(
+                f"{self._label()}: format {self.fmt.name!r} has no global amax (its scales "
+                "come from each block or row); constant_amax does not apply, remove it"
+            )
+        try:
+            value = _positive_amax(value, ("constant_amax",))
+        except CfgError as err:
+            raise ValueError(f"{self._label()}: {err}") from None
+        self.amax.fill_(value)
+        self.constant_amax = float(self.amax.cpu())
+        self.has_amax = True
+        self.amax_source = "constant"
+
+    def load_amax(self, amax: torch.Tensor | float) -> None:
+        """Set the amax to a saved value (a ModelOpt checkpoint, ``load_scales``).
+
+        Args:
+            amax: one finite value >= 0 (0 is taken as given: ModelOpt saves it for a
+                quantizer that saw only zeros, and the formats have a fallback for it).
+
+        Raises:
+            ValueError: not one finite value >= 0, or it differs from ``constant_amax``.
+        """
+        value = _host_amax(amax, self._label())
+        if self.constant_amax is not None and float(value) != self.constant_amax:
+            raise ValueError(
+                f"{self._label()}: has constant_amax={self.constant_amax} and the loaded amax "
+                f"is {float(value)}; build the quantizer without constant_amax to load it"
+            )
+        self.amax.copy_(value)
+        self.has_amax = True
+        if self.amax_source != "constant":
+            self.amax_source = "loaded"
+
+    # -- forward and calibration -----------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``fmt.qdq(x, scale_amax(x))`` (quantize); collect, return ``x`` (calibrate); ``x``.
+
+        Args:
+            x: BF16/FP16/FP32 ``[..., H]``.
+
+        Returns:
+            ``x.dtype``, ``x.shape`` (``x`` itself when calibrating or disabled).
+        """
+        if self._mode == "quantize":
+            return self.fmt.qdq(x, self.scale_amax(x))
+        if self._mode == "calibrate":
+            self.collect(x)
+        return x
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Fold ``max|x|`` over the valid elements into the running max; no host sync.
+
+        ``calib_amax = max(calib_amax, max{|x[i]| : valid[i], x[i] not NaN})`` in FP32
+        (exact: ``|x|`` of BF16/FP16/FP32 is exact in FP32); ``calib_seen |= any(valid)``;
+        ``calib_nan += #{i : valid[i], x[i] is NaN}``. An inf is kept (and refused later).
+
+        Args:
+            x: BF16/FP16/FP32, any shape, on the quantizer's device.
+            valid: optional bool mask broadcastable to ``x.shape`` (e.g. ``[..., 1]``, one
+                flag per row): only these elements count, and a call whose mask is all
+                False counts as no data. ``None``: every element of ``x`` counts.
+
+        Raises:
+            ValueError/TypeError: ``valid`` does not broadcast to ``x`` or is not bool.
+            RuntimeError: ``x`` is on another device than the quantizer's state.
+        """
+        if x.device != self.calib_amax.device:
+            raise RuntimeError(
+                f"{self._label()}: x is on {x.device} and the calibration state on "
+                f"{self.calib_amax.device}; move the quantizer first (q.to(x.device))"
+            )
+        if valid is not None:
+            if valid.dtype != torch.bool:
+                raise TypeError(f"{self._label()}: valid must be a bool mask, got {valid.dtype}")
+            if torch.broadcast_shapes(valid.shape, x.shape) != x.shape:
+                raise ValueError(
+                    f"{self._label()}: valid has shape {tuple(valid.shape)}, which does not "
+                    f"broadcast to x's {tuple(x.shape)}; give one flag per row as [..., 1]"
+                )
+        if x.numel() == 0:
+            return
+        magnitude = x.detach().abs()
+        nan = torch.isnan(magnitude)
+        keep = ~nan if valid is None else valid & ~nan
+        if valid is not None:
+            nan = nan & valid
+        kept = torch.where(keep, magnitude, torch.zeros((), dtype=x.dtype, device=x.device))
+        torch.maximum(self.calib_amax, kept.amax().float(), out=self.calib_amax)
+        self.calib_nan.add_(nan.sum())
+        if valid is None:
+            self.calib_seen.fill_(True)
+        else:
+            self.calib_seen.logical_or_(valid.any())
+
+    def reset_calibration(self) -> None:
+        """Forget the collected max (in place); the amax is kept."""
+        self.calib_amax.zero_()
+        self.calib_seen.zero_()
+        self.calib_nan.zero_()
+
+    def _calibratable(self) -> bool:
+        return self.fmt.needs_amax and self.constant_amax is None
+
+    @contextlib.contextmanager
+    def calibrating(self) -> Iterator[WireQuantizer]:
+        """Calibrate mode inside (values pass through), then :meth:`load_calib_amax`.
+
+        A disabled quantizer stays disabled and collects nothing. The collected state is
+        reset on entry. On a normal exit the previous mode comes back and, for a format
+        with a global amax and no ``constant_amax``, the max is loaded (with no data seen
+        it warns and keeps the quantizer as it was). If the body raises, the mode comes
+        back and nothing is loaded.
+
+        Raises:
+            RuntimeError: already calibrating (calibration does not nest).
+        """
+        if self._mode == "disabled":
+            yield self
+            return
+        if self._mode == "calibrate":
+            raise RuntimeError(
+                f"{self._label()}: already calibrating; calibrating() does not nest"
+            )
+        previous = self._mode
+        self.reset_calibration()
+        self._mode = "calibrate"
+        try:
+            yield self
+        finally:
+            self._mode = previous
+        if self._calibratable():
+            self.load_calib_amax()
+
+    def load_calib_amax(self) -> torch.Tensor | None:
+        """Finish calibration: copy the collected max into ``amax`` (host-side checks).
+
+        Returns:
+            The ``amax`` buffer, or ``None`` when no data was seen (a warning then says so
+            and what to do; ``has_amax`` is left as it was).
+
+        Raises:
+            RuntimeError: the quantizer has a ``constant_amax``.
+            ValueError: data was seen and the max is 0 (all values 0 or NaN), inf or NaN.
+        """
+        label = self._label()
+        if self.constant_amax is not None:
+            raise RuntimeError(
+                f"{label}: has constant_amax={self.constant_amax}, which calibration does not "
+                "change; build it without constant_amax to calibrate"
+            )
+        seen, value, nan = bool(self.calib_seen), float(self.calib_amax), int(self.calib_nan)
+        if not seen:
+            state = (f"it keeps its {self.amax_source} amax" if self.has_amax
+                     else "it keeps no amax")
+            warnings.warn(
+                f"{label}: calibration saw no data, so {state}. Run forward passes with "
+                "routed tokens inside calibrating(), or call sync_amax(group) to take the "
+                "max of the ranks that saw data, or set constant_amax",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+        skipped = f" ({nan} NaN values were skipped)" if nan else ""
+        if not math.isfinite(value) or value == 0:
+            cause = ("every collected value was 0 or NaN" if value == 0
+                     else "the collected data held inf" if math.isinf(value)
+                     else "the collected max is NaN (a corrupted or synced state)")
+            raise ValueError(
+                f"{label}: refusing calibrated amax={value}: {cause}{skipped}. Calibrate on "
+                "real activations (rows with routed tokens), or set constant_amax"
+            )
+        if nan:
+            warnings.warn(
+                f"{label}: calibration skipped {nan} NaN values; amax={value:.4e} is the max "
+                "of the finite ones. Check the model for NaN activations",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.amax.copy_(self.calib_amax)
+        self.has_amax = True
+        self.amax_source = "calibrated"
+        return self.amax
+
+    # -- distributed ---------------------------------------------------------------------
+
+    def sync_amax(self, group: Any = None) -> None:
+        """Max-all-reduce the amax and the calibration state over a process group.
+
+        Every rank must call it (exactly one collective per call, whatever its state). One
+        FP32 ``[4]`` tensor ``[amax if has_amax else 0, has_amax, calib_amax, calib_seen]``
+        is reduced with ``MAX``: 0 is neutral for a max of magnitudes, so a rank that saw
+        no data neither hangs nor lowers the result, and the flags become "any rank".
+        A NaN is sent as inf, so a bad rank makes every rank refuse in
+        :meth:`load_calib_amax` instead of poisoning the max silently. Called before or
+        after :meth:`load_calib_amax`. No-op without an initialised group of > 1 ranks.
+
+        Args:
+            group: a ``torch.distributed`` process group (``None``: the default group).
+
+        Raises:
+            RuntimeError: (after the collective) ranks disagree on ``constant_amax``.
+        """
+        dist = torch.distributed
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        if dist.get_world_size(group) == 1:
+            return
+        device = self.amax.device
+        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        zero = torch.zeros((), dtype=torch.float32, device=self.amax.device)
+        packed = torch.stack([
+            self.amax if self.has_amax else zero,
+            zero + self.has_amax,
+            self.calib_amax,
+            self.calib_seen.float(),
+        ]).to(device)
+        packed = torch.where(torch.isnan(packed), torch.inf, packed)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        amax, any_amax, calib, any_seen = packed.tolist()
+        self.calib_amax.fill_(calib)
+        self.calib_seen.fill_(any_seen > 0)
+        if not any_amax:
+            return
+        if self.constant_amax is not None and amax != self.constant_amax:
+            raise RuntimeError(
+                f"{self._label()}: constant_amax={self.constant_amax} here, but another rank "
+                f"holds amax={amax}; build every rank's quantizer from the same recipe"
+            )
+        self.amax.copy_(packed[0])
+        self.has_amax = True
+        self.amax_source = self.amax_source or "calibrated"
+
+    # -- state -------------------------------------------------------------------------
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {
+            "format": self.fmt.name,
+            "has_amax": self.has_amax,
+            "amax_source": self.amax_source,
+            "constant_amax": self.constant_amax,
+        }
+
+    def _check_extra_state(self, state: Any, where: str) -> None:
+        if not isinstance(state, Mapping) or "format" not in state:
+            raise RuntimeError(
+                f"{where}: the saved extra state {state!r} is not a WireQuantizer's; load a "
+                "state_dict saved from a moewire model"
+            )
+        if state["format"] != self.fmt.name:
+            raise RuntimeError(
+                f"{where}: the state_dict was saved from a {state['format']!r} quantizer, and "
+                f"this one is {self.fmt.name!r}; build the model with the recipe it was "
+                "calibrated with before loading"
+            )
+
+    def set_extra_state(self, state: Any) -> None:
+        self._check_extra_state(state, self._label())
+        has_amax = bool(state.get("has_amax", False))
+        if has_amax:
+            _host_amax(self.amax, f"{self._label()} (loaded state)")
+        self.has_amax = has_amax
+        self.amax_source = state.get("amax_source") if has_amax else None
+        self.constant_amax = state.get("constant_amax")
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
+                              *args: Any, **kwargs: Any) -> None:
+        # Refuse a format mismatch before the amax buffer is overwritten.
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is not None:
+            self._check_extra_state(extra, prefix.rstrip(".") or self._label())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> WireQuantizer:
+        # model.to(torch.bfloat16) must move the state, never round the amax.
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for key, old in before.items():
+            new = self._buffers[key]
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[key] = old.to(new.device)
+        return self
+
+    # -- summary -----------------------------------------------------------------------
+
+    def _label(self) -> str:
+        return self.name or f"WireQuantizer({self.fmt.name})"
+
+    def extra_repr(self) -> str:
+        if self._mode == "disabled":
+            return "disabled"
+        parts = [self.fmt.name]
+        if self._mode == "calibrate":
+            parts.append("calibrating")
+            if bool(self.calib_seen):
+                parts.append(f"calib_amax={float(self.calib_amax):.4e}")
+            else:
+                parts.append("no data yet")
+        elif self.has_amax:
+            parts += [f"amax={float(self.amax):.4e}", str(self.amax_source)]
+        elif self.fmt.needs_amax:
+            parts.append("amax=dynamic" if self.allow_dynamic else "amax=None, needs calibration")
+        return ", ".join(parts)
