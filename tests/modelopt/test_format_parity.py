@@ -71,6 +71,21 @@ def test_split_amaxes_really_split():
         assert 448.0 / at.double() != (448.0 * torch.reciprocal(at)).double()
 
 
+def test_split_amaxes_change_fp32_outputs():
+    """The parity check can fail: an FP8 with one rounding (true division 448/amax) differs
+    from ModelOpt's on FP32 data with these amax values (BF16/FP16 outputs hide the ulp)."""
+
+    def true_division_fp8(x: torch.Tensor, amax: float) -> torch.Tensor:
+        s = torch.div(torch.tensor(448.0), torch.tensor(amax, dtype=torch.float32))
+        q = (x.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return (q.float() * torch.div(torch.tensor(1.0), s)).to(x.dtype)
+
+    x = _sample("normal", (64, 96), torch.Generator().manual_seed(_seed("split")))
+    for amax in SPLIT_AMAXES:
+        theirs = _tensor_quantizer({"num_bits": (4, 3)}, amax)(x)
+        assert not torch.equal(_bits(true_division_fp8(x, amax)), _bits(theirs))
+
+
 def _amax_cases(x: torch.Tensor) -> list[float]:
     data_max = float(x.float().abs().max())
     # below, at and above the data max (clipping), the ulp-split values, and the two
