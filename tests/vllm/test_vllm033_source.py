@@ -108,3 +108,74 @@ def test_033_unfused_shared_expert_is_added_after_the_kernel(vllm_config, v033):
     expected = routed.clone()
     expected += shared(x)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+class _SharedMLP(torch.nn.Module):
+    """vLLM's shared-expert shape: ``gate_up_proj`` BF16 [2S, H], ``down_proj`` [H, S]."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.gate_up_proj = torch.nn.Linear(H, 2 * size, bias=False).bfloat16()
+        self.down_proj = torch.nn.Linear(size, H, bias=False).bfloat16()
+        self.gate_up_proj.weight.data = (torch.randn(2 * size, H, generator=g) / 8).bfloat16()
+        self.down_proj.weight.data = (torch.randn(H, size, generator=g) / 8).bfloat16()
+
+
+def _make_033_bf16_fused(module, config, prefix: str, seed: int):
+    shared = _SharedMLP(INTER, seed)
+    experts = module.DeepGemmMegaMoEExperts(
+        config,
+        num_experts=E,
+        num_local_experts=E,
+        experts_start_idx=0,
+        top_k=K,
+        hidden_size=H,
+        intermediate_size=INTER,
+        activation=module.MegaMoEActivation(clamp=10.0),
+        weight_format=module.MEGA_MOE_BF16,
+        shared_experts=shared,
+        prefix=prefix,
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    for e in range(E):
+        w13 = (torch.randn(2 * INTER, H, generator=g) / 16).bfloat16()
+        w2 = (torch.randn(H, INTER, generator=g) / 16).bfloat16()
+        experts.weight_loader(experts.w13_weight, w13[:INTER], f"{prefix}.w13_weight", "w1", e)
+        experts.weight_loader(experts.w13_weight, w13[INTER:], f"{prefix}.w13_weight", "w3", e)
+        experts.weight_loader(experts.w2_weight, w2, f"{prefix}.w2_weight", "w2", e)
+    gate_up = shared.gate_up_proj.weight.data
+    experts.load_shared_expert_weight(f"{prefix}.shared_experts.w1.weight", gate_up[:INTER])
+    experts.load_shared_expert_weight(f"{prefix}.shared_experts.w3.weight", gate_up[INTER:])
+    experts.load_shared_expert_weight(
+        f"{prefix}.shared_experts.w2.weight", shared.down_proj.weight.data
+    )
+    return experts
+
+
+@pytest.mark.parametrize(
+    ("flavour", "shared_slot"), [("vllm", "last"), ("sgl", "first")], ids=["vllm", "sgl"]
+)
+def test_033_fused_shared_expert_in_flavour_order(vllm_config, v033, flavour, shared_slot):
+    from vllm.forward_context import create_forward_context, override_forward_context
+
+    vllm_mod.register_vllm_experts()
+    # vLLM caches buffers per shape across layers; a new flavour needs a new buffer.
+    v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
+    pad = torch.zeros(6, dtype=torch.bool)
+    pad[4] = True
+    x, ids, w = setup.routing(6, seed=7)
+    with vllm_mod.use_reference_deep_gemm(flavour):
+        prefix = f"model.layers.{50 + len(flavour)}.ffn.experts"
+        experts = _make_033_bf16_fused(v033, vllm_config, prefix, seed=8)
+        assert experts.has_fused_shared_experts
+        with override_forward_context(create_forward_context(None, vllm_config, is_padding=pad)):
+            y = experts(x, w, ids)
+        buffer = experts.get_symm_buffer()
+        assert vllm_mod.kernel_flavour(experts) == flavour
+    rows = setup.oracle_rows(buffer, K + 1, flavour)
+    expected = setup.oracle_resum(rows, buffer.topk_idx, 6, shared=shared_slot)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+    # A padding token still gets the shared expert: its row is always valid.
+    shared_row = rows[K if shared_slot == "last" else 0, 4]
+    assert torch.equal(y[4].view(torch.int16), shared_row.view(torch.int16))
