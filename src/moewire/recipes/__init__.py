@@ -1,0 +1,338 @@
+"""Named quantization recipes: YAML units and presets, in ModelOpt's ``quant_cfg`` syntax.
+
+A recipe file is a YAML mapping with up to three keys:
+
+- ``description``: one line for people;
+- ``units``: names of other recipes whose entries come first, in this order (presets are
+  built this way; a name resolves to a file next to this one, else a packaged recipe);
+- ``quant_cfg``: a list of entries ``{quantizer_name: "*dispatch_quantizer", cfg: {...},
+  enable: true}``. ``quantizer_name`` is an ``fnmatch`` wildcard on the quantizer's
+  qualified name (``layers.3.experts.dispatch_quantizer``); ``cfg`` is a quantizer cfg
+  (``moewire.quantizer.parse_cfg``: ``num_bits`` as a list ``[4, 3]``, ``block_sizes``,
+  ``axis``, ``constant_amax``, ``enable``, or moewire's ``format``); an entry needs
+  ``cfg``, ``enable`` or both.
+
+Matching follows ModelOpt's ``quant_cfg`` order: every matching entry is applied in turn, so
+later entries win. An entry with a ``cfg`` replaces the quantizer's attributes (and
+enables it unless ``enable: false``); an entry with only ``enable`` switches it on or off
+and keeps the attributes set before.
+
+Every cfg is validated when the file is loaded; an error names the file and line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.resources
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moewire.quantizer import CfgError, parse_cfg
+
+__all__ = ["Recipe", "RecipeEntry", "load", "names"]
+
+_TOP_KEYS = ("description", "units", "quant_cfg")
+_ENTRY_KEYS = ("quantizer_name", "cfg", "enable")
+_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True)
+class RecipeEntry:
+    """One ``quant_cfg`` entry.
+
+    Attributes:
+        quantizer_name: ``fnmatch`` wildcard on quantizer qualified names.
+        cfg: the quantizer cfg (validated), or ``None`` for an enable-only entry.
+        enable: the entry's ``enable``, or ``None`` when it does not set one.
+        source: ``"<file>:<line>"`` where the entry was written (``"<list>"`` otherwise).
+    """
+
+    quantizer_name: str
+    cfg: Mapping[str, Any] | None = None
+    enable: bool | None = None
+    source: str = "<list>"
+
+    def matches(self, name: str) -> bool:
+        """Whether ``name`` matches the wildcard (case-sensitive ``fnmatch``)."""
+        return fnmatch.fnmatchcase(name, self.quantizer_name)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A loaded recipe: its name and its entries, units expanded in order."""
+
+    name: str
+    entries: tuple[RecipeEntry, ...]
+    description: str = ""
+    path: str | None = None
+    units: tuple[str, ...] = field(default=())
+
+    def match(self, quantizer_name: str) -> dict[str, Any] | None:
+        """The cfg the recipe gives the quantizer ``quantizer_name``, or ``None``.
+
+        Entries are applied in order (later ones win, as in ModelOpt): a ``cfg`` entry
+        replaces the attributes, an enable-only entry keeps them and sets ``enable``.
+
+        Args:
+            quantizer_name: qualified name, e.g. ``"layers.3.experts.combine_quantizer"``.
+
+        Returns:
+            A cfg for ``WireQuantizer.from_cfg`` with ``enable`` always set, or ``None``
+            when no entry matches.
+        """
+        result: dict[str, Any] | None = None
+        for entry in self.entries:
+            if not entry.matches(quantizer_name):
+                continue
+            if entry.cfg is not None:
+                result = dict(entry.cfg)
+                result["enable"] = entry.enable if entry.enable is not None else bool(
+                    entry.cfg.get("enable", True))
+            else:
+                result = dict(result or {})
+                result["enable"] = entry.enable
+        return result
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[Mapping[str, Any]], name: str = "custom"
+                     ) -> Recipe:
+        """A recipe from Python dicts (``{"quantizer_name": ..., "cfg": ...}``), validated.
+
+        Raises:
+            ValueError: an entry or cfg is malformed; the message names the entry index.
+        """
+        built = []
+        for index, raw in enumerate(entries):
+            where = f"{name}[{index}]"
+            built.append(_entry(raw, where, lambda _key, where=where: where))
+        return cls(name=name, entries=tuple(built))
+
+
+# -- loading -----------------------------------------------------------------------------
+
+
+def _packaged() -> dict[str, Any]:
+    root = importlib.resources.files(__name__)
+    return {
+        item.name.rsplit(".", 1)[0]: item
+        for item in root.iterdir()
+        if item.is_file() and item.name.endswith(_SUFFIXES)
+    }
+
+
+def names() -> list[str]:
+    """Names of the packaged recipes (units and presets), sorted."""
+    return sorted(_packaged())
+
+
+def load(name_or_path: str | os.PathLike) -> Recipe:
+    """Load a packaged recipe by name, or a recipe file by path.
+
+    Args:
+        name_or_path: a name from :func:`names` (``"moe_nvfp4"``) or a path to a
+            ``.yaml``/``.yml`` file.
+
+    Returns:
+        The :class:`Recipe`, with every unit's entries expanded in order.
+
+    Raises:
+        ValueError: unknown name, missing file, bad YAML, unknown key, bad cfg or a cycle of
+            units; the message names the file and line and says how to fix it.
+    """
+    return _load(name_or_path, stack=())
+
+
+def _resolve(name_or_path: str | os.PathLike, base: Path | None) -> tuple[str, Any]:
+    text = os.fspath(name_or_path)
+    looks_like_path = text.endswith(_SUFFIXES) or os.sep in text or "/" in text
+    if looks_like_path:
+        path = Path(text)
+        if base is not None and not path.is_absolute():
+            path = base / path
+        if not path.is_file():
+            raise ValueError(f"recipe file {str(path)!r} does not exist")
+        return str(path), path
+    if base is not None:
+        for suffix in _SUFFIXES:
+            sibling = base / f"{text}{suffix}"
+            if sibling.is_file():
+                return str(sibling), sibling
+    packaged = _packaged()
+    if text not in packaged:
+        raise ValueError(
+            f"unknown recipe {text!r}; packaged recipes: {', '.join(sorted(packaged))} "
+            "(or pass a path to a .yaml file)"
+        )
+    return str(packaged[text]), packaged[text]
+
+
+def _load(name_or_path: str | os.PathLike, stack: tuple[str, ...], base: Path | None = None
+          ) -> Recipe:
+    where, resource = _resolve(name_or_path, base)
+    if where in stack:
+        chain = " -> ".join((*stack, where))
+        raise ValueError(f"recipe units form a cycle: {chain}; remove one of the units")
+    text = resource.read_text(encoding="utf-8")
+    name = resource.name.rsplit(".", 1)[0]
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{where}{line}: not valid YAML: {err.problem}") from None
+    if node is None:
+        raise ValueError(f"{where}:1: the recipe is empty; give quant_cfg entries or units")
+    base_dir = Path(where).parent if isinstance(resource, Path) else None
+    return _recipe(node, name, where, (*stack, where), base_dir)
+
+
+def _line(where: str, node: yaml.Node) -> str:
+    return f"{where}:{node.start_mark.line + 1}"
+
+
+def _pairs(node: yaml.MappingNode, where: str) -> list[tuple[Any, yaml.Node, yaml.Node]]:
+    """``(key, key node, value node)`` of a mapping node; duplicate keys are refused."""
+    loader = yaml.SafeLoader("")
+    seen: dict[Any, yaml.Node] = {}
+    pairs = []
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise ValueError(
+                f"{_line(where, key_node)}: the key {key!r} appears twice (first at line "
+                f"{seen[key].start_mark.line + 1}); keep one"
+            )
+        seen[key] = key_node
+        pairs.append((key, key_node, value_node))
+    return pairs
+
+
+def _value(node: yaml.Node) -> Any:
+    return yaml.SafeLoader("").construct_object(node, deep=True)
+
+
+def _recipe(node: yaml.Node, name: str, where: str, stack: tuple[str, ...],
+            base: Path | None) -> Recipe:
+    if isinstance(node, yaml.SequenceNode):
+        entries_node, units_node, description = node, None, ""
+    elif isinstance(node, yaml.MappingNode):
+        entries_node = units_node = None
+        description = ""
+        for key, key_node, value_node in _pairs(node, where):
+            if key not in _TOP_KEYS:
+                raise ValueError(
+                    f"{_line(where, key_node)}: unknown recipe key {key!r}; a recipe has "
+                    f"{', '.join(_TOP_KEYS)}"
+                )
+            if key == "quant_cfg":
+                entries_node = value_node
+            elif key == "units":
+                units_node = value_node
+            else:
+                description = _value(value_node)
+                if not isinstance(description, str):
+                    raise ValueError(f"{_line(where, value_node)}: description must be text")
+    else:
+        raise ValueError(
+            f"{_line(where, node)}: a recipe is a mapping with quant_cfg/units (or a list of "
+            "entries), got a scalar"
+        )
+    entries: list[RecipeEntry] = []
+    units: list[str] = []
+    if units_node is not None:
+        if not isinstance(units_node, yaml.SequenceNode):
+            raise ValueError(f"{_line(where, units_node)}: units must be a list of recipe names")
+        for unit_node in units_node.value:
+            unit = _value(unit_node)
+            if not isinstance(unit, str):
+                raise ValueError(f"{_line(where, unit_node)}: a unit is a recipe name, got "
+                                 f"{unit!r}")
+            try:
+                loaded = _load(unit, stack, base)
+            except ValueError as err:
+                raise ValueError(f"{_line(where, unit_node)}: unit {unit!r}: {err}") from None
+            units.append(loaded.name)
+            entries.extend(loaded.entries)
+    if entries_node is not None:
+        if not isinstance(entries_node, yaml.SequenceNode):
+            raise ValueError(
+                f"{_line(where, entries_node)}: quant_cfg must be a list of entries "
+                "({quantizer_name: ..., cfg: ...})"
+            )
+        for entry_node in entries_node.value:
+            entries.append(_node_entry(entry_node, where))
+    if not entries:
+        raise ValueError(f"{_line(where, node)}: the recipe has no entries; add quant_cfg or "
+                         "units")
+    return Recipe(name=name, entries=tuple(entries), description=description, path=where,
+                  units=tuple(units))
+
+
+def _node_entry(node: yaml.Node, where: str) -> RecipeEntry:
+    if not isinstance(node, yaml.MappingNode):
+        raise ValueError(
+            f"{_line(where, node)}: a quant_cfg entry is a mapping "
+            "{quantizer_name: ..., cfg: ...}"
+        )
+    marks: dict[tuple[Any, ...], yaml.Node] = {(): node}
+    for key, key_node, value_node in _pairs(node, where):
+        marks[(key,)] = key_node
+        if key == "cfg" and isinstance(value_node, yaml.MappingNode):
+            marks[("cfg",)] = value_node
+            for sub, sub_key_node, sub_value_node in _pairs(value_node, where):
+                marks[("cfg", sub)] = sub_key_node
+                if isinstance(sub_value_node, yaml.MappingNode):
+                    for deep, deep_key_node, _ in _pairs(sub_value_node, where):
+                        marks[("cfg", sub, deep)] = deep_key_node
+
+    def locate(key: tuple[Any, ...]) -> str:
+        while key not in marks:
+            key = key[:-1]
+        return _line(where, marks[key])
+
+    return _entry(_value(node), where, locate)
+
+
+def _entry(raw: Any, where: str, locate: Any) -> RecipeEntry:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{locate(())}: a quant_cfg entry is a mapping, got {raw!r}")
+    for key in raw:
+        if key not in _ENTRY_KEYS:
+            raise ValueError(
+                f"{locate((key,))}: unknown entry key {key!r}; an entry has "
+                f"{', '.join(_ENTRY_KEYS)}"
+            )
+    pattern = raw.get("quantizer_name")
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(
+            f"{locate(('quantizer_name',))}: quantizer_name must be a wildcard such as "
+            f"'*dispatch_quantizer', got {pattern!r}"
+        )
+    enable = raw.get("enable")
+    if enable is not None and not isinstance(enable, bool):
+        raise ValueError(f"{locate(('enable',))}: {pattern}: enable must be true or false, got "
+                         f"{enable!r}")
+    cfg = raw.get("cfg")
+    if cfg is None and enable is None:
+        raise ValueError(f"{locate(())}: {pattern}: the entry needs cfg, enable or both")
+    if cfg is not None:
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"{locate(('cfg',))}: {pattern}: cfg must be a mapping, got {cfg!r}")
+        checked = dict(cfg)
+        if enable is not None:
+            checked["enable"] = enable
+        try:
+            parse_cfg(checked)
+        except CfgError as err:
+            raise ValueError(f"{locate(('cfg', *err.key))}: {pattern}: {err}") from None
+    return RecipeEntry(
+        quantizer_name=pattern,
+        cfg=cfg,
+        enable=enable,
+        source=locate(()),
+    )
