@@ -68,8 +68,9 @@ def test_math_choice(cfg, math):
         ({**INT8, "backend_extra_args": {"math": "moewire"}}, "name no moewire format"),
         ({**MXFP8, "backend": BACKEND}, "name no moewire format"),
         ({**FP8, "backend_extra_args": {"math": "triton"}}, "use 'moewire'"),
+        ({**FP8, "use_constant_amax": True}, "constant_amax=448.0"),
     ],
-    ids=["int8-asks-moewire", "mxfp8-backend-moewire", "unknown-math"],
+    ids=["int8-asks-moewire", "mxfp8-backend-moewire", "unknown-math", "use-constant-amax"],
 )
 def test_math_refusals(cfg, match):
     with pytest.raises(ValueError, match=match):

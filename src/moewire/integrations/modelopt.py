@@ -78,8 +78,7 @@ def format_name(quantizer: TensorQuantizer) -> str | None:
 
     - ``"fp8"``: ``num_bits == (4, 3)``, no ``block_sizes``, ``axis is None`` (per tensor);
     - ``"nvfp4"``: ``num_bits == (2, 1)``, ``block_sizes == {-1: 16, "type": "dynamic",
-      "scale_bits": (4, 3)}`` (the last-dim key may also be written as a positive index only
-      by ModelOpt's own configs, which moewire does not accept: rows are the last dim).
+      "scale_bits": (4, 3)}`` (blocks of 16 along the last dim, the row).
 
     Integer, MX and per-channel attributes return ``None``: ModelOpt's math runs them.
     """
@@ -96,6 +95,11 @@ def format_name(quantizer: TensorQuantizer) -> str | None:
 
 def _math_of(quantizer: TensorQuantizer, where: str) -> str:
     """``"moewire"`` or ``"modelopt"``: who fake-quantizes for this quantizer."""
+    if quantizer._use_constant_amax:
+        raise ValueError(
+            f"{where}: use_constant_amax (ModelOpt's KV-cache switch) is not supported on a "
+            "wire quantizer; write constant_amax=448.0 to pin the amax instead"
+        )
     asked = (quantizer.backend_extra_args or {}).get(_MATH_KEY)
     if quantizer.backend == BACKEND:
         asked = "moewire"
@@ -120,8 +124,6 @@ def _math_of(quantizer: TensorQuantizer, where: str) -> str:
 
 def _static_amax(quantizer: TensorQuantizer) -> torch.Tensor | None:
     """The fixed amax of a quantizer as FP32 ``[]`` on its device, or ``None``."""
-    if quantizer._use_constant_amax:
-        return torch.tensor(448.0, dtype=torch.float32)
     amax = getattr(quantizer, "_amax", None)
     if amax is None or quantizer._dynamic or amax.numel() != 1:
         return None
@@ -130,19 +132,12 @@ def _static_amax(quantizer: TensorQuantizer) -> torch.Tensor | None:
 
 def _moewire_qdq(inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
     """Fake quant with moewire's format and the quantizer's amax (the registered backend)."""
-    name = format_name(quantizer)
-    if name is None:
-        raise ValueError(
-            f"ModelOpt backend {BACKEND!r}: quantizer attributes num_bits="
-            f"{quantizer._num_bits}, block_sizes={quantizer._block_sizes}, axis="
-            f"{quantizer._axis} name no moewire format (fp8 per tensor or nvfp4); remove "
-            f"backend={BACKEND!r} from this quantizer's cfg"
-        )
+    _math_of(quantizer, f"ModelOpt backend {BACKEND!r}")  # refuses what moewire lacks
     amax = _static_amax(quantizer)
     if amax is None:
         # ModelOpt semantics for an uncalibrated per-tensor quantizer: the amax of this call.
         amax = inputs.detach().abs().amax().float()
-    return formats.get(name).qdq(inputs, amax.to(inputs.device))
+    return formats.get(format_name(quantizer)).qdq(inputs, amax.to(inputs.device))
 
 
 class WireTensorQuantizer(TensorQuantizer):
