@@ -1,0 +1,195 @@
+"""Independent oracles for every wire format: NumPy FP32/float64 math and ml_dtypes casts.
+
+Written from the math in docs/formats.md, not from moewire's torch code: element rounding
+comes from ml_dtypes (float8_e4m3fn, float4_e2m1fn, bfloat16), powers of two from
+``np.frexp`` and are checked against float8_e8m0fnu, FP32 arithmetic is NumPy float32
+(IEEE, one rounding per operation), and LogFMT is evaluated in float64.
+
+Every oracle takes a float32 NumPy array (the input values, exactly) and returns a
+float32 array: the result before the final cast to the input dtype.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+F32 = np.float32
+E4M3 = ml_dtypes.float8_e4m3fn
+E2M1 = ml_dtypes.float4_e2m1fn
+E8M0 = ml_dtypes.float8_e8m0fnu
+
+_NP_OF = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16, torch.float32: np.float32}
+_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def e4m3(v: np.ndarray) -> np.ndarray:
+    """Saturating RNE onto E4M3 (ml_dtypes), NaN kept; float64 result."""
+    return np.clip(v, -448.0, 448.0).astype(E4M3).astype(np.float64)
+
+
+def e2m1(v: np.ndarray) -> np.ndarray:
+    """Saturating RNE onto E2M1 (ml_dtypes) with the sign kept; NaN kept; float64 result."""
+    nan = np.isnan(v)
+    q = np.clip(np.where(nan, 0.0, v), -6.0, 6.0).astype(E2M1).astype(np.float64)
+    return np.where(nan, np.nan, q)
+
+
+def exact_pow2(k: np.ndarray) -> np.ndarray:
+    """2**k in float64, checked to be a UE8M0 value (ml_dtypes float8_e8m0fnu round trip)."""
+    p = np.ldexp(1.0, k.astype(np.int64))
+    assert np.array_equal(p.astype(E8M0).astype(np.float64), p), "scale is not a UE8M0 value"
+    return p
+
+
+def _blocks(x: np.ndarray, b: int) -> np.ndarray:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // b, b)
+
+
+def bf16(x: np.ndarray, amax=None) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16).astype(F32)
+
+
+def fp8(x: np.ndarray, amax) -> np.ndarray:
+    amax = F32(amax)
+    safe = amax if amax > F32(2.0**-24) else F32(1.0)
+    s = F32(448.0) * (F32(1.0) / safe)
+    q = e4m3(x * s).astype(F32)
+    return q * (F32(1.0) / s)
+
+
+def _ceil_ue8m0(sf: np.ndarray) -> np.ndarray:
+    """DeepGEMM's UE8M0 rounding of a positive scale, from frexp: 2^ceil(log2 sf)."""
+    finite = np.isfinite(sf)
+    m, e = np.frexp(np.where(finite, sf, 1.0).astype(np.float64))
+    k = np.where(m == 0.5, e - 1, e)
+    k = np.where(finite, np.clip(k, -126, 127), 127)  # DeepGEMM clamps the biased exponent
+    return exact_pow2(k).astype(F32)
+
+
+def fp8_block(block: int, ue8m0: bool):
+    def oracle(x: np.ndarray, amax=None) -> np.ndarray:
+        xb = _blocks(x, block)
+        a = np.max(np.abs(xb), axis=-1, keepdims=True)
+        a = np.where(np.isnan(a), a, np.maximum(a, F32(1e-4)))
+        sf = (a / F32(448.0)).astype(F32)
+        if ue8m0:
+            sf = _ceil_ue8m0(sf)
+        q = e4m3(xb * (F32(1.0) / sf)).astype(F32)
+        return (q * sf).reshape(x.shape)
+
+    return oracle
+
+
+def mx(emax: int, element):
+    def oracle(x: np.ndarray, amax=None) -> np.ndarray:
+        xb = _blocks(x, 32).astype(np.float64)
+        a = np.max(np.abs(xb), axis=-1, keepdims=True)
+        finite = np.isfinite(a)
+        _, e = np.frexp(np.where(finite & (a > 0), a, 1.0))
+        k = np.maximum(e - 1 - emax, -127)
+        scale = exact_pow2(k)
+        out = element(xb / scale) * scale
+        out = np.where(finite, out, np.nan)
+        return out.astype(F32).reshape(x.shape)
+
+    return oracle
+
+
+def _torch_sign(v: np.ndarray) -> np.ndarray:
+    return np.where(v > 0, F32(1), np.where(v < 0, F32(-1), np.where(np.isnan(v), v, F32(0))))
+
+
+def _nvfp4(x: np.ndarray, gs: np.ndarray) -> np.ndarray:
+    xb = _blocks(x, 16)
+    bmax = np.max(np.abs(xb), axis=-1, keepdims=True)
+    t = np.minimum(bmax / (F32(6.0) * gs), F32(448.0))
+    bs = e4m3(t).astype(F32) * gs
+    bs = np.where(bs < F32(1e-5), F32(1.0), bs)
+    q = e2m1(np.abs(xb) / bs).astype(F32)
+    return ((_torch_sign(xb) * q) * bs).reshape(x.shape)
+
+
+def nvfp4(x: np.ndarray, amax) -> np.ndarray:
+    amax = F32(amax)
+    gs = amax / F32(2688.0) if amax > 0 else F32(1e-12)
+    return _nvfp4(x, np.asarray(gs, dtype=F32))
+
+
+def nvfp4_token(x: np.ndarray, amax=None) -> np.ndarray:
+    row = np.max(np.abs(x), axis=-1, keepdims=True)[..., None]
+    gs = np.where(row == 0, F32(1e-12), row / F32(2688.0)).astype(F32)
+    return _nvfp4(x, gs)
+
+
+def logfmt10(x: np.ndarray, amax=None) -> np.ndarray:
+    """DeepEP LogFMT-10 in float64, per 128 channels, cast decided per 512/1024 channels."""
+    v = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    hidden = v.shape[-1]
+    rows = v.reshape(-1, hidden)
+    group = 1024 if hidden % 1024 == 0 else 512
+    out = np.empty_like(rows)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for r, row in enumerate(rows):
+            for g0 in range(0, hidden, group):
+                chunk = row[g0 : g0 + group].reshape(-1, 128)
+                a = np.abs(chunk)
+                amax = np.nanmax(np.where(np.isnan(a), 0.0, a), axis=1, keepdims=True)
+                amin = np.min(np.where(np.isnan(a), np.inf, a), axis=1, keepdims=True)
+                la = np.log2(amax)
+                li = np.maximum(np.log2(amin), la - 32.0)
+                if not np.all((la < 0) & (li < la)):
+                    out[r, g0 : g0 + group] = chunk.reshape(-1)
+                    continue
+                step = (la - li) / 510.0
+                step_inv = 1.0 / step
+                fused = (2.0 - np.log2((1.0 + np.exp2(step)) * 0.5) * step_inv) - li * step_inv
+                t = np.log2(a) * step_inv + fused
+                code = np.floor(np.where(np.isnan(t) | (t < 0), 0.0, t))
+                assert code.max() <= 511
+                dec = np.where(code == 0, 0.0, np.exp2((code - 1.0) * step + li))
+                out[r, g0 : g0 + group] = np.copysign(dec, chunk).reshape(-1)
+    return out.reshape(v.shape).astype(F32)
+
+
+ORACLES = {
+    "bf16": bf16,
+    "fp8": fp8,
+    "fp8_b128": fp8_block(128, ue8m0=False),
+    "fp8_b128_ue8m0": fp8_block(128, ue8m0=True),
+    "fp8_b32_ue8m0": fp8_block(32, ue8m0=True),
+    "mxfp8": mx(8, e4m3),
+    "mxfp4": mx(2, e2m1),
+    "nvfp4": nvfp4,
+    "nvfp4_token": nvfp4_token,
+    "logfmt10": logfmt10,
+}
+
+
+def expected(name: str, x: torch.Tensor, amax=None) -> torch.Tensor:
+    """The oracle's result for ``x`` as a tensor of ``x.dtype`` (built from NumPy bits)."""
+    xs = x.detach().cpu().to(torch.float32).numpy()
+    with np.errstate(all="ignore"):
+        out32 = ORACLES[name](xs, amax)
+    out = np.ascontiguousarray(out32.astype(F32).astype(_NP_OF[x.dtype]))
+    bits = out.view(np.int16 if x.dtype != torch.float32 else np.int32)
+    return torch.from_numpy(bits.copy()).view(x.dtype)
+
+
+def assert_bits_equal(actual: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    """Bit-for-bit equality; any NaN matches any NaN (payloads are not specified)."""
+    assert actual.dtype == want.dtype and actual.shape == want.shape, what
+    actual = actual.detach().cpu()
+    nan_a, nan_w = torch.isnan(actual), torch.isnan(want)
+    int_t = _INT_OF[actual.dtype]
+    a_bits = torch.where(nan_a, 0, actual.view(int_t))
+    w_bits = torch.where(nan_w, 0, want.view(int_t))
+    same = torch.equal(nan_a, nan_w) and torch.equal(a_bits, w_bits)
+    if not same:
+        bad = ((a_bits != w_bits) | (nan_a != nan_w)).nonzero()
+        i = tuple(bad[0].tolist())
+        raise AssertionError(
+            f"{what}: {len(bad)} of {actual.numel()} elements differ; first at {i}: "
+            f"got {actual[i].item()!r}, oracle {want[i].item()!r}"
+        )
