@@ -1,0 +1,496 @@
+"""Dispatch and combine fake quantization around a Mega-MoE experts module.
+
+:func:`convert` turns an experts module into a quantized one in place, ModelOpt style: its
+class is swapped for a generated subclass ``Quant<Cls>`` (module names and the original
+state-dict keys are kept) and it gains two :class:`~moewire.quantizer.WireQuantizer`
+submodules, ``dispatch_quantizer`` and ``combine_quantizer``, disabled by default.
+
+The experts' forward is never copied. Its class's adapter (``moewire.megamoe.registry``)
+names two globals its forward reads at call time; moewire replaces them, once per forward
+module, with proxies that pass everything through unless a quantized module's forward is
+running (a context variable set by ``Quant<Cls>.forward``):
+
+- the staging function: the ``hidden_states`` argument is replaced by
+  ``dispatch_quantizer(hidden_states)``, out of place, so the router and an unfused shared
+  expert (added after the kernel) see the original tokens;
+- the DeepGEMM namespace: ``fp8_fp4_mega_moe``, ``bf16_mega_moe`` and ``fp8_mega_moe`` are
+  wrapped; right after the kernel returns (before ``y += shared_experts(...)``) the combine
+  rows are read from the buffer, fake-quantized, re-summed in the kernel's order
+  (:func:`~moewire.megamoe.resum.resum`) and written into ``y`` in place.
+
+Layout check: before the first use of a buffer's rows (buffers are shared by layers, so
+once per buffer), the unquantized re-sum must equal ``y`` bit for bit over the tokens with a
+routed row. An all-padding batch defers it. Eager: one host sync per call until checked,
+none after. Under CUDA-graph capture of an unchecked buffer the comparison is recorded in
+the graph as a device-side assert, evaluated on every replay.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import inspect
+import os
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from moewire.megamoe import flavours as _flavours
+from moewire.megamoe.layout import combine_rows
+from moewire.megamoe.registry import ExpertsAdapter, adapter_for
+from moewire.megamoe.resum import resum, routed_rows
+from moewire.quantizer import WireQuantizer
+
+__all__ = [
+    "FUSION_SWITCH",
+    "KERNEL_FUNCTIONS",
+    "QuantExperts",
+    "convert",
+    "install_proxies",
+    "is_converted",
+    "layout_checked",
+    "reset_layout_checks",
+    "set_module_name",
+]
+
+KERNEL_FUNCTIONS = frozenset({"fp8_fp4_mega_moe", "bf16_mega_moe", "fp8_mega_moe"})
+FUSION_SWITCH = "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=1"
+QUANTIZER_NAMES = ("dispatch_quantizer", "combine_quantizer")
+
+_ACTIVE: contextvars.ContextVar[QuantExperts | None] = contextvars.ContextVar(
+    "moewire_active_experts", default=None
+)
+
+
+# -- proxies on the forward module's globals ------------------------------------------------
+
+
+class _StagingProxy:
+    """Stands in for the staging function; defers to the active quantized module, if any."""
+
+    def __init__(self, fn: Callable) -> None:
+        self._moewire_original = fn
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", "staging")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = _ACTIVE.get()
+        if module is None:
+            return self._moewire_original(*args, **kwargs)
+        return module._moewire_stage(self._moewire_original, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<moewire staging proxy of {self._moewire_original!r}>"
+
+
+class _KernelNamespace:
+    """Stands in for the DeepGEMM namespace; wraps the Mega-MoE kernels, passes the rest.
+
+    Attribute writes and deletes go to the real namespace, so monkeypatching a kernel
+    through the proxy patches the namespace itself.
+    """
+
+    def __init__(self, namespace: Any) -> None:
+        object.__setattr__(self, "_moewire_namespace", namespace)
+        object.__setattr__(self, "_moewire_wrapped", {})
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._moewire_namespace, name)
+        if name not in KERNEL_FUNCTIONS or not callable(attr):
+            return attr
+        cached = self._moewire_wrapped.get(name)
+        if cached is not None and cached[0] is attr:
+            return cached[1]
+        wrapped = _wrap_kernel(attr)
+        self._moewire_wrapped[name] = (attr, wrapped)
+        return wrapped
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._moewire_namespace, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._moewire_namespace, name)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._moewire_namespace)
+
+    def __repr__(self) -> str:
+        return f"<moewire kernel proxy of {self._moewire_namespace!r}>"
+
+
+def _wrap_kernel(fn: Callable) -> Callable:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        module = _ACTIVE.get()
+        if module is None:
+            return fn(*args, **kwargs)
+        y = args[0] if args else kwargs.get("y")
+        if not isinstance(y, torch.Tensor):
+            raise RuntimeError(
+                f"{module._moewire_name}: the Mega-MoE kernel {fn.__name__} was called "
+                "without its output y as the first argument (or keyword y); moewire "
+                "cannot find the tensor to re-sum into"
+            )
+        staged = module._moewire_before_kernel(y)
+        result = fn(*args, **kwargs)
+        if staged is not None:
+            module._moewire_combine(y, staged)
+        return result
+
+    kernel.__name__ = getattr(fn, "__name__", "mega_moe")
+    kernel.__doc__ = getattr(fn, "__doc__", None)
+    kernel.__wrapped__ = fn
+    return kernel
+
+
+def install_proxies(adapter: ExpertsAdapter) -> None:
+    """Replace the adapter's two globals by proxies (once: a proxy is never wrapped again)."""
+    try:
+        module = importlib.import_module(adapter.forward_module)
+    except ImportError as exc:
+        raise RuntimeError(
+            f"experts adapter {adapter.name!r}: cannot import its forward module "
+            f"{adapter.forward_module!r} ({exc}); fix the adapter's forward_module"
+        ) from exc
+    for attr in (adapter.stage_fn, adapter.kernel_ns):
+        if not hasattr(module, attr):
+            raise RuntimeError(
+                f"experts adapter {adapter.name!r}: {adapter.forward_module} has no global "
+                f"{attr!r}; the experts' forward must read it at call time (fix stage_fn / "
+                "kernel_ns of the adapter)"
+            )
+    stage = getattr(module, adapter.stage_fn)
+    if not isinstance(stage, _StagingProxy):
+        setattr(module, adapter.stage_fn, _StagingProxy(stage))
+    namespace = getattr(module, adapter.kernel_ns)
+    if not isinstance(namespace, _KernelNamespace):
+        setattr(module, adapter.kernel_ns, _KernelNamespace(namespace))
+
+
+# -- the layout check registry ------------------------------------------------------------------
+
+
+@dataclass
+class _BufferCheck:
+    flat: weakref.ref  # the checked flat tensor; a dead reference means "check again"
+    graph_warned: bool = False
+    checked: bool = False
+
+
+_CHECKS: dict[tuple[str, int], _BufferCheck] = {}
+
+
+def _buffer_state(symm_buffer: Any) -> _BufferCheck:
+    flat = symm_buffer.buffer
+    key = (str(flat.device), flat.untyped_storage().data_ptr())
+    state = _CHECKS.get(key)
+    if state is None or state.flat() is None:
+        state = _BufferCheck(weakref.ref(flat))
+        _CHECKS[key] = state
+    return state
+
+
+def layout_checked(symm_buffer: Any) -> bool:
+    """Whether the eager layout check has passed for ``symm_buffer``'s storage."""
+    return _buffer_state(symm_buffer).checked
+
+
+def reset_layout_checks() -> None:
+    """Forget every passed check (tests; a process that swaps its DeepGEMM build)."""
+    _CHECKS.clear()
+
+
+def _debug_env_hint() -> str:
+    value = os.environ.get("DG_COMM_KERNEL_DEBUG", "")
+    if value.strip() not in ("", "0"):
+        return (
+            f" DG_COMM_KERNEL_DEBUG={value} is set in this process: it zeroes the buffer "
+            "after every call, so the rows are gone; unset it."
+        )
+    return ""
+
+
+# -- the quantized experts class ------------------------------------------------------------
+
+
+def _locate_hidden(
+    fn: Callable, args: tuple, kwargs: dict, where: int | str, name: str
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[tuple, dict]]]:
+    """Find ``hidden_states`` in a staging call; returns it and a function that rebuilds
+    the call's ``(args, kwargs)`` with a replacement."""
+    if isinstance(where, int) and len(args) > where:
+
+        def put_positional(value: torch.Tensor) -> tuple[tuple, dict]:
+            return args[:where] + (value,) + args[where + 1 :], kwargs
+
+        return args[where], put_positional
+    if isinstance(where, str) and where in kwargs:
+
+        def put_keyword(value: torch.Tensor) -> tuple[tuple, dict]:
+            return args, {**kwargs, where: value}
+
+        return kwargs[where], put_keyword
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    key = params[where] if isinstance(where, int) and where < len(params) else where
+    if isinstance(key, str) and key in kwargs:
+        return _locate_hidden(fn, args, kwargs, key, name)
+    if isinstance(key, str) and key in params and params.index(key) < len(args):
+        return _locate_hidden(fn, args, kwargs, params.index(key), name)
+    raise RuntimeError(
+        f"{name}: the staging call has no hidden_states argument at {where!r} (got "
+        f"{len(args)} positional and keywords {sorted(kwargs)}); fix the adapter's "
+        "stage_hidden_arg"
+    )
+
+
+class QuantExperts:
+    """Mixin of the generated ``Quant<Cls>`` classes (first in their MRO).
+
+    Needs two submodules, ``dispatch_quantizer`` and ``combine_quantizer``, with the
+    :class:`~moewire.quantizer.WireQuantizer` surface (``mode``, ``is_static_scale()``,
+    ``static_amax``, ``collect(x)``, ``__call__``); another class-swap framework (ModelOpt's
+    ``QuantModuleRegistry``) can put this mixin first in its own generated class, create
+    the two quantizers and call :func:`install_proxies` for the class's adapter. The
+    adapter is looked up from the class (``adapter_for``); :func:`set_module_name` sets the
+    name used in errors (default: the class name).
+    """
+
+    _moewire_quant_class = True
+    dispatch_quantizer: nn.Module
+    combine_quantizer: nn.Module
+
+    @property
+    def _moewire_adapter(self) -> ExpertsAdapter:
+        adapter = self.__dict__.get("_moewire_adapter_")
+        if adapter is None:
+            adapter = adapter_for(self)
+            if adapter is None:
+                raise TypeError(
+                    f"{type(self).__name__} has no experts adapter; register its base class "
+                    "with moewire.megamoe.register_experts_class"
+                )
+            self.__dict__["_moewire_adapter_"] = adapter
+        return adapter
+
+    @property
+    def _moewire_name(self) -> str:
+        return self.__dict__.get("_moewire_name_") or type(self).__name__
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        token = _ACTIVE.set(self)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    def _moewire_stage(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        quantizer = self.dispatch_quantizer
+        if quantizer.mode == "disabled":
+            return fn(*args, **kwargs)
+        adapter = self._moewire_adapter
+        if adapter.fused_shared(self):
+            raise RuntimeError(
+                f"{self._moewire_name}: the dispatch quantizer is enabled but a shared expert "
+                "is fused into the Mega-MoE kernel, which reads the same staged tokens, so it "
+                f"would see quantized inputs too; run with {FUSION_SWITCH} (vLLM) or build "
+                "the layer with the shared expert unfused, or disable the dispatch quantizer"
+            )
+        hidden, put = _locate_hidden(fn, args, kwargs, adapter.stage_hidden_arg, self._moewire_name)
+        _on_device(quantizer, hidden.device, self._moewire_name, "dispatch_quantizer")
+        if quantizer.mode == "calibrate":
+            result = fn(*args, **kwargs)
+            staged = adapter.get_symm_buffer(self).topk_idx[: hidden.shape[0]]
+            # Only tokens with a valid slot reach an expert; padding never does. Boolean
+            # indexing syncs with the host, which calibration (eager, before capture) allows.
+            quantizer.collect(hidden[(staged >= 0).any(dim=1)])
+            return result
+        args, kwargs = put(quantizer(hidden))
+        return fn(*args, **kwargs)
+
+    # -- combine -------------------------------------------------------------------------
+
+    def _moewire_before_kernel(self, y: torch.Tensor) -> torch.Tensor | None:
+        """The staged ids of this call, copied before the kernel runs (or None when the
+        combine is off): a kernel may clear the buffer (``DG_COMM_KERNEL_DEBUG=1`` zeroes
+        all of it), and validity read afterwards would turn padding into routed slots."""
+        if self.combine_quantizer.mode == "disabled":
+            return None
+        topk_idx = self._moewire_adapter.get_symm_buffer(self).topk_idx
+        return topk_idx[: y.shape[0]].clone()
+
+    def _moewire_combine(self, y: torch.Tensor, topk_idx: torch.Tensor) -> None:
+        """Check, then calibrate or re-sum the combine rows into ``y``.
+
+        Args:
+            y: the kernel's output, BF16 ``[T, H]``.
+            topk_idx: int64 ``[T, k]``, the staged ids as they were before the kernel ran.
+        """
+        quantizer = self.combine_quantizer
+        name = self._moewire_name
+        if quantizer.mode == "quantize" and not quantizer.is_static_scale():
+            raise RuntimeError(
+                f"{name}: the combine quantizer needs a calibrated or constant amax (each "
+                "rank re-quantizes rows from all expert ranks, and a scale computed per call "
+                "from this rank's rows would also see padding and stale rows); run "
+                "calibration or set constant_amax"
+            )
+        adapter = self._moewire_adapter
+        flavour = _flavours.get(adapter.flavour(self))
+        fused = bool(adapter.fused_shared(self))
+        symm_buffer = adapter.get_symm_buffer(self)
+        rows = combine_rows(symm_buffer, flavour, fused_shared=fused)
+        shared_slot = flavour.shared_slot if fused else None
+        num_tokens = y.shape[0]
+        _on_device(quantizer, y.device, name, "combine_quantizer")
+        state = _buffer_state(symm_buffer)
+        if not state.checked:
+            self._moewire_check(state, rows, topk_idx, num_tokens, shared_slot, y, flavour)
+        if quantizer.mode == "calibrate":
+            # Valid rows only: invalid slots hold stale rows, padding tokens have no valid
+            # slot, and the fused shared slot is not on the wire.
+            valid = (topk_idx[:num_tokens] >= 0).T
+            quantizer.collect(routed_rows(rows, shared_slot)[:, :num_tokens][valid])
+            return
+        resum(rows, topk_idx, num_tokens, shared_slot, row_quantizer=quantizer, out=y)
+
+    def _moewire_check(
+        self,
+        state: _BufferCheck,
+        rows: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_tokens: int,
+        shared_slot: str | None,
+        y: torch.Tensor,
+        flavour: _flavours.Flavour,
+    ) -> None:
+        """Unquantized re-sum == ``y`` bit for bit over the tokens with a routed row."""
+        expected = resum(rows, topk_idx, num_tokens, shared_slot)
+        routed = (topk_idx[:num_tokens] >= 0).any(dim=1)
+        differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & routed
+        where = (
+            f"{self._moewire_name}: the Mega-MoE layout check failed: the unquantized re-sum "
+            f"of the combine rows read with kernel flavour {flavour.name!r} (combine base "
+            f"{flavour.combine_base_rule}, fused shared slot "
+            f"{shared_slot if shared_slot else 'none'}) does not reproduce the kernel output"
+        )
+        causes = (
+            "Likely causes: DG_COMM_KERNEL_DEBUG=1 (it zeroes the buffer after every call); "
+            "a DeepGEMM build that changed the combine layout or order; or the wrong flavour "
+            f"for this build (registered: {', '.join(_flavours.names())}; set it in the "
+            "experts adapter)."
+        )
+        if y.is_cuda and torch.cuda.is_current_stream_capturing():
+            torch._assert_async(~differs.any(), f"{where}. {causes}")
+            if not state.graph_warned:
+                state.graph_warned = True
+                warnings.warn(
+                    f"{self._moewire_name}: the layout check of this Mega-MoE buffer runs inside "
+                    "the CUDA graph being captured (no eager batch with a routed row came "
+                    "first); a replay that stops with 'device-side assert triggered' is this "
+                    f"check failing. {causes}",
+                    stacklevel=2,
+                )
+            return
+        has_routed, bad, total = torch.stack(
+            [routed.any().long(), differs.sum(), routed.sum()]
+        ).tolist()
+        if not has_routed:
+            return
+        if bad:
+            raise RuntimeError(
+                f"{where} ({bad} of {total} routed tokens differ).{_debug_env_hint()} {causes}"
+            )
+        state.checked = True
+
+
+def _on_device(quantizer: nn.Module, device: torch.device, name: str, which: str) -> None:
+    """Keep the quantizer's state where the data is: moved eagerly, refused mid-capture."""
+    state = [t for t in (quantizer.static_amax, *quantizer.buffers()) if t is not None]
+    if all(t.device == device for t in state):
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{name}.{which}: its state is on {state[0].device} while a CUDA graph is being "
+            f"captured on {device}; move the model to the device (model.to({str(device)!r})) "
+            "or run one eager forward before capture"
+        )
+    quantizer.to(device)
+
+
+# -- conversion ---------------------------------------------------------------------------------
+
+_QUANT_CLASSES: dict[type, type] = {}
+
+
+def _quant_class(cls: type) -> type:
+    quant = _QUANT_CLASSES.get(cls)
+    if quant is None:
+        quant = type(
+            f"Quant{cls.__name__}",
+            (QuantExperts, cls),
+            {"__module__": __name__, "__doc__": f"{cls.__name__} with wire quantizers."},
+        )
+        _QUANT_CLASSES[cls] = quant
+    return quant
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def set_module_name(module: nn.Module, name: str) -> None:
+    """Set the name a quantized experts module uses in its errors (its path in the model)."""
+    module.__dict__["_moewire_name_"] = name
+
+
+def is_converted(module: nn.Module) -> bool:
+    """Whether ``module`` is a moewire-quantized experts module."""
+    return isinstance(module, QuantExperts)
+
+
+def convert(module: nn.Module, name: str | None = None) -> nn.Module:
+    """Convert an experts module in place (class swap); idempotent.
+
+    Args:
+        module: an instance of a class registered with ``register_experts_class``.
+        name: the module's name in the model (``"layers.3.experts"``), used in errors.
+
+    Returns:
+        ``module``, now an instance of ``Quant<Cls>`` with disabled ``dispatch_quantizer``
+        and ``combine_quantizer`` on the module's device.
+
+    Raises:
+        TypeError: the class has no experts adapter.
+    """
+    if is_converted(module):
+        if name is not None:
+            set_module_name(module, name)
+        return module
+    adapter = adapter_for(module)
+    if adapter is None:
+        raise TypeError(
+            f"{name or type(module).__name__}: {type(module).__qualname__} is not a registered "
+            "Mega-MoE experts class; register it with "
+            "moewire.megamoe.register_experts_class(cls, ExpertsAdapter(...))"
+        )
+    install_proxies(adapter)
+    device = _module_device(module)
+    original = type(module).__name__
+    module.__class__ = _quant_class(type(module))
+    set_module_name(module, name or original)
+    for attr in QUANTIZER_NAMES:
+        quantizer = WireQuantizer(enable=False, name=f"{name or original}.{attr}")
+        setattr(module, attr, quantizer.to(device))
+    return module

@@ -1,0 +1,87 @@
+"""CUDA graphs on the H200: capture after an all-padding warm-up, replay, device-side check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moewire.megamoe import wrapper
+
+pytestmark = pytest.mark.gpu
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks():
+    wrapper.reset_layout_checks()
+    yield
+    wrapper.reset_layout_checks()
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(torch.int16).numpy()
+
+
+def test_replay_equals_eager_and_no_host_sync_after_the_check(monkeypatch):
+    sys.path.insert(0, str(HERE))
+    from graph_setup import Captured
+
+    with pytest.warns(UserWarning, match="runs inside the CUDA graph being captured"):
+        cap = Captured(patch=monkeypatch.setattr)
+    buf = cap.experts.get_symm_buffer()
+    assert not wrapper.layout_checked(buf)
+    address = cap.y.data_ptr()
+    first_eager = True
+    for seed in range(1, 5):
+        replayed = cap.replay(seed)
+        assert cap.y.data_ptr() == address
+        if first_eager:
+            eager = cap.eager(seed)  # the eager check runs here (one host sync) and passes
+            assert wrapper.layout_checked(buf)
+            first_eager = False
+        else:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                eager = cap.eager(seed)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        np.testing.assert_array_equal(bits(replayed), bits(eager))
+        assert (bits(replayed) != 0).any()
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {here!r})
+    import torch
+    from graph_setup import Captured
+
+    cap = Captured()
+    cap.replay(1)
+    print("clean replay ok", flush=True)
+    cap.corrupt.fill_(1.0)
+    cap.replay(2)
+    print("corrupted replay returned", flush=True)
+    """
+)
+
+
+def test_a_corrupted_buffer_fails_the_replay_in_a_subprocess(tmp_path):
+    script = tmp_path / "replay.py"
+    script.write_text(SCRIPT.format(here=str(HERE)))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert "clean replay ok" in proc.stdout, proc.stderr
+    assert "corrupted replay returned" not in proc.stdout
+    assert proc.returncode != 0
+    assert "device-side assert" in proc.stderr, proc.stderr[-3000:]
+    assert "runs inside the CUDA graph being captured" in proc.stderr

@@ -1,0 +1,437 @@
+"""The experts wrapper on the stand-in kernel: bit-exactness, dispatch, combine, check."""
+
+from __future__ import annotations
+
+import numpy as np
+import oracles
+import pytest
+import torch
+from helpers import SHAPES, Layer, Model, batch, make_experts, region
+from torch import nn
+
+from moewire.megamoe import wrapper
+from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
+from moewire.megamoe.wrapper import convert, layout_checked
+from moewire.quantizer import WireQuantizer
+from moewire.reference import MegaMoEExperts, deep_gemm, forward_context
+
+T = 20
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks():
+    wrapper.reset_layout_checks()
+    yield
+    wrapper.reset_layout_checks()
+
+
+@pytest.fixture(scope="module")
+def fp8_model():
+    # fp8xfp4 weights take seconds to build: one layer for the whole module.
+    return Model(n=1, mma="fp8xfp4")
+
+
+def converted(model: nn.Module) -> nn.Module:
+    for name, module in model.named_modules():
+        if isinstance(module, MegaMoEExperts):
+            convert(module, name)
+    return model
+
+
+def experts_of(model, i=0):
+    return model.layers[i].experts
+
+
+def valid_rows_np(buf, t):
+    """float32 region rows ``[num_slots, Tmax, H]`` and the staged ids ``[t, k]``."""
+    return oracles.to_np(region(buf)), buf.topk_idx[:t].numpy()
+
+
+# -- bit-identity when disabled ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fused,shared,debug",
+    [(0, False, False), (0, True, False), (1, False, False), (0, False, True)],
+    ids=["plain", "unfused-shared", "fused-shared", "debug-zeroing"],
+)
+def test_disabled_quantizers_are_bit_identical(fused, shared, debug, monkeypatch):
+    if debug:
+        monkeypatch.setenv("DG_COMM_KERNEL_DEBUG", "1")
+    model = Model(n=2, fused=fused, shared=shared)
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=3)
+    before = [y.clone() for y in model(x, w, ids)]
+    keys = set(model.state_dict())
+    converted(model)
+    after = model(x, w, ids)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(oracles.torch_bits(a), oracles.torch_bits(b))
+    experts = experts_of(model)
+    assert type(experts).__name__ == "QuantMegaMoEExperts"
+    assert isinstance(experts, MegaMoEExperts)
+    assert keys <= set(model.state_dict())
+    assert experts.dispatch_quantizer.mode == "disabled"
+    assert experts.combine_quantizer.mode == "disabled"
+
+
+def test_convert_is_idempotent_and_keeps_names():
+    model = converted(Model(n=1))
+    experts = experts_of(model)
+    assert convert(experts) is experts
+    assert type(experts).__mro__[1] is wrapper.QuantExperts
+    assert [n for n, _ in model.named_modules()][:3] == ["", "layers", "layers.0"]
+    assert experts._moewire_name == "layers.0.experts"
+
+
+# -- combine ---------------------------------------------------------------------------------
+
+FORMATS = [
+    ("nvfp4", 0.75, oracles.nvfp4),
+    ("fp8", 0.75, oracles.fp8_tensor),
+    ("mxfp8", None, lambda r, _a: oracles.mxfp8(r)),
+]
+
+
+@pytest.mark.parametrize("fmt,amax,oracle", FORMATS, ids=[f[0] for f in FORMATS])
+@pytest.mark.parametrize("fused", [0, 1], ids=["routed", "fused-shared"])
+def test_combine_equals_oracle_resum(fmt, amax, oracle, fused):
+    model = converted(Model(n=1, fused=fused))
+    experts = experts_of(model)
+    experts.combine_quantizer = WireQuantizer(fmt, constant_amax=amax)
+    buf = experts.get_symm_buffer()
+    region(buf).fill_(float("nan"))  # stale rows of invalid slots must never leak
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=5, scale=4.0)
+    kernel_y = {}
+    real = deep_gemm.bf16_mega_moe
+
+    def recording(y, *args, **kwargs):
+        kernel_y["ptr"] = y.data_ptr()
+        return real(y, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(deep_gemm, "bf16_mega_moe", recording)
+        y = experts(x, w, ids)
+    assert y.data_ptr() == kernel_y["ptr"]  # written in place
+    rows, topk = valid_rows_np(buf, T)
+    shared = "last" if fused else None
+    want = oracles.resum(rows, topk, T, shared, quant=lambda r: oracle(r[None], amax)[0])
+    np.testing.assert_array_equal(oracles.torch_bits(y), want)
+    plain = oracles.resum(rows, topk, T, shared)
+    assert (plain != want).any()  # the quantization did something
+
+
+def test_combine_fp8xfp4_nvfp4(fp8_model):
+    experts = converted(fp8_model).layers[0].experts
+    experts.combine_quantizer = WireQuantizer("nvfp4", constant_amax=0.5)
+    try:
+        x, w, ids = batch(T, SHAPES["fp8xfp4"][0], seed=6, scale=3.0)
+        y = experts(x, w, ids)
+        rows, topk = valid_rows_np(experts.get_symm_buffer(), T)
+        want = oracles.resum(rows, topk, T, quant=lambda r: oracles.nvfp4(r[None], 0.5)[0])
+        np.testing.assert_array_equal(oracles.torch_bits(y), want)
+    finally:
+        experts.combine_quantizer = WireQuantizer(enable=False)
+
+
+def test_combine_runs_before_the_unfused_shared_expert():
+    class Constant(nn.Module):
+        def forward(self, x):
+            return torch.full_like(x, 0.5)
+
+    model = converted(Model(n=1))
+    model.layers[0].shared = Constant()
+    experts = experts_of(model)
+    experts.combine_quantizer = WireQuantizer("mxfp8")
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=7)
+    y = model(x, w, ids)[0]
+    rows, topk = valid_rows_np(experts.get_symm_buffer(), T)
+    resummed = oracles.resum(rows, topk, T, quant=lambda r: oracles.mxfp8(r[None])[0])
+    want = oracles.bf16_bits((resummed.astype(np.uint32) << 16).view(np.float32) + np.float32(0.5))
+    np.testing.assert_array_equal(oracles.torch_bits(y), want)
+
+
+# -- dispatch --------------------------------------------------------------------------------
+
+
+def test_dispatch_payload_is_the_staging_of_quantized_tokens(fp8_model):
+    experts = converted(fp8_model).layers[0].experts
+    experts.dispatch_quantizer = WireQuantizer("fp8", constant_amax=6.0)
+    try:
+        x, w, ids = batch(T, SHAPES["fp8xfp4"][0], seed=8, scale=2.0)
+        original = x.clone()
+        experts(x, w, ids)
+        np.testing.assert_array_equal(oracles.torch_bits(x), oracles.torch_bits(original))
+        xq = torch.from_numpy(oracles.fp8_tensor(oracles.to_np(x), 6.0)).bfloat16()
+        q, sf = deep_gemm.per_token_cast_to_fp8(
+            xq, use_ue8m0=True, gran_k=32, use_packed_ue8m0=True
+        )
+        buf = experts.get_symm_buffer()
+        assert torch.equal(buf.x[:T].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(buf.x_sf[:T], sf)
+        q0, _ = deep_gemm.per_token_cast_to_fp8(x, use_ue8m0=True, gran_k=32, use_packed_ue8m0=True)
+        assert not torch.equal(q0.view(torch.uint8), q.view(torch.uint8))
+    finally:
+        experts.dispatch_quantizer = WireQuantizer(enable=False)
+
+
+def test_unfused_shared_expert_and_caller_see_unquantized_tokens():
+    class Recorder(nn.Module):
+        def forward(self, x):
+            self.seen = x.clone()
+            return torch.zeros_like(x)
+
+    model = converted(Model(n=1))
+    recorder = Recorder()
+    model.layers[0].shared = recorder
+    experts = experts_of(model)
+    experts.dispatch_quantizer = WireQuantizer("mxfp8")
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=9)
+    model(x, w, ids)
+    np.testing.assert_array_equal(oracles.torch_bits(recorder.seen), oracles.torch_bits(x))
+    staged = experts.get_symm_buffer().x[:T]
+    want = oracles.bf16_bits(oracles.mxfp8(oracles.to_np(x)))
+    np.testing.assert_array_equal(oracles.torch_bits(staged), want)
+
+
+# -- the layout check ----------------------------------------------------------------------------
+
+
+def combine_on(model):
+    experts = experts_of(model)
+    experts.combine_quantizer = WireQuantizer("mxfp8")
+    return experts
+
+
+def test_check_raises_on_a_wrong_flavour():
+    with deep_gemm.use_flavour("sgl"):
+        model = converted(Model(n=1))
+    experts = combine_on(model)
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=10)
+    with pytest.raises(RuntimeError, match=r"layers\.0\.experts: .*layout check failed.*'vllm'"):
+        experts(x, w, ids)
+
+
+def test_check_raises_on_a_wrong_shared_slot_order():
+    model = converted(Model(n=1, fused=1))  # a vllm buffer: shared slot last
+    experts = combine_on(model)
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=11)
+    with deep_gemm.use_flavour("sgl"), pytest.raises(RuntimeError, match="'sgl'"):
+        experts(x, w, ids)
+
+
+def test_check_raises_under_debug_zeroing(monkeypatch):
+    monkeypatch.setenv("DG_COMM_KERNEL_DEBUG", "1")
+    experts = combine_on(converted(Model(n=1)))
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=12)
+    with pytest.raises(RuntimeError, match="DG_COMM_KERNEL_DEBUG=1 is set"):
+        experts(x, w, ids)
+
+
+def test_check_raises_on_a_corrupted_row(monkeypatch):
+    experts = combine_on(converted(Model(n=1)))
+    real = deep_gemm.bf16_mega_moe
+
+    def corrupting(y, l1, l2, buf, **kwargs):
+        real(y, l1, l2, buf, **kwargs)
+        t, s = torch.nonzero(buf.topk_idx[: y.shape[0]] >= 0)[0].tolist()
+        region(buf)[s, t, 3] += 1.0
+
+    monkeypatch.setattr(deep_gemm, "bf16_mega_moe", corrupting)
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=13)
+    with pytest.raises(RuntimeError, match=r"\(1 of \d+ routed tokens differ\)"):
+        experts(x, w, ids)
+
+
+def test_check_waits_through_an_all_padding_warm_up(monkeypatch):
+    monkeypatch.setenv("DG_COMM_KERNEL_DEBUG", "1")
+    experts = combine_on(converted(Model(n=1)))
+    buf = experts.get_symm_buffer()
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=14)
+    for _ in range(2):
+        with forward_context(is_padding=torch.ones(T, dtype=torch.bool)):
+            experts(x, w, ids)
+        experts(x[:0], w[:0], ids[:0])
+    assert not layout_checked(buf)
+    with pytest.raises(RuntimeError, match="layout check failed"):
+        experts(x, w, ids)
+    monkeypatch.delenv("DG_COMM_KERNEL_DEBUG")
+    experts(x, w, ids)
+    assert layout_checked(buf)
+
+
+WATCHED = ("item", "tolist", "__bool__")
+
+
+def test_check_runs_once_per_buffer_and_no_host_sync_after(monkeypatch):
+    """After the check, moewire's code reads no tensor value into Python (item, tolist,
+    bool). On CPU a format may still read a CPU amax (no device involved); the GPU test
+    covers every sync with torch.cuda.set_sync_debug_mode."""
+    model = converted(Model(n=2))
+    for i in range(2):
+        experts_of(model, i).combine_quantizer = WireQuantizer("nvfp4", constant_amax=1.0)
+        experts_of(model, i).dispatch_quantizer = WireQuantizer("fp8", constant_amax=4.0)
+    assert experts_of(model, 0).get_symm_buffer() is experts_of(model, 1).get_symm_buffer()
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=15)
+    experts_of(model, 0)(x, w, ids)
+    assert layout_checked(experts_of(model, 0).get_symm_buffer())
+
+    calls = []
+    real = deep_gemm.bf16_mega_moe
+
+    def no_sync_kernel(*args, **kwargs):
+        # The stand-in kernel itself syncs (nonzero, tolist); only moewire's code is watched.
+        with monkeypatch.context() as inner:
+            for attr in WATCHED:
+                inner.setattr(torch.Tensor, attr, getattr(torch.Tensor, "_moewire_saved_" + attr))
+            return real(*args, **kwargs)
+
+    def refuse(name):
+        def method(self, *a, **k):
+            calls.append(name)
+            raise AssertionError(f"host sync through Tensor.{name} after the layout check")
+
+        return method
+
+    for attr in WATCHED:
+        monkeypatch.setattr(
+            torch.Tensor, "_moewire_saved_" + attr, getattr(torch.Tensor, attr), raising=False
+        )
+        monkeypatch.setattr(torch.Tensor, attr, refuse(attr))
+    monkeypatch.setattr(deep_gemm, "bf16_mega_moe", no_sync_kernel)
+    with forward_context(is_padding=None):
+        for i in range(2):
+            experts_of(model, i)(x, w, ids)
+    assert calls == []
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+
+class _Unregistered(nn.Module):
+    pass
+
+
+class _BadGlobals(MegaMoEExperts):
+    pass
+
+
+class _NoSharedFlavour(MegaMoEExperts):
+    pass
+
+
+def _adapter(name, **changes):
+    base = dict(
+        name=name,
+        forward_module="moewire.reference.experts",
+        stage_fn="stage_mega_moe_inputs",
+        stage_hidden_arg=0,
+        kernel_ns="deep_gemm",
+        get_symm_buffer=lambda m: m.get_symm_buffer(),
+        flavour=lambda m: "vllm",
+        fused_shared=lambda m: m.fused_shared,
+        ep_group=lambda m: None,
+    )
+    base.update(changes)
+    return ExpertsAdapter(**base)
+
+
+register_experts_class(_BadGlobals, _adapter("bad-globals", stage_fn="no_such_function"))
+register_experts_class(_NoSharedFlavour, _adapter("upstream-flavour", flavour=lambda m: "upstream"))
+
+
+def _run(experts):
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=16)
+    return experts(x, w, ids)
+
+
+def _combine_dynamic(fmt):
+    def case():
+        experts = converted(Model(n=1)).layers[0].experts
+        experts.combine_quantizer = WireQuantizer(fmt)
+        _run(experts)
+
+    return case
+
+
+def _dispatch_fused():
+    experts = converted(Model(n=1, fused=1)).layers[0].experts
+    experts.dispatch_quantizer = WireQuantizer("mxfp8")
+    _run(experts)
+
+
+def _dispatch_fused_calibrating():
+    experts = converted(Model(n=1, fused=1)).layers[0].experts
+    experts.dispatch_quantizer = WireQuantizer("fp8")
+    with experts.dispatch_quantizer.calibrating():
+        _run(experts)
+
+
+def _unregistered():
+    convert(_Unregistered())
+
+
+def _bad_globals():
+    h, i = SHAPES["bf16xbf16"]
+    convert(_BadGlobals(8, 4, h, i, 24, mma_type="bf16xbf16", device="cpu"))
+
+
+def _upstream_flavour_with_shared():
+    h, i = SHAPES["bf16xbf16"]
+    experts = convert(
+        _NoSharedFlavour(
+            8, 4, h, i, 24, mma_type="bf16xbf16", device="cpu", num_fused_shared_experts=1
+        )
+    )
+    experts.combine_quantizer = WireQuantizer("mxfp8")
+    _run(experts)
+
+
+@pytest.mark.parametrize(
+    "case,exc,match",
+    [
+        (
+            _combine_dynamic("nvfp4"),
+            RuntimeError,
+            r"layers\.0\.experts: the combine quantizer needs a calibrated or constant amax \(each "
+            r"rank re-quantizes rows from all expert ranks.*run calibration or set constant_amax",
+        ),
+        (_combine_dynamic("fp8"), RuntimeError, "needs a calibrated or constant amax"),
+        (_dispatch_fused, RuntimeError, "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=1"),
+        (_dispatch_fused_calibrating, RuntimeError, "shared expert is fused"),
+        (_unregistered, TypeError, "not a registered Mega-MoE experts class"),
+        (_bad_globals, RuntimeError, "has no global 'no_such_function'"),
+        (_upstream_flavour_with_shared, ValueError, "'upstream' has no fused shared expert"),
+    ],
+    ids=[
+        "combine-dynamic-nvfp4",
+        "combine-dynamic-fp8",
+        "dispatch-with-fused-shared",
+        "dispatch-calibrating-fused-shared",
+        "unregistered-class",
+        "adapter-missing-global",
+        "flavour-without-shared-slot",
+    ],
+)
+def test_refusals(case, exc, match):
+    with pytest.raises(exc, match=match):
+        case()
+
+
+def test_row_local_combine_needs_no_amax():
+    experts = converted(Model(n=1)).layers[0].experts
+    experts.combine_quantizer = WireQuantizer("mxfp8")
+    assert experts.combine_quantizer.is_static_scale()
+    _run(experts)
+
+
+def test_passthrough_outside_quantized_forward():
+    from moewire.reference import experts as experts_module
+
+    converted(Model(n=1))
+    assert isinstance(experts_module.stage_mega_moe_inputs, wrapper._StagingProxy)
+    plain = make_experts(seed=4)
+    layer = Layer(plain)
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=17)
+    y = layer(x, w, ids)
+    rows, topk = valid_rows_np(plain.get_symm_buffer(), T)
+    np.testing.assert_array_equal(oracles.torch_bits(y), oracles.resum(rows, topk, T))
