@@ -39,8 +39,8 @@ def routing(
     """Distinct expert ids per token with a fraction of slots masked (-1, weight 0)."""
     gen = torch.Generator().manual_seed(seed + 7)
     pool = torch.arange(num_experts) if experts is None else torch.tensor(list(experts))
-    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(t)])
-    ids = ids.reshape(t, k).long()
+    picks = [pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(t)]
+    ids = (torch.stack(picks) if picks else torch.empty((0, k))).long()
     weights = torch.rand((t, k), generator=gen) + 0.05
     masked = torch.rand((t, k), generator=gen) < mask_ratio
     return ids.masked_fill(masked, -1), weights.masked_fill(masked, 0.0)
@@ -69,7 +69,8 @@ def run_kernel(buf, weights, t: int, clamp: float | None = None) -> torch.Tensor
 
 def build(
     *, t: int = 37, flavour: str = "vllm", mma: str = "fp8xfp4", shared: int = 0,
-    seed: int = 0, mask_ratio: float = 0.2, clamp: float | None = None, tmax: int | None = None,
+    seed: int = 0, weights_seed: int = 0, mask_ratio: float = 0.2,
+    clamp: float | None = None, tmax: int | None = None,
     run: bool = True, cache_weights: bool = True, **shapes: int,
 ) -> Case:
     s = {**SMALL, **shapes}
@@ -80,7 +81,7 @@ def build(
         )
     weights = (cached_weights if cache_weights else make_weights)(
         s["num_experts"], s["hidden"], s["intermediate"], mma_type=mma,
-        num_shared_experts=shared, seed=seed,
+        num_shared_experts=shared, seed=weights_seed,
     )
     x = tokens(t, s["hidden"], seed)
     ids, w = routing(t, s["num_experts"], s["num_topk"], seed, mask_ratio)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moewire.reference import deep_gemm
+from moewire.reference.deep_gemm import per_token_cast_to_fp8
 from moewire.reference.weights import MegaMoEWeights, make_weights
 
 __all__ = [
@@ -126,7 +127,7 @@ def stage_mega_moe_inputs(
         ids = torch.where(pad, torch.full_like(ids, -1), ids)
         weights = torch.where(pad, torch.zeros_like(weights), weights)
     if buf.mma_type == "fp8xfp4":
-        q, sf = deep_gemm.per_token_cast_to_fp8(
+        q, sf = per_token_cast_to_fp8(
             hidden_states, use_ue8m0=True, gran_k=32, use_packed_ue8m0=True
         )
         buf.x[:t].copy_(q)
