@@ -544,7 +544,11 @@ class WireQuantizer(nn.Module):
         if valid is not None:
             if valid.dtype != torch.bool:
                 raise TypeError(f"{self._label()}: valid must be a bool mask, got {valid.dtype}")
-            if torch.broadcast_shapes(valid.shape, x.shape) != x.shape:
+            try:
+                broadcast = torch.broadcast_shapes(valid.shape, x.shape)
+            except RuntimeError:
+                broadcast = None
+            if broadcast != x.shape:
                 raise ValueError(
                     f"{self._label()}: valid has shape {tuple(valid.shape)}, which does not "
                     f"broadcast to x's {tuple(x.shape)}; give one flag per row as [..., 1]"
