@@ -1,0 +1,118 @@
+"""The serving hooks: the general plugin's loader wrap and the calibration worker extension."""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import _vllm_world as setup
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+vllm_mod = pytest.importorskip("moewire.integrations.vllm")
+api = pytest.importorskip("moewire.megamoe.api")
+
+RECIPE = "moe_fp8_dispatch_nvfp4_combine"
+_layers = itertools.count(200)
+
+
+def _prefix() -> str:
+    return f"model.layers.{next(_layers)}.ffn.experts"
+
+
+def _batches(config, model, seeds):
+    from vllm.forward_context import create_forward_context, override_forward_context
+
+    for seed in seeds:
+        x, ids, w = setup.routing(6, seed)
+        pad = torch.zeros(6, dtype=torch.bool)
+        pad[0] = True
+        with override_forward_context(create_forward_context(None, config, is_padding=pad)):
+            model["experts"](x, w, ids, activation_clamp=10.0)
+
+
+class _Worker(vllm_mod.MoewireWorkerExtension):
+    """The attributes of vLLM's worker that the extension reads, around a real model."""
+
+    def __init__(self, model, enforce_eager: bool = True) -> None:
+        self.model_runner = types.SimpleNamespace(get_model=lambda: model)
+        self.vllm_config = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(enforce_eager=enforce_eager)
+        )
+
+
+def _model(config):
+    experts = setup.make_experts(config, prefix=_prefix())
+    experts.finalize_weights()
+    return torch.nn.ModuleDict({"experts": experts})
+
+
+def test_extension_adds_methods_only():
+    """vLLM asserts an extension attribute is not already on the worker class."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    added = [a for a in dir(vllm_mod.MoewireWorkerExtension) if not a.startswith("__")]
+    assert added
+    assert [a for a in added if hasattr(CPUWorker, a)] == []
+
+
+def test_worker_calibration_rpcs_equal_moewire_calibrate(vllm_config, tmp_path):
+    vllm_mod.register_vllm_experts()
+    with vllm_mod.use_reference_deep_gemm("vllm"):
+        model = _model(vllm_config)
+        worker = _Worker(model)
+        assert worker.moewire_begin_calibration(RECIPE) == 1
+        _batches(vllm_config, model, seeds=(1, 2))
+        path = worker.moewire_finish_calibration(str(tmp_path / "scales.rank{rank}.pt"))
+        assert path == str(tmp_path / "scales.rank0.pt")
+        direct = _model(vllm_config)
+        api.quantize(direct, RECIPE, forward_loop=lambda m: _batches(vllm_config, m, (1, 2)))
+    for name in ("dispatch_quantizer", "combine_quantizer"):
+        ours = getattr(model["experts"], name)
+        assert ours.mode == "quantize"
+        assert torch.equal(ours.amax, getattr(direct["experts"], name).amax)
+
+
+def test_finish_without_begin_is_refused(vllm_config, tmp_path):
+    worker = _Worker(torch.nn.ModuleDict())
+    with pytest.raises(RuntimeError, match="no calibration in progress"):
+        worker.moewire_finish_calibration(str(tmp_path / "s.pt"))
+
+
+def test_calibration_with_captured_graphs_is_refused(vllm_config):
+    worker = _Worker(torch.nn.ModuleDict(), enforce_eager=False)
+    with pytest.raises(RuntimeError, match="enforce_eager=True"):
+        worker.moewire_begin_calibration(RECIPE)
+
+
+def test_model_without_mega_moe_experts_is_refused(vllm_config):
+    vllm_mod.register_vllm_experts()
+    with pytest.raises(RuntimeError, match="--moe-backend deep_gemm_mega_moe"):
+        vllm_mod.quantize_vllm_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), RECIPE)
+
+
+def test_plugin_wraps_the_loader_and_loads_scales(vllm_config, tmp_path, monkeypatch):
+    """With MOEWIRE_RECIPE/MOEWIRE_SCALES the loaded model comes back quantized."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    vllm_mod.register_vllm_experts()
+    with vllm_mod.use_reference_deep_gemm("vllm"):
+        calibrated = _model(vllm_config)
+        api.quantize(calibrated, RECIPE, forward_loop=lambda m: _batches(vllm_config, m, (3,)))
+        api.save_scales(calibrated, tmp_path / "scales.rank0.pt")
+        fresh = _model(vllm_config)
+        # The loader vLLM would run: it returns the finalized model.
+        monkeypatch.setattr(BaseModelLoader, "load_model", lambda self, *a, **k: fresh)
+        monkeypatch.setenv(vllm_mod.ENV_RECIPE, RECIPE)
+        monkeypatch.setenv(vllm_mod.ENV_SCALES, str(tmp_path / "scales.rank{rank}.pt"))
+        vllm_mod.register()
+        vllm_mod.register()  # vLLM loads plugins in several places: wrap once
+        assert BaseModelLoader.load_model._moewire
+        loaded = BaseModelLoader.load_model(object(), vllm_config, None)
+    assert loaded is fresh
+    for name in ("dispatch_quantizer", "combine_quantizer"):
+        assert torch.equal(
+            getattr(fresh["experts"], name).amax, getattr(calibrated["experts"], name).amax
+        )
