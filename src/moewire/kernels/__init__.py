@@ -1,0 +1,356 @@
+"""Fast Triton kernels for moewire's row-local wire formats (GPU only).
+
+Two entry points, each bit-exact to the torch definitions in ``moewire.formats`` and
+``moewire.megamoe.resum`` on the device it runs on:
+
+- :func:`qdq`: fake quantization of ``[..., H]`` tensors (the dispatch quantizer);
+- :func:`fused_combine`: the combine re-sum in one pass over the combine rows: each valid
+  row is loaded once, fake-quantized in registers, accumulated in FP32 in ascending slot
+  order with the fused shared slot in its place, rounded once to BF16 and written to
+  ``out``; in the same pass, optionally, the layout check (the unquantized sum compared
+  bitwise with the kernel's ``y``) and the calibration max over valid rows.
+
+Both are CUDA-graph safe: no host synchronisation, and the grid depends only on shapes.
+This package imports nothing from moewire's other packages: a format comes in as its name
+and its amax as a plain FP32 device tensor.
+
+``available()`` says whether the kernels can run here (CUDA and Triton importable, and the
+environment variable ``MOEWIRE_DISABLE_KERNELS`` not set to ``1``). Under Triton's
+interpreter (``TRITON_INTERPRET=1``, set before the first import of Triton) the same
+kernels also run on CPU tensors, which is how the tests check them without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+__all__ = ["SUPPORTED_FORMATS", "available", "fused_combine", "qdq", "supports"]
+
+SUPPORTED_FORMATS = (
+    "bf16",
+    "fp8",
+    "fp8_b128",
+    "fp8_b128_ue8m0",
+    "fp8_b32_ue8m0",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
+    "nvfp4_token",
+)
+_SHARED_SLOTS = (None, "first", "last")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Columns per program: a power of two holding whole blocks of every format; nvfp4_token
+# takes the whole row (its global scale is the row's amax).
+_BLOCK_H = 1024
+_NUM_WARPS = 4
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available() -> bool:
+    """True when the Triton kernels can run on CUDA tensors in this process.
+
+    False without CUDA, without an importable Triton, or with ``MOEWIRE_DISABLE_KERNELS=1``
+    (then every caller takes the torch reference path).
+    """
+    if os.environ.get("MOEWIRE_DISABLE_KERNELS", "0") == "1":
+        return False
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def supports(fmt_name: str) -> bool:
+    """True when a kernel exists for the wire format ``fmt_name`` (a registry name)."""
+    return fmt_name in SUPPORTED_FORMATS
+
+
+def _impl() -> ModuleType:
+    try:
+        from moewire.kernels import _triton
+    except ImportError as exc:
+        raise RuntimeError(
+            "moewire.kernels: Triton is not importable here; install the GPU extra "
+            "(pip install 'moewire[gpu]') or use the torch reference (formats.get(name).reference)"
+        ) from exc
+    return _triton
+
+
+def _check_device(t: torch.Tensor, what: str) -> None:
+    if t.is_cuda or (_interpreting() and t.device.type == "cpu"):
+        return
+    raise RuntimeError(
+        f"moewire.kernels: {what} is on {t.device}; the Triton kernels run on CUDA tensors "
+        "(or on CPU under TRITON_INTERPRET=1); use the torch reference elsewhere"
+    )
+
+
+def _check_format(fmt_name: str) -> None:
+    if not supports(fmt_name):
+        raise ValueError(
+            f"moewire.kernels: no kernel for wire format {fmt_name!r}; supported: "
+            f"{', '.join(SUPPORTED_FORMATS)} (use formats.get(name).reference for the others)"
+        )
+
+
+def _amax_tensor(
+    fmt_name: str, amax: torch.Tensor | float | None, device: torch.device
+) -> torch.Tensor | None:
+    """The FP32 ``[1]`` amax on ``device`` for ``fp8``/``nvfp4``, else ``None``."""
+    if fmt_name not in ("fp8", "nvfp4"):
+        return None
+    if amax is None:
+        raise ValueError(
+            f"moewire.kernels: format {fmt_name!r} needs an amax (its scale is global); pass "
+            "the calibrated or constant FP32 amax tensor"
+        )
+    amax_t = torch.as_tensor(amax, dtype=torch.float32)
+    if amax_t.numel() != 1:
+        raise ValueError(
+            f"moewire.kernels: amax must hold one element, got shape {tuple(amax_t.shape)}"
+        )
+    # A no-op for a device FP32 tensor; a host number is copied once (outside graphs).
+    return amax_t.reshape(1).to(device)
+
+
+def _block_h(fmt_name: str, hidden: int, block_h: int | None) -> int:
+    whole_row = triton_next_pow2(hidden)
+    if fmt_name == "nvfp4_token":
+        return whole_row
+    return min(block_h or _BLOCK_H, whole_row)
+
+
+def triton_next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (and >= 128, the largest block of any format)."""
+    return max(128, 1 << (max(n, 1) - 1).bit_length())
+
+
+def qdq(
+    x: torch.Tensor,
+    fmt_name: str,
+    amax: torch.Tensor | float | None,
+    *,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Fake-quantize ``x`` in ``fmt_name``, bit-exact to ``formats.get(fmt_name).reference``.
+
+    Args:
+        x: BF16/FP16/FP32 ``[..., H]`` on CUDA; blocks run along the last dim (H a multiple
+            of the format's block size: the caller, ``WireFormat.qdq``, validates that).
+        fmt_name: one of :data:`SUPPORTED_FORMATS`.
+        amax: FP32 one-element tensor (or number) for ``fp8`` and ``nvfp4``; ignored by
+            the other formats.
+        block_h: columns per program (a power of two >= 128); tuning only.
+        num_warps: warps per program; tuning only.
+
+    Returns:
+        A new tensor, same shape and dtype as ``x``.
+    """
+    _check_format(fmt_name)
+    _check_device(x, "x")
+    if x.dtype not in _FLOAT_DTYPES or x.dim() == 0:
+        raise ValueError(
+            f"moewire.kernels.qdq: x must be a BF16/FP16/FP32 tensor with at least one dim, "
+            f"got {x.dtype} {list(x.shape)}"
+        )
+    impl = _impl()
+    hidden = x.shape[-1]
+    block = impl.BLOCK_SIZES[fmt_name]
+    if hidden % block:
+        raise ValueError(
+            f"moewire.kernels.qdq: the last dim {hidden} is not a multiple of {fmt_name}'s "
+            f"block size {block}"
+        )
+    amax_t = _amax_tensor(fmt_name, amax, x.device)
+    flat = x.reshape(-1, hidden)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = torch.empty_like(flat, memory_format=torch.contiguous_format)
+    if flat.numel() == 0:
+        return out.reshape(x.shape)
+    bh = _block_h(fmt_name, hidden, block_h)
+    grid = (flat.shape[0], _triton_mod().cdiv(hidden, bh))
+    impl.qdq_kernel[grid](
+        flat, out, amax_t if amax_t is not None else flat, hidden, flat.stride(0), out.stride(0),
+        FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, BLOCK_H=bh,
+        CUDA_DIV=x.is_cuda, HW_CAST=x.is_cuda, num_warps=num_warps or _NUM_WARPS, enable_fp_fusion=False,
+    )
+    return out.reshape(x.shape)
+
+
+def _triton_mod() -> ModuleType:
+    import triton
+
+    return triton
+
+
+def _check_combine_args(
+    rows: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_tokens: int,
+    out: torch.Tensor,
+    shared_slot: str | None,
+    check_against: torch.Tensor | None,
+    check_flag: torch.Tensor | None,
+    calib_amax: torch.Tensor | None,
+) -> None:
+    where = "moewire.kernels.fused_combine"
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bfloat16 or rows.dim() != 3:
+        raise ValueError(f"{where}: rows must be BF16 [num_slots, Tmax, H], got {_desc(rows)}")
+    if rows.stride(2) != 1:
+        raise ValueError(
+            f"{where}: rows must be contiguous along H (a view of the combine region), got "
+            f"strides {rows.stride()}"
+        )
+    _check_device(rows, "rows")
+    if shared_slot not in _SHARED_SLOTS:
+        raise ValueError(f"{where}: shared_slot must be None, 'first' or 'last', got {shared_slot!r}")
+    if (
+        not isinstance(topk_idx, torch.Tensor)
+        or topk_idx.dim() != 2
+        or topk_idx.is_floating_point()
+        or topk_idx.device != rows.device
+    ):
+        raise ValueError(
+            f"{where}: topk_idx must be an integer tensor [>= T, k] on {rows.device}, got "
+            f"{_desc(topk_idx)}"
+        )
+    k = topk_idx.shape[1]
+    if rows.shape[0] != k + (shared_slot is not None):
+        raise ValueError(
+            f"{where}: rows has {rows.shape[0]} slots, but k={k} and shared_slot="
+            f"{shared_slot!r} need {k + (shared_slot is not None)}"
+        )
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise TypeError(f"{where}: num_tokens must be an int, got {type(num_tokens).__name__}")
+    limit = min(rows.shape[1], topk_idx.shape[0])
+    if not 0 <= num_tokens <= limit:
+        raise ValueError(f"{where}: num_tokens={num_tokens} must lie in [0, {limit}]")
+    want = (num_tokens, rows.shape[2])
+    for name, t in (("out", out), ("check_against", check_against)):
+        if t is None and name == "check_against":
+            continue
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != torch.bfloat16
+            or tuple(t.shape) != want
+            or t.device != rows.device
+            or t.stride(1) != 1
+        ):
+            raise ValueError(
+                f"{where}: {name} must be BF16 {list(want)} on {rows.device}, contiguous along "
+                f"H, got {_desc(t)}"
+            )
+    if (check_against is None) != (check_flag is None):
+        raise ValueError(f"{where}: pass check_against and check_flag together, or neither")
+    for name, t, dtype in (("check_flag", check_flag, torch.int32),
+                           ("calib_amax", calib_amax, torch.float32)):
+        if t is not None and (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != dtype
+            or t.numel() < 1
+            or t.device != rows.device
+        ):
+            raise ValueError(
+                f"{where}: {name} must be a {dtype} device tensor (one element is used) on "
+                f"{rows.device}, got {_desc(t)}"
+            )
+
+
+def _desc(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {list(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+def fused_combine(
+    rows: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_tokens: int,
+    out: torch.Tensor,
+    fmt_name: str,
+    amax: torch.Tensor | float | None,
+    shared_slot: str | None,
+    check_against: torch.Tensor | None = None,
+    check_flag: torch.Tensor | None = None,
+    calib_amax: torch.Tensor | None = None,
+    *,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Fake-quantize and re-sum the combine rows in one pass, the kernel's order.
+
+    For each token ``t < num_tokens`` (``q`` = ``fmt_name``'s fake quant, a BF16 row)::
+
+        acc = +0.0 (FP32)
+        acc += float(rows[0, t])              if shared_slot == "first" (unquantized)
+        for s in 0..k-1 ascending, if topk_idx[t, s] >= 0:
+            acc += float(q(rows[routed s, t]))
+        acc += float(rows[k, t])              if shared_slot == "last"
+        out[t] = bf16(acc)                    (one RNE rounding)
+
+    Routed slot ``s`` lives at row ``s + 1`` when the shared slot is first, else at ``s``.
+    Invalid rows are never read (stale NaN cannot leak).
+
+    Optionally, in the same pass:
+
+    - ``check_against`` (BF16 ``[T, H]``, the kernel's ``y``; may be ``out`` itself) and
+      ``check_flag`` (int32 device tensor): the *unquantized* sum, rounded to BF16, is
+      compared bitwise with ``check_against`` over tokens with at least one valid routed
+      slot; the number of mismatching elements is **added** to ``check_flag[0]`` (zero it
+      first; it stays 0 when the layout is right).
+    - ``calib_amax`` (FP32 device tensor): ``calib_amax[0] = max(calib_amax[0],
+      max |rows|)`` over the valid routed rows (atomic max; the shared row is excluded).
+
+    Args:
+        rows: BF16 ``[k (+1), Tmax, H]`` (a strided view into the buffer, H contiguous).
+        topk_idx: int ``[>= T, k]``; ``-1`` marks an invalid slot.
+        num_tokens: ``T``.
+        out: BF16 ``[T, H]``, written in place.
+        fmt_name: one of :data:`SUPPORTED_FORMATS` (``bf16``: no quantization).
+        amax: FP32 one-element device tensor for ``fp8`` and ``nvfp4`` (static scale).
+        shared_slot: ``None``, ``"first"`` or ``"last"``.
+        check_against, check_flag, calib_amax: see above.
+        block_h, num_warps: tuning only.
+
+    Returns:
+        ``out``.
+    """
+    _check_format(fmt_name)
+    _check_combine_args(
+        rows, topk_idx, num_tokens, out, shared_slot, check_against, check_flag, calib_amax
+    )
+    impl = _impl()
+    hidden = rows.shape[2]
+    block = impl.BLOCK_SIZES[fmt_name]
+    if hidden % block:
+        raise ValueError(
+            f"moewire.kernels.fused_combine: H={hidden} is not a multiple of {fmt_name}'s "
+            f"block size {block}"
+        )
+    amax_t = _amax_tensor(fmt_name, amax, rows.device)
+    if num_tokens == 0:
+        return out
+    bh = _block_h(fmt_name, hidden, block_h)
+    grid = (num_tokens, _triton_mod().cdiv(hidden, bh))
+    check = check_against is not None
+    dummy = out
+    impl.combine_kernel[grid](
+        rows, topk_idx, out,
+        check_against if check else dummy,
+        check_flag if check else dummy,
+        calib_amax if calib_amax is not None else dummy,
+        amax_t if amax_t is not None else dummy,
+        hidden, rows.stride(0), rows.stride(1), topk_idx.stride(0), topk_idx.stride(1),
+        out.stride(0), check_against.stride(0) if check else 0,
+        K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_slot],
+        FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, CHECK=check,
+        CALIB=calib_amax is not None, BLOCK_H=bh, CUDA_DIV=rows.is_cuda, HW_CAST=rows.is_cuda,
+        num_warps=num_warps or _NUM_WARPS, enable_fp_fusion=False,
+    )
+    return out

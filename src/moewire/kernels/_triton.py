@@ -1,0 +1,284 @@
+"""Triton kernels: row-local fake quantization and the fused combine re-sum.
+
+Every format's math here is the math of its torch reference in ``moewire.formats``
+(SPEC section 4), step for step, with the same FP32 roundings:
+
+- exact division (``div_rn``), never Triton's default approximate ``/``;
+- FMA contraction is switched off at launch (``enable_fp_fusion=False``), so a multiply
+  followed by an add rounds twice, as torch does;
+- a torch division of a tensor by a Python constant is a true division on CPU but a
+  multiplication by the FP32 reciprocal on CUDA (``a * fl(1/c)``, PyTorch's scalar-divisor
+  path, which DeepGEMM's and ModelOpt's own casts take on the GPU); the constexpr
+  ``CUDA_DIV`` picks the rule of the device the tensors live on;
+- block maxima propagate NaN, as ``torch.amax`` does;
+- E4M3 rounding clamps to ±448 then casts (RNE); E2M1 rounding is RNE onto
+  {0, 0.5, 1, 1.5, 2, 3, 4, 6} by adding and subtracting a power-of-two "magic" number
+  whose ulp is the grid step, which gives exactly the reference's tie rules.
+
+Format codes (``FMT``) are the indices of :data:`FORMAT_CODES`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import triton
+import triton.language as tl
+
+FORMAT_CODES = {
+    "bf16": 0,
+    "fp8": 1,
+    "fp8_b128": 2,
+    "fp8_b128_ue8m0": 3,
+    "fp8_b32_ue8m0": 4,
+    "mxfp8": 5,
+    "mxfp4": 6,
+    "nvfp4": 7,
+    "nvfp4_token": 8,
+}
+# Elements per block scale (1 for formats without block scales).
+BLOCK_SIZES = {
+    "bf16": 1,
+    "fp8": 1,
+    "fp8_b128": 128,
+    "fp8_b128_ue8m0": 128,
+    "fp8_b32_ue8m0": 32,
+    "mxfp8": 32,
+    "mxfp4": 32,
+    "nvfp4": 16,
+    "nvfp4_token": 16,
+}
+NEEDS_AMAX = frozenset({"fp8", "nvfp4"})
+SHARED_CODES = {None: 0, "first": 1, "last": 2}
+
+# FP32 reciprocals of the constants the references divide by (CUDA's scalar-divisor rule).
+_INV_448 = float(np.float32(1.0) / np.float32(448.0))
+_INV_2688 = float(np.float32(1.0) / np.float32(2688.0))
+
+_NAN = tl.PropagateNan.ALL
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=_NAN)
+
+
+@triton.jit
+def _div_const(a, C: tl.constexpr, INV_C: tl.constexpr, CUDA_DIV: tl.constexpr):
+    if CUDA_DIV:
+        return a * INV_C
+    else:
+        return tl.math.div_rn(a, tl.full(a.shape, C, tl.float32))
+
+
+@triton.jit
+def _e4m3(v, HW_CAST: tl.constexpr):
+    """clamp(v, ±448) then RNE onto E4M3, back in FP32 (NaN stays NaN, -0.0 stays -0.0).
+
+    ``HW_CAST``: the GPU's saturating RNE convert (``cvt.rn.satfinite.e4m3x2.f32``).
+    Otherwise (Triton's interpreter, whose FP8 cast rounds ties away and flushes
+    subnormals) the same rounding from exact FP32 steps: with ``e = max(floor(log2|v|),
+    -6)`` the E4M3 step is ``2^(e-3)``, the ulp of ``magic = 1.5 * 2^(e+20)``, so
+    ``(v + magic) - magic`` rounds ``v`` to the grid, ties to even; the sign is put back
+    for results that round to zero.
+    """
+    v = tl.minimum(tl.maximum(v, -448.0, propagate_nan=_NAN), 448.0, propagate_nan=_NAN)
+    if HW_CAST:
+        out = v.to(tl.float8e4nv).to(tl.float32)
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+        magic = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        r = ((v + magic) - magic).to(tl.int32, bitcast=True)
+        out = (r | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return out
+
+
+@triton.jit
+def _round_bf16(v, HW_CAST: tl.constexpr):
+    """FP32 -> nearest BF16 (RNE), returned in FP32 (so a later cast to BF16 is exact).
+
+    ``HW_CAST``: the GPU's ``cvt.rn.bf16.f32``; otherwise (the interpreter truncates) RNE
+    on the bits: add ``0x7FFF`` plus the lowest kept bit, clear the 16 dropped bits.
+    """
+    if HW_CAST:
+        out = v.to(tl.bfloat16).to(tl.float32)
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        out = bits.to(tl.float32, bitcast=True)
+    return out
+
+
+@triton.jit
+def _e2m1_magnitude(a):
+    """a >= 0 (or NaN) -> RNE onto the E2M1 magnitudes, saturating at 6."""
+    magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
+    return tl.minimum((a + magic) - magic, 6.0, propagate_nan=_NAN)
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as FP32 for int32 e in [-149, 127] (subnormals included), exactly."""
+    normal = tl.maximum(e + 127, 1) << 23
+    subnormal = tl.full(e.shape, 1, tl.int32) << tl.minimum(tl.maximum(e + 149, 0), 22)
+    return tl.where(e >= -126, normal, subnormal).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ceil_pow2_ue8m0(v):
+    """DeepGEMM's ceil_to_ue8m0 from the bits of |v| (NaN and inf -> 2^127, 0 -> 2^-126)."""
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, 1), 254)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nvfp4_blocks(xb, gs, HW_CAST: tl.constexpr):
+    """ModelOpt NVFP4 on blocks ``xb`` FP32 [NB, 16] with global scale ``gs`` (FP32)."""
+    bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
+    gs6 = 6.0 * gs
+    bs = _e4m3(tl.minimum(tl.math.div_rn(bmax, gs6 + tl.zeros_like(bmax)), 448.0,
+                          propagate_nan=_NAN), HW_CAST) * gs
+    bs = tl.where(bs < 1e-5, 1.0, bs)
+    q = _e2m1_magnitude(tl.math.div_rn(tl.abs(xb), bs + tl.zeros_like(xb)))
+    sign = tl.where(xb > 0, 1.0, tl.where(xb < 0, -1.0, 0.0))
+    return sign * q * bs
+
+
+@triton.jit
+def _qdq(
+    x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, CUDA_DIV: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):
+    """Fake-quantize one row chunk ``x`` FP32 [BLOCK_H] (whole blocks; a masked tail is 0).
+
+    ``amax`` is the FP32 per-tensor amax for ``fp8`` and ``nvfp4`` (ignored otherwise).
+    Returns FP32 [BLOCK_H], before the cast to the output dtype. ``nvfp4_token`` needs the
+    whole row in ``x`` (BLOCK_H >= H).
+    """
+    if FMT == 0:
+        out = x
+    elif FMT == 1:
+        safe = tl.where(amax > 5.960464477539063e-08, amax, 1.0)
+        s = 448.0 * tl.math.div_rn(1.0, safe)
+        inv_s = tl.math.div_rn(1.0, s)
+        out = _e4m3(x * s, HW_CAST) * inv_s
+    elif FMT <= 4:
+        BS: tl.constexpr = 32 if FMT == 4 else 128
+        xb = tl.reshape(x, (BLOCK_H // BS, BS))
+        bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
+        sf = _div_const(tl.maximum(bmax, 1e-4, propagate_nan=_NAN), 448.0, _INV_448, CUDA_DIV)
+        if FMT != 2:
+            sf = _ceil_pow2_ue8m0(sf)
+        inv = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
+        out = tl.reshape(_e4m3(xb * inv, HW_CAST) * sf, (BLOCK_H,))
+    elif FMT <= 6:
+        EMAX: tl.constexpr = 8 if FMT == 5 else 2
+        xb = tl.reshape(x, (BLOCK_H // 32, 32))
+        bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
+        finite = bmax < float("inf")
+        usable = tl.where(finite & (bmax > 0), bmax, 1.0)
+        e = ((usable.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - EMAX
+        e = tl.maximum(e, -127)
+        v = xb * _pow2(-e)
+        if FMT == 5:
+            q = _e4m3(v, HW_CAST)
+        else:
+            mag = _e2m1_magnitude(tl.minimum(tl.abs(v), 6.0, propagate_nan=_NAN))
+            sign_bit = v.to(tl.int32, bitcast=True) & -2147483648
+            q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+        out = tl.where(finite, q * _pow2(e), float("nan"))
+        out = tl.reshape(out, (BLOCK_H,))
+    else:
+        if FMT == 7:
+            ref = amax
+        else:
+            ref = tl.reduce(tl.abs(x), 0, _max_nan)
+        gs = tl.where(ref > 0, _div_const(ref + tl.zeros((1,), tl.float32), 2688.0,
+                                          _INV_2688, CUDA_DIV), 1e-12)
+        xb = tl.reshape(x, (BLOCK_H // 16, 16))
+        out = tl.reshape(_nvfp4_blocks(xb, tl.reshape(gs, (1, 1)), HW_CAST), (BLOCK_H,))
+    return out
+
+
+@triton.jit
+def _load_amax(amax_ptr, HAS_AMAX: tl.constexpr):
+    if HAS_AMAX:
+        amax = tl.load(amax_ptr).to(tl.float32)
+    else:
+        amax = 0.0
+    return amax
+
+
+@triton.jit
+def qdq_kernel(
+    x_ptr, out_ptr, amax_ptr, H, stride_x, stride_o,
+    FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, CUDA_DIV: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):
+    """One program per (row, column chunk): ``out[r, chunk] = qdq(x[r, chunk])``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = _load_amax(amax_ptr, HAS_AMAX)
+    out = _qdq(x, amax, FMT, BLOCK_H, CUDA_DIV, HW_CAST)
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        out = _round_bf16(out, HW_CAST)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def combine_kernel(
+    rows_ptr, idx_ptr, out_ptr, check_ptr, flag_ptr, calib_ptr, amax_ptr,
+    H, stride_rs, stride_rt, stride_it, stride_ik, stride_o, stride_c,
+    K: tl.constexpr, SHARED: tl.constexpr, FMT: tl.constexpr, HAS_AMAX: tl.constexpr,
+    CHECK: tl.constexpr, CALIB: tl.constexpr, BLOCK_H: tl.constexpr, CUDA_DIV: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):
+    """One program per (token, column chunk): quantize, re-sum, check, calibrate.
+
+    ``acc`` starts at +0.0 (FP32); the shared row (SHARED: 1 first, 2 last) is added
+    unquantized in its place; each valid routed slot (``topk_idx >= 0``) in ascending
+    order adds ``float(bf16(qdq(row)))``; invalid rows are never loaded and selected away.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    amax = _load_amax(amax_ptr, HAS_AMAX)
+    if CHECK:
+        # Read before ``out`` is written: ``check_against`` may be ``out`` itself.
+        expect = tl.load(check_ptr + t * stride_c + cols, mask=cmask, other=0.0)
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    raw = tl.zeros((BLOCK_H,), tl.float32)
+    cmax = tl.zeros((BLOCK_H,), tl.float32)
+    routed = tl.full((), 0, tl.int32)
+    row_base = rows_ptr + t * stride_rt + cols
+    if SHARED == 1:
+        shared = tl.load(row_base, mask=cmask, other=0.0).to(tl.float32)
+        acc += shared
+        raw += shared
+    for s in tl.static_range(K):
+        slot = s + 1 if SHARED == 1 else s
+        valid = tl.load(idx_ptr + t * stride_it + s * stride_ik) >= 0
+        x = tl.load(row_base + slot * stride_rs, mask=cmask & valid, other=0.0).to(tl.float32)
+        q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, CUDA_DIV, HW_CAST), HW_CAST)
+        acc = tl.where(valid, acc + q, acc)
+        if CHECK:
+            raw = tl.where(valid, raw + x, raw)
+        if CALIB:
+            cmax = tl.where(valid, tl.maximum(cmax, tl.abs(x), propagate_nan=_NAN), cmax)
+        routed += valid.to(tl.int32)
+    if SHARED == 2:
+        shared = tl.load(row_base + K * stride_rs, mask=cmask, other=0.0).to(tl.float32)
+        acc += shared
+        raw += shared
+    if CHECK:
+        got = _round_bf16(raw, HW_CAST).to(tl.bfloat16).to(tl.int16, bitcast=True)
+        bad = (got != expect.to(tl.int16, bitcast=True)) & cmask & (routed > 0)
+        nbad = tl.sum(bad.to(tl.int32), 0)
+        tl.atomic_add(flag_ptr, nbad, mask=nbad > 0)
+    if CALIB:
+        tl.atomic_max(calib_ptr, tl.reduce(cmax, 0, _max_nan), mask=routed > 0)
+    tl.store(out_ptr + t * stride_o + cols, _round_bf16(acc, HW_CAST).to(tl.bfloat16), mask=cmask)
