@@ -179,3 +179,110 @@ def test_033_fused_shared_expert_in_flavour_order(vllm_config, v033, flavour, sh
     # A padding token still gets the shared expert: its row is always valid.
     shared_row = rows[K if shared_slot == "last" else 0, 4]
     assert torch.equal(y[4].view(torch.int16), shared_row.view(torch.int16))
+
+
+api = pytest.importorskip("moewire.megamoe.api")
+formats = pytest.importorskip("moewire.formats")
+
+
+def _forward_033(config, experts, x, ids, w, pad, shared=None):
+    from vllm.forward_context import create_forward_context, override_forward_context
+
+    with override_forward_context(create_forward_context(None, config, is_padding=pad)):
+        return experts(x, w, ids, shared_experts=shared)
+
+
+def _batch(seed: int):
+    x, ids, w = setup.routing(6, seed)
+    pad = torch.zeros(6, dtype=torch.bool)
+    pad[3] = True
+    return torch.where(pad[:, None], x * 1000, x), ids, w, pad
+
+
+def _quantized_resum(buffer, num_tokens, amax, shared_slot):
+    """Routed rows NVFP4-quantized (reference), the fused shared row as the kernel wrote it."""
+    nvfp4 = formats.get("nvfp4")
+    slots = K + (shared_slot is not None)
+    rows = setup.oracle_rows(buffer, slots, buffer._moewire_flavour)[:, :num_tokens]
+    shared_index = {None: None, "last": K, "first": 0}[shared_slot]
+    quantized = torch.stack(
+        [rows[s] if s == shared_index else nvfp4.reference(rows[s], amax) for s in range(slots)]
+    )
+    return setup.oracle_resum(quantized, buffer.topk_idx, num_tokens, shared=shared_slot)
+
+
+class _RecordingShared(torch.nn.Module):
+    """An unfused shared expert that remembers the tokens it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(H, H, bias=False).bfloat16()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.clone())
+        return self.proj(x)
+
+
+def test_033_unfused_shared_gets_unquantized_tokens_after_combine(vllm_config, v033):
+    vllm_mod.register_vllm_experts()
+    with vllm_mod.use_reference_deep_gemm("vllm"):
+        experts, _ = _make_033(v033, vllm_config, "model.layers.60.ffn.experts")
+        model = torch.nn.ModuleDict({"experts": experts})
+
+        def loop(m):
+            for seed in (81, 82):
+                _forward_033(vllm_config, m["experts"], *_batch(seed))
+
+        api.quantize(model, "moe_fp8_dispatch_nvfp4_combine", forward_loop=loop)
+        shared = _RecordingShared()
+        x, ids, w, pad = _batch(83)
+        y = _forward_033(vllm_config, experts, x, ids, w, pad, shared)
+        buffer = experts.get_symm_buffer()
+    assert torch.equal(shared.seen[-1], x)
+    xq = formats.get("fp8").reference(x, experts.dispatch_quantizer.amax)
+    staged = torch.empty(6, H, dtype=torch.float8_e4m3fn)
+    sf = torch.empty(6, H // 128, dtype=torch.int32)
+    idx, wo = torch.empty(6, K, dtype=torch.int64), torch.empty(6, K)
+    vllm_mod.prepare_megamoe_inputs_reference(xq, w, ids, staged, sf, idx, wo, is_padding=pad)
+    assert torch.equal(buffer.x[:6].view(torch.uint8), staged.view(torch.uint8))
+    expected = _quantized_resum(buffer, 6, experts.combine_quantizer.amax, None)
+    expected += shared.proj(x)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    ("flavour", "shared_slot"), [("vllm", "last"), ("sgl", "first")], ids=["vllm", "sgl"]
+)
+def test_033_fused_shared_combine_quantized_in_flavour_order(
+    vllm_config, v033, flavour, shared_slot
+):
+    vllm_mod.register_vllm_experts()
+    v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
+    with vllm_mod.use_reference_deep_gemm(flavour):
+        prefix = f"model.layers.{70 + len(flavour)}.ffn.experts"
+        experts = _make_033_bf16_fused(v033, vllm_config, prefix, seed=9)
+        model = torch.nn.ModuleDict({"experts": experts})
+
+        def loop(m):
+            for seed in (91, 92):
+                _forward_033(vllm_config, m["experts"], *_batch(seed))
+
+        api.quantize(model, "moe_combine_nvfp4", forward_loop=loop)
+        y = _forward_033(vllm_config, experts, *_batch(93))
+        buffer = experts.get_symm_buffer()
+    expected = _quantized_resum(buffer, 6, experts.combine_quantizer.amax, shared_slot)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+def test_033_fused_shared_refuses_dispatch_quantization(vllm_config, v033):
+    vllm_mod.register_vllm_experts()
+    v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
+    with vllm_mod.use_reference_deep_gemm("vllm"):
+        experts = _make_033_bf16_fused(v033, vllm_config, "model.layers.80.ffn.experts", seed=10)
+        model = torch.nn.ModuleDict({"experts": experts})
+        with pytest.raises(RuntimeError, match="VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION"):
+            api.quantize(
+                model, "moe_dispatch_fp8",
+                forward_loop=lambda m: _forward_033(vllm_config, m["experts"], *_batch(94)),
+            )
