@@ -1,0 +1,116 @@
+"""Calibration over a real gloo EP group in spawned processes: same amax on every rank."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+TIMEOUT_S = 240
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    try:
+        sys.path.insert(0, str(HERE))
+        import numpy as np
+        import oracles
+        import torch
+        import torch.distributed as dist
+        from helpers import SHAPES, Model, batch, region
+
+        from moewire.megamoe.api import calibrate
+        from moewire.megamoe.wrapper import convert
+        from moewire.quantizer import WireQuantizer
+        from moewire.reference import forward_context
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
+        group = dist.group.WORLD
+        model = Model(n=1, group=group)
+        experts = convert(model.layers[0].experts, "layers.0.experts")
+        experts.combine_quantizer = WireQuantizer("nvfp4")
+        experts.dispatch_quantizer = WireQuantizer("fp8")
+        buf = experts.get_symm_buffer()
+        hidden = SHAPES["bf16xbf16"][0]
+        idle = rank == world - 1  # this rank routes nothing: all its tokens are padding
+        local = {"combine": 0.0, "dispatch": 0.0}
+
+        def loop(m):
+            for step in range(2):
+                x, w, ids = batch(12, hidden, seed=100 * rank + step, scale=1.0 + rank)
+                pad = torch.zeros(12, dtype=torch.bool)
+                pad[:3] = True
+                if idle:
+                    pad[:] = True
+                x[pad] = 50.0  # padding tokens must not reach the dispatch amax
+                region(buf).fill_(1e4)  # stale rows must not reach the combine amax
+                with forward_context(is_padding=pad):
+                    m(x, w, ids)
+                topk = buf.topk_idx[:12].numpy()
+                rows = oracles.to_np(region(buf))
+                for s in range(topk.shape[1]):
+                    for t in np.nonzero(topk[:, s] >= 0)[0]:
+                        local["combine"] = max(local["combine"], float(np.abs(rows[s, t]).max()))
+                routed = (topk >= 0).any(axis=1)
+                if routed.any():
+                    xs = oracles.to_np(x)[routed]
+                    local["dispatch"] = max(local["dispatch"], float(np.abs(xs).max()))
+
+        calibrate(model, loop)
+        result = {
+            "idle": idle,
+            "local": local,
+            "combine": float(experts.combine_quantizer.static_amax),
+            "dispatch": float(experts.dispatch_quantizer.static_amax),
+        }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4], ids=["2-ranks", "4-ranks"])
+def test_calibration_syncs_amax_over_the_ep_group(world, tmp_path):
+    ctx = mp.get_context("spawn")
+    init_file = tmp_path / "init"
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, str(init_file), str(tmp_path)))
+        for r in range(world)
+    ]
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(TIMEOUT_S)
+    finally:
+        hung = [p.pid for p in procs if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    errors = [e.read_text() for e in sorted(tmp_path.glob("rank*.err"))]
+    assert not hung, f"ranks hung (killed after {TIMEOUT_S}s): {hung}\n" + "\n".join(errors)
+    assert not errors, "\n".join(errors)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert results[-1]["idle"] and results[-1]["local"]["dispatch"] == 0.0
+    for key in ("combine", "dispatch"):
+        want = max(r["local"][key] for r in results)
+        assert want > 0
+        assert {r[key] for r in results} == {want}, (key, results)
