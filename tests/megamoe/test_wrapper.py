@@ -16,6 +16,7 @@ from moewire.quantizer import WireQuantizer
 from moewire.reference import MegaMoEExperts, deep_gemm, forward_context
 
 T = 20
+K_SLOTS = 4
 
 
 @pytest.fixture(autouse=True)
@@ -435,3 +436,39 @@ def test_passthrough_outside_quantized_forward():
     y = layer(x, w, ids)
     rows, topk = valid_rows_np(plain.get_symm_buffer(), T)
     np.testing.assert_array_equal(oracles.torch_bits(y), oracles.resum(rows, topk, T))
+
+
+def test_combine_calibration_excludes_the_fused_shared_slot():
+    experts = experts_of(converted(Model(n=1, fused=1)))
+    quantizer = WireQuantizer("nvfp4")
+    experts.combine_quantizer = quantizer
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=18, scale=4.0)
+    with quantizer.calibrating():
+        experts(x, w, ids)
+    rows, topk = valid_rows_np(experts.get_symm_buffer(), T)
+    routed = max(
+        float(np.abs(rows[s, t]).max()) for s in range(K_SLOTS) for t in range(T) if topk[t, s] >= 0
+    )
+    shared = float(np.abs(rows[K_SLOTS, :T]).max())
+    assert shared > routed  # so that including the shared slot would show
+    assert float(quantizer.static_amax) == routed
+
+
+class _KeywordStaging(MegaMoEExperts):
+    pass
+
+
+register_experts_class(
+    _KeywordStaging, _adapter("keyword-staging", stage_hidden_arg="hidden_states")
+)
+
+
+def test_stage_hidden_arg_by_keyword_name():
+    h, i = SHAPES["bf16xbf16"]
+    experts = convert(_KeywordStaging(8, 4, h, i, 24, mma_type="bf16xbf16", device="cpu"))
+    experts.dispatch_quantizer = WireQuantizer("mxfp8")
+    x, w, ids = batch(T, h, seed=19)
+    experts(x, w, ids)
+    staged = experts.get_symm_buffer().x[:T]
+    want = oracles.bf16_bits(oracles.mxfp8(oracles.to_np(x)))
+    np.testing.assert_array_equal(oracles.torch_bits(staged), want)
