@@ -34,7 +34,7 @@ def _x(seed: int, shape=(8, 64), dtype=torch.bfloat16) -> torch.Tensor:
         (NVFP4, "nvfp4"),
         ({**FP8, "axis": 0}, None),
         ({**NVFP4, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (4, 3)}}, None),
-        (MXFP8, None),
+        (MXFP8, "mxfp8"),
         (INT8, None),
         ({**FP8, "type": "dynamic"}, None),
     ],
@@ -53,8 +53,10 @@ def test_format_name(cfg, expected):
         (MXFP8, "modelopt"),
         ({**FP8, "backend_extra_args": {"math": "modelopt"}}, "modelopt"),
         ({**NVFP4, "backend": BACKEND}, "moewire"),
+        ({**MXFP8, "backend_extra_args": {"math": "moewire"}}, "moewire"),
     ],
-    ids=["fp8", "nvfp4", "int8", "mxfp8", "fp8-asks-modelopt", "nvfp4-backend"],
+    ids=["fp8", "nvfp4", "int8", "mxfp8", "fp8-asks-modelopt", "nvfp4-backend",
+         "mxfp8-asks-moewire"],
 )
 def test_math_choice(cfg, math):
     q = _wtq(cfg)
@@ -66,11 +68,11 @@ def test_math_choice(cfg, math):
     ("cfg", "match"),
     [
         ({**INT8, "backend_extra_args": {"math": "moewire"}}, "name no moewire format"),
-        ({**MXFP8, "backend": BACKEND}, "name no moewire format"),
+        ({**INT8, "backend": BACKEND}, "name no moewire format"),
         ({**FP8, "backend_extra_args": {"math": "triton"}}, "use 'moewire'"),
         ({**FP8, "use_constant_amax": True}, "constant_amax=448.0"),
     ],
-    ids=["int8-asks-moewire", "mxfp8-backend-moewire", "unknown-math", "use-constant-amax"],
+    ids=["int8-asks-moewire", "int8-backend-moewire", "unknown-math", "use-constant-amax"],
 )
 def test_math_refusals(cfg, match):
     with pytest.raises(ValueError, match=match):
@@ -141,6 +143,14 @@ def test_backend_on_plain_tensor_quantizer_is_moewire_math():
     plain.amax = torch.tensor(9.0)
     with pytest.raises(AssertionError, match="CUDA"):
         plain(x)
+
+
+def test_mx_on_request_runs_moewire_math_on_cpu():
+    """ModelOpt 0.47's MX fake quant needs its CUDA extension; moewire's runs anywhere."""
+    x = _x(6, (8, 64))
+    q = _wtq({**MXFP8, "backend_extra_args": {"math": "moewire"}})
+    assert q.is_static_scale()
+    assert torch.equal(q(x), moewire.fake_quant(x, "mxfp8"))
 
 
 def test_modelopt_math_is_tensor_quantizer_math():

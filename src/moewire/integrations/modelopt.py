@@ -50,9 +50,11 @@ except ImportError as err:  # pragma: no cover - exercised only without modelopt
     ) from err
 
 from moewire import formats
+from moewire.quantizer import CfgError, parse_cfg
 
 __all__ = [
     "BACKEND",
+    "BIT_EXACT",
     "WireTensorQuantizer",
     "format_name",
     "from_modelopt_state",
@@ -65,32 +67,33 @@ __all__ = [
 #: quantizer cfg forces moewire's math on any ``TensorQuantizer`` of the model.
 BACKEND = "moewire"
 
+#: The formats whose moewire reference equals ModelOpt 0.47's fake quant bit for bit
+#: (tests/modelopt/test_format_parity.py): moewire's math is the default for these only.
+BIT_EXACT = ("fp8", "nvfp4")
+
 _MATH_KEY = "math"
 _MATHS = ("moewire", "modelopt")
-_NVFP4_BLOCKS = {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}
 
 
 def format_name(quantizer: TensorQuantizer) -> str | None:
-    """The moewire format a ``TensorQuantizer``'s attributes describe, or ``None``.
+    """The moewire format a ``TensorQuantizer``'s attributes spell, or ``None``.
 
-    Only formats whose moewire reference equals ModelOpt's fake quant bit for bit map
-    (``docs/modelopt.md`` lists the checks):
-
-    - ``"fp8"``: ``num_bits == (4, 3)``, no ``block_sizes``, ``axis is None`` (per tensor);
-    - ``"nvfp4"``: ``num_bits == (2, 1)``, ``block_sizes == {-1: 16, "type": "dynamic",
-      "scale_bits": (4, 3)}`` (blocks of 16 along the last dim, the row).
-
-    Integer, MX and per-channel attributes return ``None``: ModelOpt's math runs them.
+    The spelling is moewire's own (``moewire.quantizer.parse_cfg``: ``num_bits``,
+    ``block_sizes``, ``axis``), so the same cfg entry names the same format in ``mtq.quantize``
+    and in ``moewire.quantize``. Integer, unsigned, per-channel and top-level dynamic
+    quantizers return ``None``.
     """
-    num_bits = quantizer._num_bits
-    blocks = quantizer._block_sizes
     if quantizer._dynamic or quantizer._unsigned:
         return None
-    if num_bits == (4, 3) and blocks is None and quantizer._axis is None:
-        return "fp8"
-    if num_bits == (2, 1) and blocks is not None and dict(blocks) == _NVFP4_BLOCKS:
-        return "nvfp4"
-    return None
+    cfg = {
+        "num_bits": quantizer._num_bits,
+        "block_sizes": quantizer._block_sizes,
+        "axis": quantizer._axis,
+    }
+    try:
+        return parse_cfg(cfg).fmt
+    except CfgError:
+        return None
 
 
 def _math_of(quantizer: TensorQuantizer, where: str) -> str:
@@ -109,16 +112,15 @@ def _math_of(quantizer: TensorQuantizer, where: str) -> str:
             "(moewire's bit-exact formats and kernels) or 'modelopt' (TensorQuantizer's math)"
         )
     mapped = format_name(quantizer)
+    if asked is None:
+        return "moewire" if mapped in BIT_EXACT else "modelopt"
     if asked == "moewire" and mapped is None:
         raise ValueError(
             f"{where}: moewire's math was asked for, but the quantizer attributes "
             f"(num_bits={quantizer._num_bits}, block_sizes={quantizer._block_sizes}, "
-            f"axis={quantizer._axis}) name no moewire format; moewire implements fp8 per "
-            "tensor (num_bits=(4, 3)) and nvfp4 (num_bits=(2, 1), block_sizes={-1: 16, "
-            "'type': 'dynamic', 'scale_bits': (4, 3)}); drop the backend to use ModelOpt's math"
+            f"axis={quantizer._axis}) name no moewire format (the table is in "
+            "moewire.quantizer.parse_cfg); drop the request to use ModelOpt's math"
         )
-    if asked is None:
-        return "moewire" if mapped is not None else "modelopt"
     return asked
 
 
@@ -201,8 +203,12 @@ class WireTensorQuantizer(TensorQuantizer):
             return True
         return not self._dynamic and self.has_amax
 
-    def scale_amax(self, x: torch.Tensor) -> torch.Tensor:
-        """The amax the scale of ``x`` uses: the fixed one, else ``max|x|`` of this call."""
+    def scale_amax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The amax the scale of ``x`` uses: ``None`` for a format without a global amax,
+        the fixed one, else ``max|x|`` of this call (ModelOpt's uncalibrated behaviour)."""
+        fmt = self.fmt
+        if fmt is not None and not fmt.needs_amax:
+            return None
         amax = self.static_amax
         if amax is None:
             return x.detach().abs().amax().float()
