@@ -60,6 +60,11 @@ class NVFP4(WireFormat):
     saturates (its block scale is ``448 * gs``, the element ``±6 * bs``, the rest of the
     block quantizes against that scale); an all-zero block stays zero. Host amax: finite
     and >= 0 (0 takes ModelOpt's ``gs = 1e-12``). Row-local once the amax is fixed.
+
+    Not idempotent everywhere: the block scale is formed from ``bmax``, not from the
+    grid, so a block whose E4M3 block scale is subnormal (``bmax < 6 * gs * 2^-6``, a
+    block far below the global amax) can re-quantize to a different scale; blocks with a
+    normal E4M3 scale satisfy ``q(q(x)) == q(x)`` by value.
     """
 
     name = "nvfp4"

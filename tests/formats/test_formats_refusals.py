@@ -1,0 +1,120 @@
+"""Every bad input is refused with an error that names the format, the cause and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moewire
+from moewire import formats
+
+BLOCKED = [n for n in formats.names() if formats.get(n).block_size is not None]
+NEEDS_AMAX = [n for n in formats.names() if formats.get(n).needs_amax]
+
+
+@pytest.mark.parametrize(
+    "name", ["nope", "FP8", "", None, 3], ids=["nope", "FP8", "empty", "None", "int"]
+)
+def test_unknown_format(name):
+    with pytest.raises(ValueError, match="unknown wire format.*known formats: bf16"):
+        formats.get(name)
+    with pytest.raises(ValueError, match="unknown wire format"):
+        moewire.fake_quant(torch.zeros(4), name)
+
+
+@pytest.mark.parametrize("name", BLOCKED)
+def test_last_dim_not_a_multiple_of_the_block(name):
+    fmt = formats.get(name)
+    x = torch.randn(2, fmt.block_size + fmt.block_size // 2)
+    with pytest.raises(ValueError, match=f"{name}.*not a multiple of the block size"):
+        fmt.qdq(x, 1.0)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.int32, torch.int64, torch.uint8, torch.bool, torch.float64, torch.float8_e4m3fn],
+    ids=["int32", "int64", "uint8", "bool", "float64", "float8"],
+)
+@pytest.mark.parametrize("name", ["bf16", "fp8", "mxfp4"])
+def test_unsupported_dtype(name, dtype):
+    x = torch.zeros(2, 128).to(dtype)
+    with pytest.raises(ValueError, match=f"{name}.*dtype.*bfloat16, float16 or float32"):
+        formats.get(name).qdq(x, 1.0)
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], "x", None], ids=["list", "str", "None"])
+def test_not_a_tensor(bad):
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        formats.get("mxfp8").qdq(bad)
+
+
+def test_zero_dim_tensor():
+    with pytest.raises(ValueError, match="0-d tensor"):
+        formats.get("bf16").qdq(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("name", NEEDS_AMAX)
+def test_amax_missing(name):
+    with pytest.raises(ValueError, match=f"{name}.*needs an amax"):
+        formats.get(name).qdq(torch.randn(2, 64))
+
+
+@pytest.mark.parametrize(
+    "amax",
+    [
+        -1.0,
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        torch.tensor(float("nan")),
+        torch.tensor([-2.0]),
+    ],
+    ids=["negative", "nan", "inf", "-inf", "nan-tensor", "negative-tensor"],
+)
+@pytest.mark.parametrize("name", NEEDS_AMAX)
+def test_amax_bad_value(name, amax):
+    with pytest.raises(ValueError, match=f"{name}.*amax is .*finite and >= 0"):
+        formats.get(name).qdq(torch.randn(2, 64), amax)
+
+
+@pytest.mark.parametrize(
+    "amax",
+    [torch.tensor([1.0, 2.0]), torch.ones(2, 2), torch.tensor([])],
+    ids=["two-elements", "2x2", "empty"],
+)
+@pytest.mark.parametrize("name", NEEDS_AMAX)
+def test_amax_not_a_scalar(name, amax):
+    with pytest.raises(ValueError, match=f"{name}.*amax must be a scalar"):
+        formats.get(name).qdq(torch.randn(2, 64), amax)
+
+
+@pytest.mark.parametrize(
+    "amax", ["1.0", True, torch.tensor(1 + 2j)], ids=["str", "bool", "complex"]
+)
+@pytest.mark.parametrize("name", NEEDS_AMAX)
+def test_amax_wrong_type(name, amax):
+    with pytest.raises(TypeError, match=f"{name}.*amax"):
+        formats.get(name).qdq(torch.randn(2, 64), amax)
+
+
+@pytest.mark.parametrize("amax", [torch.tensor([2.0]), torch.tensor(2, dtype=torch.int32), 2])
+def test_amax_accepted_forms(amax):
+    x = torch.randn(2, 64)
+    assert torch.equal(formats.get("fp8").qdq(x, amax), formats.get("fp8").qdq(x, 2.0))
+
+
+def test_formats_without_amax_ignore_it():
+    x = torch.randn(2, 64)
+    fmt = formats.get("mxfp4")
+    assert torch.equal(fmt.qdq(x, float("nan")), fmt.qdq(x))
+
+
+def test_register_refuses_duplicates_and_empty_names():
+    with pytest.raises(ValueError, match="already registered"):
+        formats.register(formats.get("fp8"))
+
+    class Nameless(formats.WireFormat):
+        pass
+
+    with pytest.raises(ValueError, match="non-empty name"):
+        formats.register(Nameless)
