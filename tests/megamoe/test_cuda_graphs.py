@@ -85,3 +85,35 @@ def test_a_corrupted_buffer_fails_the_replay_in_a_subprocess(tmp_path):
     assert proc.returncode != 0
     assert "device-side assert" in proc.stderr, proc.stderr[-3000:]
     assert "runs inside the CUDA graph being captured" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "fmt,amax", [("nvfp4", 0.5), ("fp8", 0.5), ("mxfp8", None)], ids=["nvfp4", "fp8", "mxfp8"]
+)
+@pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["none", "first", "last"])
+def test_resum_fused_kernel_equals_the_torch_path(fmt, amax, shared_slot, monkeypatch):
+    from moewire import kernels
+    from moewire.megamoe.resum import resum
+    from moewire.quantizer import WireQuantizer
+
+    if not kernels.available():
+        pytest.skip("moewire.kernels unavailable (no Triton)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k, tmax, hidden, t = 4, 48, 256, 40
+    rows = torch.randn(
+        k + (shared_slot is not None), tmax, hidden, device="cuda", generator=g
+    ).bfloat16()
+    topk = torch.randint(0, 16, (tmax, k), device="cuda", generator=g)
+    topk[torch.rand(tmax, k, device="cuda", generator=g) < 0.3] = -1
+    quantizer = WireQuantizer(fmt, constant_amax=amax).cuda()
+    calls = []
+    real = kernels.fused_combine
+    monkeypatch.setattr(
+        kernels, "fused_combine", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    fused = resum(rows, topk, t, shared_slot, quantizer)
+    assert calls == [1]
+    monkeypatch.setenv("MOEWIRE_DISABLE_KERNELS", "1")
+    plain = resum(rows, topk, t, shared_slot, quantizer)
+    assert calls == [1]
+    np.testing.assert_array_equal(bits(fused), bits(plain))

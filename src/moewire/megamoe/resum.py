@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from moewire import kernels
+
 __all__ = ["resum", "routed_rows", "SHARED_SLOTS"]
 
 SHARED_SLOTS = (None, "first", "last")
@@ -103,7 +105,8 @@ def _fused_combine(
 
     The Triton kernel takes a format name and an FP32 device amax (or ``None``); it runs
     for a quantizer in quantize mode (``row_quantizer.mode == "quantize"``, its format in
-    ``row_quantizer.fmt``, its amax in ``row_quantizer.static_amax``) on CUDA. Everything
+    ``row_quantizer.fmt``, its amax in ``row_quantizer.static_amax``) on CUDA, when
+    ``kernels.available()`` and ``kernels.supports(fmt.name)``. Everything
     else (CPU, plain callables, unsupported formats) takes the torch path below, which is
     the definition the kernel is tested against.
     """
@@ -112,14 +115,10 @@ def _fused_combine(
     fmt = getattr(row_quantizer, "fmt", None)
     if fmt is None:
         return False
-    try:
-        from moewire import kernels
-    except ImportError:
+    if not kernels.available() or not kernels.supports(fmt.name):
         return False
-    supports = getattr(kernels, "supports", None)
-    if not kernels.available() or (supports is not None and not supports(fmt.name)):
-        return False
-    amax = row_quantizer.static_amax
+    # The kernel takes an amax for global-scale formats only (fp8, nvfp4).
+    amax = row_quantizer.static_amax if fmt.needs_amax else None
     kernels.fused_combine(rows, topk_idx, num_tokens, out, fmt.name, amax, shared_slot)
     return True
 
