@@ -178,7 +178,8 @@ def qdq(
     impl.qdq_kernel[grid](
         flat, out, amax_t if amax_t is not None else flat, hidden, flat.stride(0), out.stride(0),
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, BLOCK_H=bh,
-        CUDA_DIV=x.is_cuda, HW_CAST=x.is_cuda, num_warps=num_warps or _NUM_WARPS, enable_fp_fusion=False,
+        CUDA_DIV=x.is_cuda, HW_CAST=x.is_cuda, num_warps=num_warps or _NUM_WARPS,
+        enable_fp_fusion=False,
     )
     return out.reshape(x.shape)
 
@@ -209,7 +210,9 @@ def _check_combine_args(
         )
     _check_device(rows, "rows")
     if shared_slot not in _SHARED_SLOTS:
-        raise ValueError(f"{where}: shared_slot must be None, 'first' or 'last', got {shared_slot!r}")
+        raise ValueError(
+            f"{where}: shared_slot must be None, 'first' or 'last', got {shared_slot!r}"
+        )
     if (
         not isinstance(topk_idx, torch.Tensor)
         or topk_idx.dim() != 2

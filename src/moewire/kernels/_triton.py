@@ -192,11 +192,13 @@ def _qdq(
         out = tl.reshape(out, (BLOCK_H,))
     else:
         if FMT == 7:
-            ref = amax
+            ref = amax + tl.zeros((1,), tl.float32)
+            use_ref = ref > 0
         else:
-            ref = tl.reduce(tl.abs(x), 0, _max_nan)
-        gs = tl.where(ref > 0, _div_const(ref + tl.zeros((1,), tl.float32), 2688.0,
-                                          _INV_2688, CUDA_DIV), 1e-12)
+            # A NaN row keeps a NaN global scale (the reference tests ``amax == 0``).
+            ref = tl.reduce(tl.abs(x), 0, _max_nan) + tl.zeros((1,), tl.float32)
+            use_ref = ref != 0
+        gs = tl.where(use_ref, _div_const(ref, 2688.0, _INV_2688, CUDA_DIV), 1e-12)
         xb = tl.reshape(x, (BLOCK_H // 16, 16))
         out = tl.reshape(_nvfp4_blocks(xb, tl.reshape(gs, (1, 1)), HW_CAST), (BLOCK_H,))
     return out

@@ -1,0 +1,112 @@
+"""Inputs and oracles shared by the interpreter (CPU) and GPU kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from moewire import formats
+from moewire.megamoe.resum import resum
+
+FORMATS = (
+    "bf16",
+    "fp8",
+    "fp8_b128",
+    "fp8_b128_ue8m0",
+    "fp8_b32_ue8m0",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
+    "nvfp4_token",
+)
+NEEDS_AMAX = ("fp8", "nvfp4")
+DISTRIBUTIONS = ("normal", "heavy", "tiny", "grid")
+
+
+def sample(shape, dist: str, gen: torch.Generator, dtype=torch.bfloat16) -> torch.Tensor:
+    """Fresh random data (never zeros) of one of :data:`DISTRIBUTIONS`.
+
+    ``heavy`` spans many binades (outliers saturate per-tensor scales), ``tiny`` lands in
+    the E4M3/E2M1 subnormal ranges of the scaled values, ``grid`` puts many values exactly
+    on rounding midpoints (multiples of 2^-4), where ties-to-even decides.
+    """
+    if dist == "normal":
+        x = torch.randn(shape, generator=gen) * 3
+    elif dist == "heavy":
+        x = torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape, generator=gen))
+    elif dist == "tiny":
+        x = torch.randn(shape, generator=gen) * 1e-3
+    elif dist == "grid":
+        x = torch.randint(-96, 97, shape, generator=gen).float() / 16
+    else:
+        raise ValueError(dist)
+    return x.to(dtype)
+
+
+def amax_for(fmt: str, x: torch.Tensor, scale: float = 0.75) -> torch.Tensor | None:
+    """A static amax below the data's max (so some values saturate), FP32 on x's device."""
+    if fmt not in NEEDS_AMAX:
+        return None
+    return (x.float().abs().amax() * scale).reshape(())
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: equal bit patterns, or both NaN (NaN payloads may differ)."""
+    a, b = a.float(), b.float()
+    bits = a.view(torch.int32) == b.view(torch.int32)
+    return bits | (torch.isnan(a) & torch.isnan(b))
+
+
+def combine_case(
+    fmt: str,
+    *,
+    k: int,
+    tmax: int,
+    num_tokens: int,
+    hidden: int,
+    shared_slot: str | None,
+    gen: torch.Generator,
+    device: str | torch.device = "cpu",
+    dist: str = "normal",
+):
+    """A combine region as a strided view into a flat buffer, like ``combine_rows``.
+
+    Slots with ``topk_idx = -1`` (about a third, and every slot of one token) and the
+    tokens past ``num_tokens`` hold stale NaN, which must never reach the output.
+    Returns ``(rows, topk_idx, amax)``.
+    """
+    slots = k + (shared_slot is not None)
+    offset = 64
+    flat = torch.empty(offset + slots * tmax * hidden, dtype=torch.bfloat16)
+    rows = flat[offset:].view(slots, tmax, hidden)
+    rows.copy_(sample((slots, tmax, hidden), dist, gen))
+    topk_idx = torch.randint(0, 64, (tmax, k), generator=gen)
+    topk_idx[torch.rand((tmax, k), generator=gen) < 0.35] = -1
+    topk_idx[min(1, num_tokens - 1)] = -1
+    routed_base = 1 if shared_slot == "first" else 0
+    for s in range(k):
+        rows[routed_base + s][topk_idx[:, s] < 0] = float("nan")
+    rows[:, num_tokens:] = float("nan")
+    amax = amax_for(fmt, rows[:, :num_tokens].nan_to_num(0.0))
+    flat = flat.to(device)
+    rows = flat[offset:].view(slots, tmax, hidden)
+    return rows, topk_idx.to(device), None if amax is None else amax.to(device)
+
+
+def reference_combine(rows, topk_idx, num_tokens, fmt, amax, shared_slot):
+    """The torch definition: ``megamoe.resum`` with the format's reference as quantizer."""
+    ref_fmt = formats.get(fmt)
+    return resum(
+        rows,
+        topk_idx,
+        num_tokens,
+        shared_slot=shared_slot,
+        row_quantizer=lambda r: ref_fmt.reference(r, amax),
+    )
+
+
+def valid_routed_max(rows, topk_idx, num_tokens, shared_slot) -> torch.Tensor:
+    """max |row| over the valid routed rows of the first ``num_tokens`` tokens (FP32)."""
+    routed = rows[1:] if shared_slot == "first" else rows[: topk_idx.shape[1]]
+    routed = routed[:, :num_tokens].float().abs()
+    valid = (topk_idx[:num_tokens] >= 0).T.unsqueeze(-1)
+    return torch.where(valid, routed, torch.zeros_like(routed)).amax()

@@ -1,0 +1,161 @@
+"""The Triton kernels under Triton's interpreter (CPU), against the torch definitions.
+
+These run where CI runs (no GPU) when Triton is installed; the same kernels are checked on
+CUDA by ``test_gpu.py``. Shapes are small: the interpreter runs each program in NumPy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.cases import (
+    DISTRIBUTIONS,
+    FORMATS,
+    amax_for,
+    combine_case,
+    reference_combine,
+    same_bits,
+    sample,
+    valid_routed_max,
+)
+
+pytest.importorskip("triton")
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: test_gpu.py checks the compiled kernels", allow_module_level=True)
+
+from moewire import formats, kernels  # noqa: E402
+
+# NumPy warns about the inf/NaN the special-value tests feed the interpreter on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qdq_bit_exact(fmt, dist):
+    gen = torch.Generator().manual_seed(hash((fmt, dist)) % 2**31)
+    x = sample((3, 256), dist, gen)
+    amax = amax_for(fmt, x)
+    got = kernels.qdq(x, fmt, amax)
+    want = formats.get(fmt).reference(x, amax)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert same_bits(got, want).all(), f"{int((~same_bits(got, want)).sum())} elements differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4_token"])
+def test_qdq_other_dtypes_and_shapes(fmt, dtype):
+    gen = torch.Generator().manual_seed(7)
+    x = sample((2, 2, 128), "normal", gen, dtype=dtype)
+    amax = amax_for(fmt, x)
+    got = kernels.qdq(x, fmt, amax)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert same_bits(got, formats.get(fmt).reference(x, amax)).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qdq_special_values(fmt):
+    gen = torch.Generator().manual_seed(3)
+    x = sample((4, 128), "normal", gen)
+    x[0, 5], x[1, 17], x[2, 100], x[3, 0] = float("nan"), float("inf"), -float("inf"), -0.0
+    amax = torch.tensor(6.0)
+    got = kernels.qdq(x, fmt, amax)
+    assert same_bits(got, formats.get(fmt).reference(x, amax)).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_qdq_zero_amax_takes_the_fallback(fmt):
+    x = sample((2, 128), "tiny", torch.Generator().manual_seed(1))
+    amax = torch.tensor(0.0)
+    assert same_bits(kernels.qdq(x, fmt, amax), formats.get(fmt).reference(x, amax)).all()
+
+
+@pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["noshared", "first", "last"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_combine_bit_exact(fmt, shared_slot):
+    gen = torch.Generator().manual_seed(hash((fmt, shared_slot)) % 2**31)
+    rows, idx, amax = combine_case(
+        fmt, k=3, tmax=6, num_tokens=4, hidden=256, shared_slot=shared_slot, gen=gen
+    )
+    want = reference_combine(rows, idx, 4, fmt, amax, shared_slot)
+    out = torch.full((4, 256), float("nan"), dtype=torch.bfloat16)
+    kernels.fused_combine(rows, idx, 4, out, fmt, amax, shared_slot, block_h=128)
+    assert not torch.isnan(out).any(), "stale NaN leaked"
+    assert same_bits(out, want).all()
+
+
+@pytest.mark.parametrize("shared_slot", [None, "last"], ids=["noshared", "last"])
+def test_check_flag_and_calibration(shared_slot):
+    gen = torch.Generator().manual_seed(11)
+    t = 5
+    rows, idx, _ = combine_case(
+        "mxfp4", k=3, tmax=8, num_tokens=t, hidden=128, shared_slot=shared_slot, gen=gen
+    )
+    y = reference_combine(rows, idx, t, "bf16", None, shared_slot)
+    flag = torch.zeros(1, dtype=torch.int32)
+    calib = torch.zeros(1, dtype=torch.float32)
+    out = torch.empty_like(y)
+    kernels.fused_combine(rows, idx, t, out, "mxfp4", None, shared_slot, y, flag, calib)
+    assert int(flag) == 0
+    assert float(calib) == float(valid_routed_max(rows, idx, t, shared_slot))
+    assert same_bits(out, reference_combine(rows, idx, t, "mxfp4", None, shared_slot)).all()
+
+    valid = (idx[:t] >= 0).nonzero()
+    tok, slot = (int(v) for v in valid[0])
+    rows[slot, tok, 7] = rows[slot, tok, 7] * 2 + 1
+    kernels.fused_combine(rows, idx, t, out, "mxfp4", None, shared_slot, y, flag, calib)
+    assert int(flag) >= 1
+
+    flag.zero_()
+    y2 = reference_combine(rows, idx, t, "bf16", None, shared_slot)
+    kernels.fused_combine(rows, idx, t, y2, "bf16", None, shared_slot, y2, flag)
+    assert int(flag) == 0, "check_against aliasing out must read y before writing it"
+
+
+def _refusal_args(**change):
+    rows = torch.randn(3, 4, 128).to(torch.bfloat16)
+    args = dict(
+        rows=rows,
+        topk_idx=torch.zeros(4, 3, dtype=torch.int64),
+        num_tokens=4,
+        out=torch.empty(4, 128, dtype=torch.bfloat16),
+        fmt_name="mxfp4",
+        amax=None,
+        shared_slot=None,
+    )
+    args.update(change)
+    return args
+
+
+REFUSALS = {
+    "unknown-format": (dict(fmt_name="logfmt10"), ValueError, "no kernel"),
+    "rows-fp32": (dict(rows=torch.randn(3, 4, 128)), ValueError, "rows must be BF16"),
+    "slot-count": (dict(shared_slot="last"), ValueError, "need 4"),
+    "too-many-tokens": (dict(num_tokens=5), ValueError, "num_tokens=5"),
+    "out-shape": (dict(out=torch.empty(3, 128, dtype=torch.bfloat16)), ValueError, "out must"),
+    "fp8-no-amax": (dict(fmt_name="fp8"), ValueError, "needs an amax"),
+    "bad-shared": (dict(shared_slot="middle"), ValueError, "shared_slot"),
+    "check-without-flag": (
+        dict(check_against=torch.empty(4, 128, dtype=torch.bfloat16)),
+        ValueError,
+        "together",
+    ),
+    "float-num-tokens": (dict(num_tokens=4.0), TypeError, "num_tokens must be an int"),
+}
+
+
+@pytest.mark.parametrize("change,exc,match", REFUSALS.values(), ids=REFUSALS.keys())
+def test_fused_combine_refusals(change, exc, match):
+    with pytest.raises(exc, match=match):
+        kernels.fused_combine(**_refusal_args(**change))
+
+
+def test_qdq_refuses_unaligned_hidden():
+    with pytest.raises(ValueError, match="not a multiple"):
+        kernels.qdq(torch.randn(2, 48).to(torch.bfloat16), "mxfp4", None)
+
+
+def test_supports_and_available():
+    assert all(kernels.supports(f) for f in FORMATS)
+    assert not kernels.supports("logfmt10")
+    assert kernels.available() is False  # no CUDA here
