@@ -51,7 +51,7 @@ class StudyConfig:
     ranks: int = 1
     dispatch: tuple[str, ...] = (NONE, *DEFAULT_DISPATCH)
     combine: tuple[str, ...] = (NONE, *DEFAULT_COMBINE)
-    calib_batches: int = 1
+    calib_batches: int = 2
     eval_batches: int = 2
     weights: str | None = None
     layer: int | None = None

@@ -2,16 +2,15 @@
 
 Synthetic data (the default) is seeded and has the outlier structure of real MoE inputs:
 
-- hidden states ``x`` BF16 ``[N, H]``: ``x[t, c] = z[t, c] * chan[c] * tok[t]`` with ``z``
-  standard normal, ``chan[c] = exp(0.5 * n_c)`` (log-normal channel scales) and
-  ``max(1, H // 512)`` "massive" channels multiplied by 20; ``tok[t] = exp(0.25 * m_t)``
-  and one token in 64 (at least one per batch) multiplied by 10 (outlier tokens, such as
-  a sequence's first token);
-- expert weights BF16: ``w = n * row / sqrt(fan_in)`` with ``row = exp(0.3 * n_r)`` per
-  output row, and one element in 1024 multiplied by 8 (weight outliers, which move the
-  FP4 block scales);
-- router weight FP32 ``[E, H]`` ``~ N(0, 1/H)`` and a selection bias ``[E] ~ N(0, 0.5^2)``
-  that makes a few experts hot, as trained routers are.
+- hidden states ``x`` BF16 ``[N, H]``, shaped like the input of a MoE layer, which comes
+  out of an RMSNorm: ``x[t] = u[t] / rms(u[t]) * gamma``. ``u`` is standard normal, except
+  that one token in 64 (at least one per batch) is an outlier token with 4 spike channels
+  of magnitude ``U(50, 100)`` (as a sequence's first token has): after the norm its energy
+  sits in those channels, values near ``sqrt(H / 4)``. ``gamma[c] = exp(0.3 * n_c)``, with
+  ``max(1, H // 512)`` outlier channels multiplied by 10 (the norm weights of "massive"
+  channels). Every token has the same RMS (``rms(gamma)``), as after a real norm;
+- the router's synthetic weights are built by :func:`moewire.study.layer.build_layer`,
+  the experts' by :func:`moewire.reference.make_weights` (outlier input channels).
 
 Real data: expert weights from a safetensors checkpoint in DeepSeek's naming
 (:data:`WEIGHT_NAMES`), and hidden states captured from a model (``.pt`` or
@@ -85,52 +84,19 @@ class LayerWeights:
 
 
 def synthetic_hidden_states(num_tokens: int, hidden: int, generator: torch.Generator):
-    """Seeded BF16 ``[num_tokens, hidden]`` hidden states with outliers (module docstring)."""
-    chan = torch.exp(0.5 * torch.randn(hidden, generator=generator))
-    num_massive = max(1, hidden // 512)
-    massive = torch.randperm(hidden, generator=generator)[:num_massive]
-    chan[massive] *= 20.0
-    tok = torch.exp(0.25 * torch.randn(num_tokens, 1, generator=generator))
+    """Seeded BF16 ``[num_tokens, hidden]`` post-norm hidden states (module docstring)."""
+    gamma = torch.exp(0.3 * torch.randn(hidden, generator=generator))
+    outlier_channels = torch.randperm(hidden, generator=generator)[: max(1, hidden // 512)]
+    gamma[outlier_channels] *= 10.0
+    u = torch.randn(num_tokens, hidden, generator=generator)
     num_outliers = max(1, num_tokens // 64)
-    outliers = torch.randperm(num_tokens, generator=generator)[:num_outliers]
-    tok[outliers] *= 10.0
-    z = torch.randn(num_tokens, hidden, generator=generator)
-    return (z * chan * tok).to(torch.bfloat16)
-
-
-def _synthetic_matrix(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    fan_in = shape[-1]
-    w = torch.randn(shape, generator=generator)
-    w *= torch.exp(0.3 * torch.randn(*shape[:-1], 1, generator=generator))
-    w *= fan_in**-0.5
-    outlier = torch.rand(shape, generator=generator) < 1.0 / 1024
-    w[outlier] *= 8.0
-    return w.to(torch.bfloat16)
-
-
-def synthetic_weights(
-    num_experts: int,
-    hidden: int,
-    intermediate: int,
-    num_shared: int,
-    generator: torch.Generator,
-    seed: int,
-) -> LayerWeights:
-    """Seeded random weights of one layer with the outlier structure of the module doc."""
-    w1 = torch.stack(
-        [_synthetic_matrix((2 * intermediate, hidden), generator) for _ in range(num_experts)]
-    )
-    w2 = torch.stack(
-        [_synthetic_matrix((hidden, intermediate), generator) for _ in range(num_experts)]
-    )
-    router = torch.randn(num_experts, hidden, generator=generator) * hidden**-0.5
-    bias = 0.5 * torch.randn(num_experts, generator=generator)
-    shared_w1 = shared_w2 = None
-    if num_shared:
-        inter_s = num_shared * intermediate
-        shared_w1 = _synthetic_matrix((2 * inter_s, hidden), generator)
-        shared_w2 = _synthetic_matrix((hidden, inter_s), generator)
-    return LayerWeights(w1, w2, router, bias, shared_w1, shared_w2, f"synthetic(seed={seed})")
+    tokens = torch.randperm(num_tokens, generator=generator)[:num_outliers]
+    for t in tokens.tolist():
+        spikes = torch.randperm(hidden, generator=generator)[:4]
+        sign = torch.randint(0, 2, (4,), generator=generator) * 2 - 1
+        u[t, spikes] = sign * (50.0 + 50.0 * torch.rand(4, generator=generator))
+    u = u * torch.rsqrt(u.square().mean(dim=1, keepdim=True))
+    return (u * gamma).to(torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- router

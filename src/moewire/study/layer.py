@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import moewire
+from moewire.recipes import Recipe
 from moewire.reference import MegaMoEExperts, MegaMoEWeights, SharedExpert, deep_gemm
 from moewire.reference import make_weights as reference_make_weights
 from moewire.study.config import NONE, StudyConfig, check_layer_shapes
@@ -181,19 +182,23 @@ def build_layer(cfg: StudyConfig, generator: torch.Generator) -> StudyLayer:
     )
 
 
-def recipe_for(dispatch: str, combine: str) -> list[dict]:
-    """The moewire recipe (a list of ModelOpt-style entries) of one dispatch x combine pair.
+def recipe_for(dispatch: str, combine: str) -> Recipe:
+    """The moewire recipe of one dispatch x combine pair (two ModelOpt-style entries).
 
-    ``bf16`` on an axis disables that quantizer (``{"enable": False}``).
+    ``bf16`` on an axis disables that quantizer (``{"enable": False}``); any other name is
+    moewire's ``{"format": name}`` cfg.
     """
 
     def cfg(fmt: str) -> dict:
         return {"enable": False} if fmt == NONE else {"format": fmt}
 
-    return [
-        {"quantizer_name": "*dispatch_quantizer", "cfg": cfg(dispatch)},
-        {"quantizer_name": "*combine_quantizer", "cfg": cfg(combine)},
-    ]
+    return Recipe.from_entries(
+        [
+            {"quantizer_name": "*dispatch_quantizer", "cfg": cfg(dispatch)},
+            {"quantizer_name": "*combine_quantizer", "cfg": cfg(combine)},
+        ],
+        name=f"study_{dispatch}_dispatch_{combine}_combine",
+    )
 
 
 def needs_calibration(dispatch: str, combine: str) -> bool:

@@ -206,7 +206,8 @@ def plot_frontier(doc: dict, path: Path) -> Path:
     ax.set_ylabel("relative L2 error of the layer output")
     bf16 = next(r["bytes_per_token"] / r["ratio_to_bf16"] for r in results)
     ax.axvline(bf16, color="0.7", lw=0.8)
-    ax.text(bf16, floor, " BF16", fontsize=7, color="0.4", va="bottom")
+    ax.text(bf16, 0.98, "all BF16 ", fontsize=7, color="0.4", ha="right", va="top",
+            transform=ax.get_xaxis_transform())
     ax.set_title(
         f"{doc['settings']['model']}: error vs wire bytes "
         f"(bf16/bf16 is exact, drawn at {floor:.1e})",
