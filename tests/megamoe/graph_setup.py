@@ -73,7 +73,18 @@ class Captured:
         torch.cuda.synchronize()
         return self.y.clone()
 
-    def eager(self, seed: int) -> torch.Tensor:
-        x, w, ids = batch(T, self.x.shape[1], seed=seed)
-        with forward_context(is_padding=torch.zeros(T, dtype=torch.bool, device="cuda")):
-            return self.experts(x.cuda(), w.cuda(), ids.cuda()).clone()
+    def eager(self, seed: int, no_sync: bool = False) -> torch.Tensor:
+        """An eager forward on the same tokens as ``replay(seed)``; with ``no_sync`` the
+        forward runs under ``torch.cuda.set_sync_debug_mode("error")`` (inputs are put on
+        the device first: a pageable host-to-device copy is itself a sync)."""
+        x, w, ids = (t.cuda() for t in batch(T, self.x.shape[1], seed=seed))
+        pad = torch.zeros(T, dtype=torch.bool, device="cuda")
+        torch.cuda.synchronize()
+        with forward_context(is_padding=pad):
+            if no_sync:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                y = self.experts(x, w, ids)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return y.clone()

@@ -6,8 +6,9 @@
   rows.
 - ``ExpertsAdapter`` / ``register_experts_class`` / ``adapter_for``: how an experts class
   is hooked.
-- ``convert`` (the in-place ModelOpt-style class swap), ``quantize``, ``calibrate``,
-  ``save_scales``, ``load_scales``, ``summary``.
+- ``convert`` (the in-place ModelOpt-style class swap), ``QuantExperts`` (its mixin, for
+  other class-swap frameworks) with ``install_proxies``, ``layout_checked``.
+- ``quantize``, ``calibrate``, ``save_scales``, ``load_scales``, ``summary``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ _LAZY = {
     "adapter_for": ("moewire.megamoe.registry", "adapter_for"),
     "convert": ("moewire.megamoe.wrapper", "convert"),
     "is_converted": ("moewire.megamoe.wrapper", "is_converted"),
+    "install_proxies": ("moewire.megamoe.wrapper", "install_proxies"),
+    "layout_checked": ("moewire.megamoe.wrapper", "layout_checked"),
+    "QuantExperts": ("moewire.megamoe.wrapper", "QuantExperts"),
     "quantize": ("moewire.megamoe.api", "quantize"),
     "calibrate": ("moewire.megamoe.api", "calibrate"),
     "save_scales": ("moewire.megamoe.api", "save_scales"),
