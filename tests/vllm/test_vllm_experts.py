@@ -182,3 +182,28 @@ def test_two_rank_gloo_ep_group():
             result = torch.load(os.path.join(out_dir, f"rank{rank}.pt"))
             assert torch.equal(result["y"].view(torch.int16), result["expected"].view(torch.int16))
             assert result["remote"] > 0
+
+
+def test_kimi_k3_experts_are_registered_and_converted(vllm_config):
+    """Kimi-K3 (a DeepseekV4MegaMoEExperts subclass, SiTU): converted by moewire.quantize.
+
+    Its forward cannot run here: the stand-in kernel implements SwiGLU only.
+    """
+    api = pytest.importorskip("moewire.megamoe.api")
+    from vllm.models.kimi_k3.nvidia.model import KimiK3MegaMoEExperts
+
+    from moewire.megamoe.registry import adapter_for
+
+    vllm_mod.register_vllm_experts()
+    experts = KimiK3MegaMoEExperts(
+        vllm_config, num_experts=4, num_local_experts=4, experts_start_idx=0, top_k=K,
+        hidden_size=H, intermediate_size=512, prefix=_prefix(), activation="situ",
+        activation_beta=1.0, activation_linear_beta=None,
+    )
+    assert adapter_for(experts).name == "vllm-0.32-KimiK3MegaMoEExperts"
+    model = torch.nn.ModuleDict({"experts": experts})
+    api.quantize(model, "moe_fp8_dispatch_nvfp4_combine")
+    assert isinstance(experts, KimiK3MegaMoEExperts)
+    assert experts.dispatch_quantizer.mode == "quantize"
+    with vllm_mod.use_reference_deep_gemm("vllm"), pytest.raises(ValueError, match="swiglu"):
+        experts.get_symm_buffer()
