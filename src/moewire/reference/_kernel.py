@@ -136,12 +136,15 @@ class _Experts:
         )
 
     def _dequantize_all(self, num_experts: int) -> torch.Tensor:
-        # Chunks keep the temporary int64/FP32 unpacking tensors small.
-        parts = [
-            _dequantize_experts(self.weights, e, min(e + 8, num_experts), self.is_l1)
-            for e in range(0, num_experts, 8)
-        ]
-        return torch.cat(parts)
+        first = _dequantize_experts(self.weights, 0, 1, self.is_l1)
+        dense = torch.empty((num_experts, *first.shape[1:]), dtype=first.dtype,
+                            device=first.device)
+        dense[:1] = first
+        # Two experts at a time keep the temporary unpacking tensors small.
+        for e in range(1, num_experts, 2):
+            last = min(e + 2, num_experts)
+            dense[e:last] = _dequantize_experts(self.weights, e, last, self.is_l1)
+        return dense
 
     def __getitem__(self, e: int) -> torch.Tensor:
         if self.dense is not None:
@@ -371,8 +374,8 @@ def mega_moe(
     dest = torch.div(expert, e_local, rounding_mode="floor")
     order = torch.argsort(dest, stable=True)
     token, slot, expert, dest = token[order], slot[order], expert[order], dest[order]
-    x_rows = buf.x[:t][token]
-    fields = [_bytes(x_rows)]
+    # Gather on byte views: advanced indexing of FP8 tensors is not on every device.
+    fields = [_bytes(buf.x[:t].view(torch.uint8)[token])]
     if fp8:
         fields.append(_bytes(buf.x_sf[:t][token]))
     fields.append(_bytes(buf.topk_weights[:t][token, slot].unsqueeze(1)))

@@ -140,6 +140,12 @@ def quantize_fp4_ue8m0(w: torch.Tensor, gran: int = 32) -> tuple[torch.Tensor, t
     return pack_fp4(codes), pack_ue8m0(sf)
 
 
+def _fp4_byte_table(device: torch.device) -> torch.Tensor:
+    """FP32 ``[256, 2]``: the two E2M1 values (low nibble first) of every packed byte."""
+    codes = torch.arange(256, dtype=torch.int32)
+    return torch.stack([decode_e2m1(codes & 0xF), decode_e2m1(codes >> 4)], dim=1).to(device)
+
+
 def dequantize_weight(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     """FP32 values of a quantized weight ``[..., N, K]`` with packed UE8M0 per 32 along K.
 
@@ -150,5 +156,8 @@ def dequantize_weight(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     if w.dtype == torch.float8_e4m3fn:
         elements = w.float()
     else:
-        elements = decode_e2m1(unpack_fp4(w))
+        # One gather per byte (two values) is several times faster than unpacking nibbles.
+        table = _fp4_byte_table(w.device)
+        pairs = torch.nn.functional.embedding(w.contiguous().view(torch.uint8).int(), table)
+        elements = pairs.flatten(-2)
     return scale_groups(elements, unpack_ue8m0(sf))

@@ -76,6 +76,12 @@ def _quantize(w: torch.Tensor, fmt: str) -> Any:
     return w.bfloat16()
 
 
+def _rows(w: Any, perm: torch.Tensor) -> Any:
+    if isinstance(w, tuple):
+        return tuple(t[perm] for t in w)
+    return w[perm]
+
+
 def _stack(parts: list[Any]) -> Any:
     if isinstance(parts[0], tuple):
         return tuple(torch.stack([p[j] for p in parts]) for j in range(len(parts[0])))
@@ -99,6 +105,7 @@ def make_weights(
     seed: int = 0,
     outlier_channels: int = 4,
     outlier_scale: float = 16.0,
+    distinct: int | None = None,
     device: torch.device | str = "cpu",
 ) -> MegaMoEWeights:
     """Seeded random expert weights in the kernel's formats.
@@ -107,6 +114,11 @@ def make_weights(
     that builds only its own experts gets the same weights as a one-rank build. L1 is
     ``[gate | up]`` ``[2I, H]``, L2 ``[H, I]``; each has ``outlier_channels`` input channels
     ``outlier_scale`` times larger.
+
+    ``distinct=n`` is a shortcut for large shapes (drawing and quantizing 256 experts of
+    V4-Flash takes minutes on a small CPU): only ``n`` base experts are drawn and
+    quantized, and expert ``e`` is base ``e % n`` with its output rows shuffled by its own
+    seeded permutation (same formats and outlier channels; experts are then correlated).
 
     Args:
         num_experts: routed experts in the model (bounds ``experts``).
@@ -129,19 +141,36 @@ def make_weights(
             f"make_weights: experts must be a non-empty subset of range({num_experts}), "
             f"got {ids}"
         )
+    if distinct is not None and (not isinstance(distinct, int) or distinct < 1):
+        raise ValueError(f"make_weights: distinct must be a positive int or None, got {distinct!r}")
     fp8 = mma_type == "fp8xfp4"
+    fmt = "fp4" if fp8 else "bf16"
     device = torch.device(device)
+    bases: dict[int, tuple[Any, Any]] = {}
+
+    def expert_weights(e: int) -> tuple[Any, Any]:
+        source = e if distinct is None else e % distinct
+        if source not in bases:
+            seed_e = (seed * 1000003 + source) * 2
+            bases[source] = (
+                _quantize(_dense(seed_e, 2 * intermediate, hidden, outlier_channels,
+                                 outlier_scale), fmt),
+                _quantize(_dense(seed_e + 1, hidden, intermediate, outlier_channels,
+                                 outlier_scale), fmt),
+            )
+        l1, l2 = bases[source]
+        if distinct is None:
+            return l1, l2
+        gen = torch.Generator().manual_seed((seed * 1000003 + e) * 2 + 1)
+        return _rows(l1, torch.randperm(2 * intermediate, generator=gen)), _rows(
+            l2, torch.randperm(hidden, generator=gen)
+        )
+
     l1_parts, l2_parts = [], []
     for e in ids:
-        base = (seed * 1000003 + e) * 2
-        l1_parts.append(
-            _quantize(_dense(base, 2 * intermediate, hidden, outlier_channels, outlier_scale),
-                      "fp4" if fp8 else "bf16")
-        )
-        l2_parts.append(
-            _quantize(_dense(base + 1, hidden, intermediate, outlier_channels, outlier_scale),
-                      "fp4" if fp8 else "bf16")
-        )
+        l1, l2 = expert_weights(e)
+        l1_parts.append(l1)
+        l2_parts.append(l2)
     l1_raw, l2_raw = _to(_stack(l1_parts), device), _to(_stack(l2_parts), device)
     l1, l2 = deep_gemm.transform_weights_for_mega_moe(l1_raw, l2_raw)
     weights = MegaMoEWeights(ids, mma_type, l1, l2, l1_raw, l2_raw)
