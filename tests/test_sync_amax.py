@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 import traceback
 import warnings
 
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 
 from moewire.quantizer import WireQuantizer
 
-TIMEOUT_S = 120
+TIMEOUT_S = 240  # 2 shared CPU cores: spawning 4 torch processes can take a minute
 EMPTY_RANK = 1
 
 
@@ -44,7 +45,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     try:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=TIMEOUT_S // 2),
+            timeout=datetime.timedelta(seconds=TIMEOUT_S * 3 // 4),
         )
         # Synced while the collected state is still pending, then loaded.
         before = _calibrate(rank)
@@ -91,8 +92,9 @@ def _run(world: int, tmp_path) -> list[dict]:
     for p in procs:
         p.start()
     hung = []
+    deadline = time.monotonic() + TIMEOUT_S
     for rank, p in enumerate(procs):
-        p.join(TIMEOUT_S)
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             hung.append(rank)
             p.kill()
