@@ -128,6 +128,7 @@ def logfmt10(x: np.ndarray, amax=None) -> np.ndarray:
     v = x.astype(ml_dtypes.bfloat16).astype(np.float64)
     hidden = v.shape[-1]
     rows = v.reshape(-1, hidden)
+    negative = np.signbit(x).reshape(-1, hidden)
     group = 1024 if hidden % 1024 == 0 else 512
     out = np.empty_like(rows)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -149,7 +150,8 @@ def logfmt10(x: np.ndarray, amax=None) -> np.ndarray:
                 code = np.floor(np.where(np.isnan(t) | (t < 0), 0.0, t))
                 assert code.max() <= 511
                 dec = np.where(code == 0, 0.0, np.exp2((code - 1.0) * step + li))
-                out[r, g0 : g0 + group] = np.copysign(dec, chunk).reshape(-1)
+                sign = np.where(negative[r, g0 : g0 + group], -1.0, 1.0).reshape(dec.shape)
+                out[r, g0 : g0 + group] = (sign * dec).reshape(-1)
     return out.reshape(v.shape).astype(F32)
 
 

@@ -164,11 +164,16 @@ def test_logfmt10_cast_group_follows_deepep_send_unrolls(hidden, group):
     fmt_oracle.assert_bits_equal(out, fmt_oracle.expected("logfmt10", x), "logfmt10 groups")
 
 
-def test_logfmt10_nan_in_a_cast_block_becomes_zero():
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_logfmt10_nan_in_a_cast_block_becomes_a_signed_zero(dtype):
     x = torch.linspace(0.01, 0.5, 1024).reshape(1, 1024)
-    x[0, 7] = float("nan")
+    x[0, 7], x[0, 9] = float("nan"), -float("nan")
+    x = x.to(dtype)
     out = formats.get("logfmt10").qdq(x)
-    assert out[0, 7] == 0 and torch.isfinite(out).all()
+    assert out[0, 7] == 0 and out[0, 9] == 0 and torch.isfinite(out).all()
+    assert torch.signbit(out[0, 7]) == torch.signbit(x[0, 7])
+    assert torch.signbit(out[0, 9]) == torch.signbit(x[0, 9])
+    fmt_oracle.assert_bits_equal(out, fmt_oracle.expected("logfmt10", x), "logfmt10 NaN")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -50,7 +50,7 @@ class LogFMT10(WireFormat):
                                                     # at their arithmetic mean
         code = floor(max(log2(a) / step + r - li / step, 0))      # 0 .. 511
         dec  = 0 if code == 0 else 2^((code - 1) * step + li)
-        out  = copysign(dec, v)                     # the BF16 sign bit, -0.0 included
+        out  = -dec if signbit(x) else dec          # the sign bit, -0.0 included
 
     and ``out`` is rounded to FP32, then to ``x.dtype``. The formula follows DeepEP's
     expression order (``step_inv = 1/step``, ``fused = r - li * step_inv``,
@@ -65,7 +65,8 @@ class LogFMT10(WireFormat):
     Special values: a block holding ±inf has ``amax = inf`` and its group stays BF16; a
     block of zeros (``amin = amax = 0``) also keeps its group BF16. NaN is ignored by
     amax/amin; in a group that stays BF16 it passes unchanged, in a cast group it encodes
-    to code 0 and comes back as ±0 (``fmaxf(NaN, 0) = 0`` in DeepEP's encoder).
+    to code 0 and comes back as a zero with the NaN's sign bit (``fmaxf(NaN, 0) = 0`` in
+    DeepEP's encoder).
     Row-local, no amax. Wire: 10 bits per element plus 32 bits (BF16 amax and amin) per
     128 channels when cast; a group that stays BF16 costs 16 bits per element.
     """
@@ -108,7 +109,10 @@ class LogFMT10(WireFormat):
         t = torch.log2(a) * step_inv + fused
         code = torch.fmax(t, torch.zeros_like(t)).floor()
         decoded = torch.where(code == 0, torch.zeros_like(t), torch.exp2((code - 1) * step + li))
-        out = torch.where(ok, torch.copysign(decoded, v), v)
+        # The sign comes from x itself: the sign bit of a NaN after a cast to BF16 is not
+        # specified (torch's CPU cast of a +NaN gives 0xFFFF).
+        negative = torch.signbit(x).reshape(v.shape)
+        out = torch.where(ok, torch.where(negative, -decoded, decoded), v)
         return out.to(torch.float32).reshape(x.shape).to(x.dtype)
 
 
