@@ -8,7 +8,8 @@ Synthetic data (the default) is seeded and has the outlier structure of real MoE
   of magnitude ``U(50, 100)`` (as a sequence's first token has): after the norm its energy
   sits in those channels, values near ``sqrt(H / 4)``. ``gamma[c] = exp(0.3 * n_c)``, with
   ``max(1, H // 512)`` outlier channels multiplied by 10 (the norm weights of "massive"
-  channels). Every token has the same RMS (``rms(gamma)``), as after a real norm;
+  channels). Every ``u[t] / rms(u[t])`` has RMS 1, as after a real norm, so tokens differ
+  in shape (spikes), not in overall scale;
 - the router's synthetic weights are built by :func:`moewire.study.layer.build_layer`,
   the experts' by :func:`moewire.reference.make_weights` (outlier input channels).
 
