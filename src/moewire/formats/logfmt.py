@@ -5,7 +5,9 @@ Read from DeepEP (``deepseek-ai/DeepEP``, ``csrc/kernels/legacy/internode_ll.cu`
 ``use_logfmt=True``). Each element is a sign bit and a 9-bit code on a log2 grid spanning
 its 128-channel block's [log2 amin, log2 amax]; the block's BF16 amax and amin travel as
 metadata. A group of blocks that cannot be cast (amax >= 1, a constant magnitude, zeros)
-is sent as BF16.
+is sent as BF16. (DeepEP's Python docstring says "per-64-channel cast"; the kernel read
+here, at commit dd758ca, keeps one (amax, amin) pair per 128 channels and decides the cast
+per 512 or 1024 channels.)
 """
 
 from __future__ import annotations
