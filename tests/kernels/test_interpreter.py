@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tests.kernels.cases import (
     DISTRIBUTIONS,
     FORMATS,

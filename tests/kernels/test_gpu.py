@@ -1,0 +1,136 @@
+"""The compiled Triton kernels on CUDA against the torch definitions on CUDA (the H200).
+
+Run there with ``pytest -m gpu tests/kernels``; skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.kernels.cases import (
+    DISTRIBUTIONS,
+    FORMATS,
+    amax_for,
+    combine_case,
+    reference_combine,
+    same_bits,
+    sample,
+    valid_routed_max,
+)
+
+from moewire import formats, kernels
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(hash(key) % 2**31)
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168])
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qdq_bit_exact_cuda(fmt, dist, hidden):
+    x = sample((96, hidden), dist, _gen(fmt, dist, hidden)).to(CUDA)
+    amax = amax_for(fmt, x)
+    got = kernels.qdq(x, fmt, amax)
+    want = formats.get(fmt).reference(x, amax)
+    bad = ~same_bits(got, want)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements differ"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qdq_special_values_cuda(fmt):
+    x = sample((8, 512), "normal", _gen(fmt)).to(CUDA)
+    x[0, 5], x[1, 17], x[2, 100], x[3, 0] = float("nan"), float("inf"), -float("inf"), -0.0
+    amax = torch.tensor(6.0, device=CUDA)
+    assert same_bits(kernels.qdq(x, fmt, amax), formats.get(fmt).reference(x, amax)).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_qdq_uses_the_kernel_and_agrees(fmt):
+    x = sample((16, 1024), "heavy", _gen("fmt", fmt)).to(CUDA)
+    amax = amax_for(fmt, x)
+    fast = formats.get(fmt).qdq(x, amax)
+    slow = formats.get(fmt).qdq(x, amax, use_kernel=False)
+    assert same_bits(fast, slow).all()
+
+
+@pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["noshared", "first", "last"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_combine_bit_exact_cuda(fmt, shared_slot):
+    t, hidden = 77, 7168
+    rows, idx, amax = combine_case(
+        fmt, k=6, tmax=96, num_tokens=t, hidden=hidden, shared_slot=shared_slot,
+        gen=_gen(fmt, shared_slot), device=CUDA, dist="heavy",
+    )
+    want = reference_combine(rows, idx, t, fmt, amax, shared_slot)
+    out = torch.full((t, hidden), float("nan"), dtype=torch.bfloat16, device=CUDA)
+    kernels.fused_combine(rows, idx, t, out, fmt, amax, shared_slot)
+    assert not torch.isnan(out).any(), "stale NaN leaked"
+    bad = ~same_bits(out, want)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements differ"
+
+
+@pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["noshared", "first", "last"])
+def test_check_flag_and_calibration_cuda(shared_slot):
+    t, hidden = 50, 4096
+    rows, idx, amax = combine_case(
+        "nvfp4", k=6, tmax=64, num_tokens=t, hidden=hidden, shared_slot=shared_slot,
+        gen=_gen("check", shared_slot), device=CUDA,
+    )
+    y = reference_combine(rows, idx, t, "bf16", None, shared_slot)
+    flag = torch.zeros(1, dtype=torch.int32, device=CUDA)
+    calib = torch.zeros(1, dtype=torch.float32, device=CUDA)
+    out = torch.empty_like(y)
+    kernels.fused_combine(rows, idx, t, out, "nvfp4", amax, shared_slot, y, flag, calib)
+    assert int(flag) == 0
+    assert float(calib) == float(valid_routed_max(rows, idx, t, shared_slot))
+    assert same_bits(out, reference_combine(rows, idx, t, "nvfp4", amax, shared_slot)).all()
+
+    tok, slot = (int(v) for v in (idx[:t] >= 0).nonzero()[3])
+    routed_base = 1 if shared_slot == "first" else 0
+    rows[routed_base + slot, tok, 1000] += 1.0
+    kernels.fused_combine(rows, idx, t, out, "nvfp4", amax, shared_slot, y, flag)
+    assert int(flag) >= 1
+
+
+def test_graph_replay_equals_eager():
+    t, hidden = 64, 7168
+    rows, idx, amax = combine_case(
+        "nvfp4", k=6, tmax=64, num_tokens=t, hidden=hidden, shared_slot="last",
+        gen=_gen("graph"), device=CUDA,
+    )
+    y = reference_combine(rows, idx, t, "bf16", None, "last")
+    out = torch.empty_like(y)
+    flag = torch.zeros(1, dtype=torch.int32, device=CUDA)
+    calib = torch.zeros(1, dtype=torch.float32, device=CUDA)
+    args = (rows, idx, t, out, "nvfp4", amax, "last", y, flag, calib)
+    kernels.fused_combine(*args)  # compiles before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.fused_combine(*args)
+    fresh, _, _ = combine_case(
+        "nvfp4", k=6, tmax=64, num_tokens=t, hidden=hidden, shared_slot="last",
+        gen=_gen("graph", 2), device=CUDA,
+    )
+    rows.copy_(fresh)
+    y.copy_(reference_combine(rows, idx, t, "bf16", None, "last"))
+    flag.zero_()
+    calib.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(out, reference_combine(rows, idx, t, "nvfp4", amax, "last")).all()
+    assert int(flag) == 0
+    assert float(calib) == float(valid_routed_max(rows, idx, t, "last"))
+    rows[0, 3, 9] += 2.0
+    graph.replay()
+    assert int(flag) >= 1
+
+
+def test_available_on_cuda(monkeypatch):
+    assert kernels.available()
+    monkeypatch.setenv("MOEWIRE_DISABLE_KERNELS", "1")
+    assert not kernels.available()
