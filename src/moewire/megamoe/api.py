@@ -307,11 +307,16 @@ def load_scales(model: nn.Module, path: str | Path) -> list[str]:
 
 
 def summary(model: nn.Module) -> str:
-    """One line per dispatch/combine quantizer: name, format, mode, amax, scale kind."""
+    """One line per dispatch/combine quantizer: name, format, mode, amax (and where it
+    came from: calibrated, constant, loaded), and whether its scale is static (row-local)
+    or computed per call."""
     lines = []
     for name, _, q in quantizers(model):
         amax = q.static_amax
         amax_text = "none" if amax is None else f"{float(amax):.6g}"
+        source = getattr(q, "amax_source", None)
+        if amax is not None and source:
+            amax_text += f" ({source})"
         scale = "static" if q.is_static_scale() else "per-call"
         lines.append(
             f"{name}: format={_format_name(q)} mode={q.mode} amax={amax_text} scale={scale}"
