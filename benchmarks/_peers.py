@@ -30,15 +30,19 @@ def reference_quant(fmt: str, amax: torch.Tensor | None) -> Callable:
     return lambda x: ref.reference(x, amax)
 
 
+def _resum_fmt(rows, topk_idx, amax, fmt):
+    return torch_resum(rows, topk_idx, reference_quant(fmt, amax))
+
+
 @functools.cache
-def compiled_resum() -> Callable:
-    return torch.compile(torch_resum, dynamic=True)
+def compiled_resum(fmt: str) -> Callable:
+    """``torch_resum`` with ``fmt``'s reference, compiled once per format (symbolic T, H)."""
+    return torch.compile(functools.partial(_resum_fmt, fmt=fmt), dynamic=True)
 
 
 @functools.cache
 def compiled_qdq(fmt: str) -> Callable:
-    ref = formats.get(fmt)
-    return torch.compile(ref.reference, dynamic=True)
+    return torch.compile(formats.get(fmt).reference, dynamic=True)
 
 
 def modelopt_quantizer(fmt: str, amax: torch.Tensor) -> tuple[Callable | None, str]:

@@ -94,12 +94,12 @@ def bench_shape(name, k, h, t, fmts, peer_fmts=PEER_FORMATS, reps_peer=3):
                 lambda i, quant=quant: resum(rows[i % n], idx, t, None, row_quantizer=quant,
                                              out=out[i % n]), reps_peer)
             try:
-                comp = compiled_resum()
-                got = comp(rows[0], idx, quant)
+                comp = compiled_resum(fmt)
+                got = comp(rows[0], idx, amax)
                 r["compile_exact"] = bool(torch.equal(got.view(torch.int16),
                                                       want.view(torch.int16)))
                 r["compile_us"] = time_loop(
-                    lambda i, quant=quant, comp=comp: comp(rows[i % n], idx, quant), reps_peer)
+                    lambda i, amax=amax, comp=comp: comp(rows[i % n], idx, amax), reps_peer)
             except Exception as exc:
                 r["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
             tq, why = modelopt_quantizer(fmt, amax)

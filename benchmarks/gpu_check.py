@@ -117,4 +117,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
+    # One compiled peer per format and top-k: more than dynamo's default of 8 recompiles.
+    torch._dynamo.config.recompile_limit = 64
     main()
