@@ -31,7 +31,7 @@ def bits(t: torch.Tensor) -> np.ndarray:
 
 def test_replay_equals_eager_and_no_host_sync_after_the_check(monkeypatch):
     sys.path.insert(0, str(HERE))
-    from graph_setup import Captured
+    from mm_graph import Captured
 
     with pytest.warns(UserWarning, match="runs inside the CUDA graph being captured"):
         cap = Captured(patch=monkeypatch.setattr)
@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent(
     import sys
     sys.path.insert(0, {here!r})
     import torch
-    from graph_setup import Captured
+    from mm_graph import Captured
 
     cap = Captured()
     cap.replay(1)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
+import mm_oracles as oracles
 import numpy as np
-import oracles
 import pytest
 import torch
-from helpers import SHAPES, Model, batch, region
+from mm_helpers import SHAPES, Model, batch, region
 from torch import nn
 
 import moewire

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import mm_oracles as oracles
 import numpy as np
-import oracles
 import pytest
 import torch
-from helpers import SHAPES, Layer, Model, batch, make_experts, region
+from mm_helpers import SHAPES, Layer, Model, batch, make_experts, region
 from torch import nn
 
 from moewire.megamoe import wrapper

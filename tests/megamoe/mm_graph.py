@@ -11,7 +11,7 @@ leaves the rows intact, anything else breaks them the way a changed layout would
 from __future__ import annotations
 
 import torch
-from helpers import SHAPES, batch, make_experts, region
+from mm_helpers import SHAPES, batch, make_experts, region
 
 from moewire.megamoe.wrapper import convert
 from moewire.quantizer import WireQuantizer

@@ -18,11 +18,11 @@ TIMEOUT_S = 240
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     try:
         sys.path.insert(0, str(HERE))
+        import mm_oracles as oracles
         import numpy as np
-        import oracles
         import torch
         import torch.distributed as dist
-        from helpers import SHAPES, Model, batch, region
+        from mm_helpers import SHAPES, Model, batch, region
 
         from moewire.megamoe.api import calibrate
         from moewire.megamoe.wrapper import convert
