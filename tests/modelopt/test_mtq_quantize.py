@@ -16,7 +16,7 @@ import modelopt.torch.quantization as mtq  # noqa: E402
 import moewire  # noqa: E402
 from moewire.integrations import modelopt as mw_mo  # noqa: E402
 from moewire.megamoe.wrapper import reset_layout_checks  # noqa: E402
-from moewire.reference import MegaMoEExperts, forward_context  # noqa: E402
+from moewire.reference import MegaMoEExperts, forward_context, make_weights  # noqa: E402
 
 E, K, H, INTER, TMAX = 8, 2, 512, 512, 32
 FP8 = {"num_bits": (4, 3)}
@@ -32,12 +32,26 @@ def _cfg(dispatch: dict | None, combine: dict | None, algorithm: str | None = "m
     return {"quant_cfg": entries, "algorithm": algorithm}
 
 
+_WEIGHTS: dict[int, object] = {}
+
+
+def _weights(num_shared: int):
+    # Built once per shape: the weights (and the stand-in kernel's cache of them) are shared
+    # by every Layer, which keeps each test to a few forwards.
+    if num_shared not in _WEIGHTS:
+        _WEIGHTS[num_shared] = make_weights(
+            E, H, INTER, experts=range(E), num_shared_experts=num_shared, seed=0, device="cpu"
+        )
+    return _WEIGHTS[num_shared]
+
+
 class Layer(nn.Module):
-    def __init__(self, **kwargs):
+    def __init__(self, num_fused_shared_experts: int = 0):
         super().__init__()
         self.experts = MegaMoEExperts(
             num_experts=E, top_k=K, hidden=H, intermediate=INTER, max_num_tokens=TMAX,
-            seed=0, device="cpu", **kwargs,
+            num_fused_shared_experts=num_fused_shared_experts, device="cpu",
+            weights=_weights(num_fused_shared_experts),
         )
 
     def forward(self, x, weights, ids):
