@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from reference_cases import SMALL, cached_weights, routing, run_kernel, tokens
 
-from moewire.reference import deep_gemm, make_weights, stage_mega_moe_inputs
+from moewire.reference import MegaMoEExperts, deep_gemm, make_weights, stage_mega_moe_inputs
 
 TIMEOUT_S = 240
 CONFIGS = {
@@ -82,6 +82,21 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             "stale_ok": stale_ok,
             "nan_in_y": bool(torch.isnan(y).any()),
         })
+    if world == 2:
+        # The experts module over the group: its own experts, the shared buffer, same rows.
+        layer = MegaMoEExperts(
+            SMALL["num_experts"], SMALL["num_topk"], SMALL["hidden"], SMALL["intermediate"], 24,
+            group=dist.group.WORLD, device="cpu", seed=5,
+        )
+        t = [7, 15][rank]
+        ids, w = routing(t, SMALL["num_experts"], SMALL["num_topk"], seed=300 + rank)
+        y = layer(tokens(t, SMALL["hidden"], seed=300 + rank), w, ids)
+        buf = layer.get_symm_buffer()
+        results.append({
+            "layer_ok": layer.local_experts == tuple(range(rank * e_local, (rank + 1) * e_local))
+            and buf.num_ranks == 2 and buf.rank == rank
+            and np.array_equal(O.resum(buf, ids.numpy(), t), O.np_bytes(y).view(np.uint16)),
+        })
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -105,6 +120,8 @@ def _spawn(world: int, tmp_path) -> list:
 @pytest.mark.parametrize("world", [2, 4], ids=["2ranks", "4ranks"])
 def test_expert_parallel_rows_resum_and_match_one_rank(world, tmp_path):
     per_rank = _spawn(world, tmp_path)
+    if world == 2:
+        assert all(results.pop()["layer_ok"] for results in per_rank)
     for n, cfg in enumerate(CONFIGS[world]):
         with deep_gemm.use_flavour(cfg["flavour"]):
             buf = deep_gemm.get_symm_buffer_for_mega_moe(
