@@ -163,14 +163,28 @@ def _other_format(model):
     return moewire.quantize(Model(n=2), other)
 
 
+def _constant_amax(model):
+    fixed = {
+        "quant_cfg": RECIPE["quant_cfg"]
+        + [
+            {
+                "quantizer_name": "layers.1.*combine_quantizer",
+                "cfg": {**NVFP4, "constant_amax": 2688.0},
+            }
+        ]
+    }
+    return moewire.quantize(Model(n=2), fixed)
+
+
 @pytest.mark.parametrize(
     "target,match",
     [
+        (_constant_amax, r"layers\.1\.experts\.combine_quantizer has constant_amax=2688"),
         (_drop_layer, "the model has no such module"),
         (_extra_layer, r"quantizers \['layers\.2\.experts\.combine_quantizer'.* not in"),
         (_other_format, "saved with format 'nvfp4' but is 'fp8'"),
     ],
-    ids=["missing-module", "module-not-in-file", "format-mismatch"],
+    ids=["constant-amax-mismatch", "missing-module", "module-not-in-file", "format-mismatch"],
 )
 @pytest.mark.parametrize("suffix", [".safetensors", ".json"], ids=["safetensors", "json"])
 def test_load_refusals(tmp_path, target, match, suffix):

@@ -300,6 +300,13 @@ def load_scales(model: nn.Module, path: str | Path) -> list[str]:
             raise ValueError(
                 f"load_scales: {name} has a saved amax {value}; it must be finite >= 0"
             )
+        constant = getattr(quantizer, "constant_amax", None)
+        if constant is not None and value != constant:
+            raise ValueError(
+                f"load_scales: {name} has constant_amax={constant} in the model and "
+                f"amax={value} in {path}; drop constant_amax from the recipe to load "
+                "calibrated scales"
+            )
         updates.append((name, quantizer, amax))
     for _, quantizer, amax in updates:
         quantizer.load_amax(amax)
