@@ -202,8 +202,33 @@ def test_kimi_k3_experts_are_registered_and_converted(vllm_config):
     )
     assert adapter_for(experts).name == "vllm-0.32-KimiK3MegaMoEExperts"
     model = torch.nn.ModuleDict({"experts": experts})
-    api.quantize(model, "moe_fp8_dispatch_nvfp4_combine")
-    assert isinstance(experts, KimiK3MegaMoEExperts)
-    assert experts.dispatch_quantizer.mode == "quantize"
-    with vllm_mod.use_reference_deep_gemm("vllm"), pytest.raises(ValueError, match="swiglu"):
-        experts.get_symm_buffer()
+    with vllm_mod.use_reference_deep_gemm("vllm"):
+        api.quantize(model, "moe_fp8_dispatch_nvfp4_combine")
+        assert isinstance(experts, KimiK3MegaMoEExperts)
+        assert experts.dispatch_quantizer.mode == "quantize"
+        with pytest.raises(ValueError, match="swiglu"):
+            experts.get_symm_buffer()
+
+
+def test_quantize_without_deep_gemm_is_refused(vllm_config):
+    vllm_mod.register_vllm_experts()
+    model = torch.nn.ModuleDict({"experts": _setup.make_experts(vllm_config, prefix=_prefix())})
+    with pytest.raises(RuntimeError, match="vLLM imports no DeepGEMM"):
+        vllm_mod.quantize_vllm_model(model, "moe_combine_nvfp4")
+
+
+def test_bridge_keeps_vllm_behaviour_without_deep_gemm():
+    """On a machine with no DeepGEMM vLLM's import returns None, through the bridge too."""
+    import vllm.utils.deep_gemm as vllm_deep_gemm
+    from vllm.models.deepseek_v4.nvidia import model as dsv4
+    from vllm.models.deepseek_v4.nvidia.ops.prepare_megamoe import prepare_megamoe_inputs
+
+    from moewire.integrations import _vllm_bridge
+
+    vllm_mod.register_vllm_experts()
+    assert vllm_deep_gemm._import_deep_gemm is _vllm_bridge.import_deep_gemm
+    assert vllm_deep_gemm._import_deep_gemm() is None
+    assert not hasattr(_vllm_bridge, "deep_gemm")
+    stage_global = _vllm_bridge.stage_global_name(dsv4.__name__)
+    assert getattr(_vllm_bridge, stage_global) is prepare_megamoe_inputs
+    assert dsv4.prepare_megamoe_inputs._moewire_trampoline == stage_global

@@ -29,13 +29,25 @@ _installed_sites: dict[str, str] = {}
 
 def __getattr__(name: str) -> Any:
     if name == "deep_gemm":
-        namespace = kernel_source()
+        namespace = _resolve()
         if namespace is None:
-            # Not cached: vLLM itself returns None here, and a later import may succeed.
-            return None
-        globals()["deep_gemm"] = namespace
+            # No attribute rather than None: a proxy must not be built around "no DeepGEMM".
+            raise AttributeError(
+                f"module {__name__!r}: vLLM imports no DeepGEMM (neither `deep_gemm` nor "
+                "`vllm.third_party.deep_gemm`)"
+            )
         return namespace
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _resolve() -> Any:
+    namespace = globals().get("deep_gemm")
+    if namespace is None:
+        namespace = kernel_source()
+        # Not cached when None: vLLM returns None too, and a later import may succeed.
+        if namespace is not None:
+            globals()["deep_gemm"] = namespace
+    return namespace
 
 
 def kernel_source() -> Any:
@@ -59,8 +71,11 @@ def set_kernel_override(getter: Callable[[], Any] | None) -> None:
 
 
 def import_deep_gemm() -> Any:
-    """Replacement of ``vllm.utils.deep_gemm._import_deep_gemm``: this module's ``deep_gemm``."""
-    return sys.modules[__name__].deep_gemm
+    """Replacement of ``vllm.utils.deep_gemm._import_deep_gemm``: this module's ``deep_gemm``.
+
+    Returns ``None`` where vLLM's original would (no DeepGEMM importable).
+    """
+    return _resolve()
 
 
 def _cache_clear() -> None:

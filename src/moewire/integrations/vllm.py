@@ -44,6 +44,7 @@ __all__ = [
     "experts_sites",
     "kernel_flavour",
     "prepare_megamoe_inputs_reference",
+    "quantize_vllm_model",
     "register",
     "register_site",
     "register_vllm_experts",
@@ -55,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 ENV_RECIPE = "MOEWIRE_RECIPE"
 ENV_SCALES = "MOEWIRE_SCALES"
-ENV_CALIB_TOKENS = "MOEWIRE_CALIB_TOKENS"
 STAGE_FN = "prepare_megamoe_inputs"
 # DeepGEMM distributions that install the top-level module ``deep_gemm``, and the layout
 # flavour each one's build has (SPEC section 1.2/1.3; the layout check proves it per build).
@@ -346,8 +346,7 @@ def use_reference_deep_gemm(flavour: str | None = None) -> Iterator[Any]:
             stack.enter_context(reference.use_flavour(flavour))
         namespace = _ReferenceForVllm(reference)
         _vllm_bridge.set_kernel_override(lambda: namespace)
-        for site_module, stage_global in list(_vllm_bridge._installed_sites.items()):
-            del site_module
+        for stage_global in list(_vllm_bridge._installed_sites.values()):
             patch(_vllm_bridge, stage_global, prepare_megamoe_inputs_reference)
         _bypass_capability_checks(patch)
         if not torch.accelerator.is_available():
@@ -450,7 +449,8 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
 
     Raises:
         RuntimeError: the model has no registered Mega-MoE experts module (vLLM not run
-            with ``--moe-backend deep_gemm_mega_moe``, or an unsupported vLLM).
+            with ``--moe-backend deep_gemm_mega_moe``, or an unsupported vLLM), or vLLM
+            imports no DeepGEMM.
     """
     from moewire.megamoe import api
 
@@ -461,6 +461,12 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
             f"moewire: the model has none of the Mega-MoE experts classes "
             f"{[c.__qualname__ for c in classes]}; serve with --moe-backend "
             "deep_gemm_mega_moe --enable-expert-parallel"
+        )
+    if _vllm_bridge.kernel_source() is None:
+        raise RuntimeError(
+            "moewire: vLLM imports no DeepGEMM (neither `deep_gemm` nor "
+            "`vllm.third_party.deep_gemm`), so its Mega-MoE experts cannot run; install "
+            "DeepGEMM (or in tests use moewire.integrations.vllm.use_reference_deep_gemm())"
         )
     api.quantize(model, recipe)
     if scales_path:
