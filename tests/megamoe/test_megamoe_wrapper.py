@@ -472,3 +472,30 @@ def test_stage_hidden_arg_by_keyword_name():
     staged = experts.get_symm_buffer().x[:T]
     want = oracles.bf16_bits(oracles.mxfp8(oracles.to_np(x)))
     np.testing.assert_array_equal(oracles.torch_bits(staged), want)
+
+
+def _corrupting_kernel(real):
+    def kernel(y, l1, l2, buf, **kwargs):
+        real(y, l1, l2, buf, **kwargs)
+        t, s = torch.nonzero(buf.topk_idx[: y.shape[0]] >= 0)[0].tolist()
+        region(buf)[s, t, 3] += 1.0
+
+    return kernel
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "corrupted"])
+def test_capture_branch_records_an_assert_instead_of_syncing(corrupt, monkeypatch):
+    # The branch taken under CUDA-graph capture, exercised on CPU: there
+    # torch._assert_async raises at once, where on CUDA it fails the replay.
+    monkeypatch.setattr(wrapper, "_capturing", lambda t: True)
+    experts = combine_on(converted(Model(n=1)))
+    if corrupt:
+        monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _corrupting_kernel(deep_gemm.bf16_mega_moe))
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=20)
+    with pytest.warns(UserWarning, match="runs inside the CUDA graph being captured"):
+        if corrupt:
+            with pytest.raises(RuntimeError, match=r"layers\.0\.experts: the Mega-MoE layout"):
+                experts(x, w, ids)
+        else:
+            experts(x, w, ids)
+    assert not layout_checked(experts.get_symm_buffer())  # eager still checks later

@@ -389,8 +389,7 @@ class QuantExperts:
             f"for this build (registered: {', '.join(_flavours.names())}; set it in the "
             "experts adapter)."
         )
-        if y.is_cuda and torch.cuda.is_current_stream_capturing():
-            torch._assert_async(~differs.any(), f"{where}. {causes}")
+        if _capturing(y):
             if not state.graph_warned:
                 state.graph_warned = True
                 warnings.warn(
@@ -400,6 +399,7 @@ class QuantExperts:
                     f"check failing. {causes}",
                     stacklevel=2,
                 )
+            torch._assert_async(~differs.any(), f"{where}. {causes}")
             return
         has_routed, bad, total = torch.stack(
             [routed.any().long(), differs.sum(), routed.sum()]
@@ -411,6 +411,11 @@ class QuantExperts:
                 f"{where} ({bad} of {total} routed tokens differ).{_debug_env_hint()} {causes}"
             )
         state.checked = True
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s work is being recorded into a CUDA graph right now."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _on_device(quantizer: nn.Module, device: torch.device, name: str, which: str) -> None:
