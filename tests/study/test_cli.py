@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from study_helpers import EXPERTS, LAYER
+from safetensors.torch import save_file
+from study_helpers import EXPERTS, LAYER, dense_checkpoint
 
 from moewire import cli
 from moewire.study import PRESETS, StudyConfig, run_study
@@ -132,11 +133,16 @@ def test_formats_command_prints_the_table(capsys):
         (["--activations", "{short}"], "--tokens: "),
         (["--activations", "{narrow}"], "--activations: "),
         (["--experts", "2"], "--experts: 2 experts are fewer than top-k 4"),
+        (["--weights", "{ckpt}", "--layer", "3", "--experts", "4"],
+         "--experts: a --weights checkpoint fixes the expert count"),
+        (["--weights", "{wide}", "--layer", "3"],
+         "--weights: hidden size 640 is not a multiple of 512"),
     ],
     ids=["unknown-dispatch", "unknown-combine", "zero-tokens", "non-int-tokens",
          "negative-calib", "unknown-model", "tokens-vs-ranks", "experts-vs-ranks",
          "missing-weights", "unreadable-weights", "weights-without-layer", "wrong-layer",
-         "too-few-activations", "activation-hidden-mismatch", "too-few-experts"],
+         "too-few-activations", "activation-hidden-mismatch", "too-few-experts",
+         "experts-with-weights", "hidden-not-kernel-multiple"],
 )
 def test_bad_arguments_exit_2_with_the_fix(args, needle, tmp_path, checkpoint, capsys):
     junk = tmp_path / "junk.safetensors"
@@ -144,8 +150,10 @@ def test_bad_arguments_exit_2_with_the_fix(args, needle, tmp_path, checkpoint, c
     short, narrow = tmp_path / "short.pt", tmp_path / "narrow.pt"
     torch.save(torch.randn(8, 512), short)
     torch.save(torch.randn(64, 256), narrow)
+    wide = tmp_path / "wide.safetensors"
+    save_file(dense_checkpoint(hidden=640), str(wide))
     subst = {"{junk}": str(junk), "{ckpt}": str(checkpoint[0]), "{short}": str(short),
-             "{narrow}": str(narrow)}
+             "{narrow}": str(narrow), "{wide}": str(wide)}
     args = [subst.get(a, a) for a in args]
     code = cli.main([*TINY, "--out", str(tmp_path / "out"), *args])
     err = capsys.readouterr().err

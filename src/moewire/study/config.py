@@ -145,6 +145,11 @@ def validate(cfg: StudyConfig) -> StudyConfig:
         )
     if cfg.layer is not None:
         _positive(cfg.layer, "--layer", minimum=0)
+    if cfg.weights is not None and cfg.experts is not None:
+        raise StudyArgumentError(
+            "--experts", "a --weights checkpoint fixes the expert count (every expert of the "
+            "layer is read); drop --experts"
+        )
     for argument, path in (("--weights", cfg.weights), ("--activations", cfg.activations)):
         if path is not None and not Path(path).is_file():
             raise StudyArgumentError(
