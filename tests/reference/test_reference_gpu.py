@@ -120,3 +120,30 @@ def test_nccl_two_ranks(tmp_path):
     y_ref = O.bf16_values(run_kernel(ref.buf, ref.weights, 19))
     err = np.linalg.norm(O.bf16_values(got[0]["y"]) - y_ref, axis=1)
     assert (err <= 2.0**-8 * np.linalg.norm(y_ref, axis=1)).all()
+
+
+def test_one_rank_kernel_replays_in_a_cuda_graph():
+    """With cached weights the one-rank path has static shapes and no host sync."""
+    case = build(t=16, seed=31, run=False)
+    buf = deep_gemm.get_symm_buffer_for_mega_moe(None, 8, 16, 3, 512, 512, device="cuda")
+    weights = _to(case.weights, "cuda")
+    x, ids, w = case.x.cuda(), case.topk_idx.cuda(), case.topk_weights.cuda()
+    stage_mega_moe_inputs(x, ids, w, buf)
+    y = torch.empty((16, 512), dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        deep_gemm.fp8_fp4_mega_moe(y, weights.l1, weights.l2, buf)  # fills the weight cache
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        deep_gemm.fp8_fp4_mega_moe(y, weights.l1, weights.l2, buf)
+    new_ids, new_w = routing(16, 8, 3, seed=32)
+    stage_mega_moe_inputs(tokens(16, 512, 32).cuda(), new_ids.cuda(), new_w.cuda(), buf)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = y.clone()
+    eager = run_kernel(buf, weights, 16)
+    assert torch.equal(replayed, eager)
+    bits = O.np_bytes(eager).view(np.uint16)
+    np.testing.assert_array_equal(O.resum(buf, new_ids.numpy(), 16), bits)

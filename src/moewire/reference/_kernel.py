@@ -253,9 +253,32 @@ def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, activation, 
 # --------------------------------------------------------------------------- math
 
 
+def _grouped_matmul(x: torch.Tensor, experts: _Experts, ends: torch.Tensor) -> torch.Tensor:
+    """FP32 ``x[rows of e] @ W[e].T`` for rows grouped by expert; rows past the last group
+    are left undefined.
+
+    ``ends``: int32 ``[E]`` on the device, cumulative row counts (group ``e`` is rows
+    ``ends[e-1]:ends[e]``). With cached weights this is one ``torch._grouped_mm``, which
+    needs no host sync (capturable in a CUDA graph); otherwise, or where the backend lacks
+    it, a loop over experts with the counts read on the host.
+    """
+    if experts.dense is not None and x.shape[0]:
+        try:
+            return torch._grouped_mm(x, experts.dense.transpose(1, 2), offs=ends)
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            pass
+    out = torch.empty((x.shape[0], experts.n), dtype=torch.float32, device=x.device)
+    bounds = [0, *ends.tolist()]
+    for e in range(len(bounds) - 1):
+        if bounds[e + 1] > bounds[e]:
+            rows = slice(bounds[e], bounds[e + 1])
+            torch.mm(x[rows], experts[e].t(), out=out[rows])
+    return out
+
+
 def _expert_mlp(
     x: torch.Tensor,
-    counts: list[int],
+    ends: torch.Tensor,
     l1: _Experts,
     l2: _Experts,
     weight: torch.Tensor,
@@ -266,21 +289,14 @@ def _expert_mlp(
 
     Args:
         x: FP32 ``[N, H]`` dequantized inputs, rows of expert 0 first, then expert 1, ...
-        counts: rows per expert (sums to N).
+        ends: int32 ``[E]`` cumulative rows per expert (rows past ``ends[-1]`` are unused).
         weight: FP32 ``[N]`` router weight of each row.
 
     Returns:
         ``(rows, h_q, h_sf)``: BF16 ``[N, H]`` combine rows, the L2 input as staged in the
         buffer (FP8 ``[N, I]`` and packed int32 scales, or BF16 and ``None``).
     """
-    n = x.shape[0]
-    gate_up = torch.empty((n, l1.n), dtype=torch.float32, device=x.device)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            torch.mm(x[start : start + count], l1[e].t(), out=gate_up[start : start + count])
-        start += count
-    gate, up = gate_up.bfloat16().float().chunk(2, dim=1)
+    gate, up = _grouped_matmul(x, l1, ends).bfloat16().float().chunk(2, dim=1)
     if clamp is not None:
         gate = gate.clamp(max=clamp)
         up = up.clamp(min=-clamp, max=clamp)
@@ -293,13 +309,7 @@ def _expert_mlp(
     else:
         h_q, h_sf = h.bfloat16(), None
         h_in = h_q.float()
-    out = torch.empty((n, l2.n), dtype=torch.float32, device=x.device)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            torch.mm(h_in[start : start + count], l2[e].t(), out=out[start : start + count])
-        start += count
-    return out.bfloat16(), h_q, h_sf
+    return _grouped_matmul(h_in, l2, ends).bfloat16(), h_q, h_sf
 
 
 # --------------------------------------------------------------------------- comm
@@ -361,90 +371,41 @@ def mega_moe(
 
     topk_idx = buf.topk_idx[:t]
     bad = (topk_idx < -1) | (topk_idx >= buf.num_experts)
-    if bool(bad.any()):
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        torch._assert_async(~bad.any())  # no host sync inside a CUDA graph
+    elif bool(bad.any()):
         _fail(
             kernel,
             f"sym_buffer.topk_idx[:{t}] holds expert ids outside [-1, {buf.num_experts}); "
             "stage valid ids (padding slots get -1)",
         )
 
-    # Dispatch: one payload row per valid (token, slot), sorted by destination rank.
-    token, slot = torch.nonzero(topk_idx >= 0, as_tuple=True)
-    expert = topk_idx[token, slot]
-    dest = torch.div(expert, e_local, rounding_mode="floor")
-    order = torch.argsort(dest, stable=True)
-    token, slot, expert, dest = token[order], slot[order], expert[order], dest[order]
-    # Gather on byte views: advanced indexing of FP8 tensors is not on every device.
-    fields = [_bytes(buf.x[:t].view(torch.uint8)[token])]
-    if fp8:
-        fields.append(_bytes(buf.x_sf[:t][token]))
-    fields.append(_bytes(buf.topk_weights[:t][token, slot].unsqueeze(1)))
-    fields.append(_bytes((expert - dest * e_local).to(torch.int32).unsqueeze(1)))
-    widths = [f.shape[1] for f in fields]
-    payload = torch.cat(fields, dim=1)
-    send_counts = torch.bincount(dest, minlength=buf.num_ranks).tolist()
-    if buf.num_ranks > 1:
-        received, recv_counts = _all_to_all(payload, send_counts, buf)
-    else:
-        received, recv_counts = payload, send_counts
-
-    # Expert side: group the received rows by local expert.
-    parts = list(torch.split(received, widths, dim=1))
-    local = parts[-1].contiguous().view(torch.int32).squeeze(1).long()
-    r_weight = parts[-2].contiguous().view(torch.float32).squeeze(1)
-    by_expert = torch.argsort(local, stable=True)
-    counts = torch.bincount(local, minlength=e_local)
-    n_recv = received.shape[0]
-    act_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    r_x = parts[0][by_expert].contiguous().view(act_dtype)
-    buf.l1_acts[:n_recv].copy_(r_x)
-    if fp8:
-        r_sf = parts[1][by_expert].contiguous().view(torch.int32)
-        buf.l1_acts_sf[:n_recv].copy_(r_sf)
-        x_in = scale_groups(r_x.float(), unpack_ue8m0(r_sf))
-    else:
-        x_in = r_x.float()
-    l1 = _Experts(l1_weights, True, e_local, 2 * i, h)
-    l2 = _Experts(l2_weights, False, e_local, h, i)
-    rows, h_q, h_sf = _expert_mlp(
-        x_in, counts.tolist(), l1, l2, r_weight[by_expert], activation_clamp, fp8
-    )
-    buf.l2_acts[:n_recv].copy_(h_q)
-    if fp8:
-        buf.l2_acts_sf[:n_recv].copy_(h_sf)
-    if stats is not None:
-        stats += counts.to(torch.int32)
-    if hasattr(buf, "workspace"):
-        buf.workspace[:e_local].copy_(counts.to(torch.int32))
-
-    # Back to the source ranks, in the order they were sent.
-    back = torch.empty_like(rows)
-    back[by_expert] = rows
-    if buf.num_ranks > 1:
-        back_bytes, _ = _all_to_all(_bytes(back), recv_counts, buf)
-        back = back_bytes.view(torch.bfloat16)
-
-    # Source side: write the rows into this rank's combine region, then sum.
     tmax, num_slots = buf.num_max_tokens_per_rank, buf.num_slots
     start, nbytes = buf._moewire_regions["combine"]
     region = buf.buffer[start : start + nbytes].view(torch.bfloat16).view(num_slots, tmax, h)
     shared_first = buf.num_shared_experts > 0 and buf.flavour.shared_slot == "first"
     routed_base = 1 if shared_first else 0
-    region.view(num_slots * tmax, h).index_copy_(0, (slot + routed_base) * tmax + token, back)
+    l1 = _Experts(l1_weights, True, e_local, 2 * i, h)
+    l2 = _Experts(l2_weights, False, e_local, h, i)
+    routed = _routed_one_rank if buf.num_ranks == 1 else _routed_expert_parallel
+    counts = routed(buf, t, fp8, l1, l2, activation_clamp, region, routed_base)
+    if stats is not None:
+        stats += counts.to(torch.int32)
+    if hasattr(buf, "workspace"):
+        buf.workspace[:e_local].copy_(counts.to(torch.int32))
 
     shared_pos = None
     if shared_l1 is not None:
         shared_pos = 0 if shared_first else k
         if t:
-            x_all = buf.x[:t].float()
-            if fp8:
-                x_all = scale_groups(x_all, unpack_ue8m0(buf.x_sf[:t]))
+            x_all = _dequantized_tokens(buf.x[:t], buf.x_sf[:t] if fp8 else None)
             shared_i = buf.num_shared_experts * i
             s1 = _Experts(shared_l1, True, 1, 2 * shared_i, h)
             s2 = _Experts(shared_l2, False, 1, h, shared_i)
             ones = torch.ones(t, dtype=torch.float32, device=device)
+            ends = torch.full((1,), t, dtype=torch.int32, device=device)
             shared_rows, _, shared_sf = _expert_mlp(
-                x_all, [t], s1, s2, ones, activation_clamp, fp8
+                x_all, ends, s1, s2, ones, activation_clamp, fp8
             )
             region[shared_pos, :t].copy_(shared_rows)
             if fp8 and hasattr(buf, "shared_l2_acts_sf"):
@@ -469,6 +430,103 @@ def mega_moe(
 
     if _debug_zeroing():
         buf.buffer.zero_()
+
+
+def _dequantized_tokens(q: torch.Tensor, sf: torch.Tensor | None) -> torch.Tensor:
+    """FP32 ``[N, H]`` of staged FP8 rows and packed scales (BF16 rows when ``sf`` is None)."""
+    return q.float() if sf is None else scale_groups(q.float(), unpack_ue8m0(sf))
+
+
+def _routed_one_rank(buf, t, fp8, l1, l2, clamp, region, routed_base) -> torch.Tensor:
+    """All routed rows of a one-rank buffer, with static shapes and no host sync.
+
+    Every (token, slot) pair is processed in expert order; invalid slots get a sentinel
+    expert that sorts last, past every group, and their combine rows are written back
+    unchanged (selected, not recomputed). Returns int32 rows per local expert.
+    """
+    e_local, k = buf.num_experts_per_rank, buf.num_topk
+    tmax, h = buf.num_max_tokens_per_rank, buf.hidden
+    device = buf.buffer.device
+    idx = buf.topk_idx[:t]
+    flat = torch.where(idx >= 0, idx, e_local).flatten()
+    order = torch.argsort(flat, stable=True)
+    token, slot, expert = order // k, order % k, flat[order]
+    ends = torch.searchsorted(
+        expert, torch.arange(e_local, device=device), right=True
+    ).to(torch.int32)
+    n = t * k
+    act_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    x_q = buf.x[:t].view(torch.uint8)[token].view(act_dtype)
+    buf.l1_acts[:n].copy_(x_q)
+    x_sf = None
+    if fp8:
+        x_sf = buf.x_sf[:t][token]
+        buf.l1_acts_sf[:n].copy_(x_sf)
+    weight = buf.topk_weights[:t].flatten()[order]
+    x_in = _dequantized_tokens(x_q, x_sf)
+    rows, h_q, h_sf = _expert_mlp(x_in, ends, l1, l2, weight, clamp, fp8)
+    buf.l2_acts[:n].copy_(h_q)
+    if fp8:
+        buf.l2_acts_sf[:n].copy_(h_sf)
+    flat_region = region.view(-1, h)
+    dest = (slot + routed_base) * tmax + token
+    keep = (expert < e_local).unsqueeze(1)
+    flat_region.index_copy_(0, dest, torch.where(keep, rows, flat_region[dest]))
+    return torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def _routed_expert_parallel(buf, t, fp8, l1, l2, clamp, region, routed_base) -> torch.Tensor:
+    """Routed rows over several ranks: all-to-all out, expert MLPs, all-to-all back.
+
+    Only valid (token, slot) pairs travel: one payload row each (FP8 row, packed scales,
+    router weight, local expert id), sorted by destination rank. The rows come back in the
+    order they were sent and land in this rank's combine region. Returns int32 rows
+    received per local expert.
+    """
+    e_local, tmax, h = buf.num_experts_per_rank, buf.num_max_tokens_per_rank, buf.hidden
+    topk_idx = buf.topk_idx[:t]
+    token, slot = torch.nonzero(topk_idx >= 0, as_tuple=True)
+    expert = topk_idx[token, slot]
+    dest = torch.div(expert, e_local, rounding_mode="floor")
+    order = torch.argsort(dest, stable=True)
+    token, slot, expert, dest = token[order], slot[order], expert[order], dest[order]
+    # Gather on byte views: advanced indexing of FP8 tensors is not on every device.
+    fields = [_bytes(buf.x[:t].view(torch.uint8)[token])]
+    if fp8:
+        fields.append(_bytes(buf.x_sf[:t][token]))
+    fields.append(_bytes(buf.topk_weights[:t][token, slot].unsqueeze(1)))
+    fields.append(_bytes((expert - dest * e_local).to(torch.int32).unsqueeze(1)))
+    widths = [f.shape[1] for f in fields]
+    send_counts = torch.bincount(dest, minlength=buf.num_ranks).tolist()
+    received, recv_counts = _all_to_all(torch.cat(fields, dim=1), send_counts, buf)
+
+    parts = list(torch.split(received, widths, dim=1))
+    local = parts[-1].contiguous().view(torch.int32).squeeze(1).long()
+    weight = parts[-2].contiguous().view(torch.float32).squeeze(1)
+    by_expert = torch.argsort(local, stable=True)
+    counts = torch.bincount(local, minlength=e_local)
+    n = received.shape[0]
+    act_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    x_q = parts[0][by_expert].contiguous().view(act_dtype)
+    buf.l1_acts[:n].copy_(x_q)
+    x_sf = None
+    if fp8:
+        x_sf = parts[1][by_expert].contiguous().view(torch.int32)
+        buf.l1_acts_sf[:n].copy_(x_sf)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    rows, h_q, h_sf = _expert_mlp(
+        _dequantized_tokens(x_q, x_sf), ends, l1, l2, weight[by_expert], clamp, fp8
+    )
+    buf.l2_acts[:n].copy_(h_q)
+    if fp8:
+        buf.l2_acts_sf[:n].copy_(h_sf)
+
+    back = torch.empty_like(rows)
+    back[by_expert] = rows
+    back_bytes, _ = _all_to_all(_bytes(back), recv_counts, buf)
+    dest_rows = (slot + routed_base) * tmax + token
+    region.view(-1, h).index_copy_(0, dest_rows, back_bytes.view(torch.bfloat16))
+    return counts
 
 
 def _debug_zeroing() -> bool:
