@@ -172,3 +172,12 @@ def test_calibrating_collects_max_and_passes_values_through():
     expected = torch.maximum(a.abs().max(), b.abs().max()).float()
     assert torch.equal(q.static_amax, expected)
     assert q.mode == "quantize" and q.is_static_scale()
+
+
+def test_calibrating_on_no_rows_gives_amax_zero():
+    """An idle EP rank ends calibration with amax 0, not without one (SPEC section 3)."""
+    q = _wtq(NVFP4)
+    x = _x(7)
+    with q.calibrating():
+        q.collect(x[:0])
+    assert q.has_amax and float(q.static_amax) == 0.0

@@ -228,9 +228,11 @@ class WireTensorQuantizer(TensorQuantizer):
         return super()._fake_quantize(inputs)
 
     def collect(self, inputs: torch.Tensor) -> None:
-        # A rank whose batch routed no row to anything has nothing to add to the max.
         if inputs.numel() == 0:
-            return
+            # A rank whose batch routed no row has seen a max of 0 (moewire's calibration
+            # records the same), and must still take part in the EP max-reduce: ModelOpt's
+            # max_calibrate refuses a group where some ranks have an amax and others none.
+            inputs = inputs.new_zeros(1)
         super().collect(inputs)
 
     @contextlib.contextmanager
