@@ -28,7 +28,7 @@ from _bench import TARGET, print_table, time_graph  # noqa: E402
 
 from moewire import kernels  # noqa: E402
 
-SWEEP = ((512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8))
+SWEEP = ((512, 4), (1024, 4), (2048, 8), (4096, 8))
 
 
 def run_tests(out: Path) -> str:
@@ -43,7 +43,7 @@ def run_tests(out: Path) -> str:
     return "\n".join(failed[:15] + lines[-1:])
 
 
-def sweep(fmts=("nvfp4", "bf16", "fp8", "mxfp4")) -> list[dict]:
+def sweep(fmts=("nvfp4", "bf16")) -> list[dict]:
     """Fused combine (with check) at the target shape for each (block_h, num_warps)."""
     _, k, h = TARGET
     t = 8192

@@ -117,6 +117,11 @@ def _amax_tensor(
     return amax_t.reshape(1).to(device)
 
 
+def _num_warps(block_h: int, num_warps: int | None) -> int:
+    """Warps per program: about 8 columns per thread (whole-row programs get more warps)."""
+    return num_warps or max(_NUM_WARPS, min(16, block_h // 256))
+
+
 def _block_h(fmt_name: str, hidden: int, block_h: int | None) -> int:
     whole_row = triton_next_pow2(hidden)
     if fmt_name == "nvfp4_token":
@@ -178,7 +183,7 @@ def qdq(
     impl.qdq_kernel[grid](
         flat, out, amax_t if amax_t is not None else flat, hidden, flat.stride(0), out.stride(0),
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, BLOCK_H=bh,
-        CUDA_DIV=x.is_cuda, HW_CAST=x.is_cuda, num_warps=num_warps or _NUM_WARPS,
+        CUDA_DIV=x.is_cuda, HW_CAST=x.is_cuda, num_warps=_num_warps(bh, num_warps),
         enable_fp_fusion=False,
     )
     return out.reshape(x.shape)
@@ -354,6 +359,6 @@ def fused_combine(
         K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_slot],
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, CHECK=check,
         CALIB=calib_amax is not None, BLOCK_H=bh, CUDA_DIV=rows.is_cuda, HW_CAST=rows.is_cuda,
-        num_warps=num_warps or _NUM_WARPS, enable_fp_fusion=False,
+        num_warps=_num_warps(bh, num_warps), enable_fp_fusion=False,
     )
     return out

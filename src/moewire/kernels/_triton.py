@@ -51,10 +51,10 @@ NEEDS_AMAX = frozenset({"fp8", "nvfp4"})
 SHARED_CODES = {None: 0, "first": 1, "last": 2}
 
 # FP32 reciprocals of the constants the references divide by (CUDA's scalar-divisor rule).
-_INV_448 = float(np.float32(1.0) / np.float32(448.0))
-_INV_2688 = float(np.float32(1.0) / np.float32(2688.0))
+_INV_448 = tl.constexpr(float(np.float32(1.0) / np.float32(448.0)))
+_INV_2688 = tl.constexpr(float(np.float32(1.0) / np.float32(2688.0)))
 
-_NAN = tl.PropagateNan.ALL
+_NAN = tl.constexpr(tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -232,6 +232,26 @@ def qdq_kernel(
 
 
 @triton.jit
+def _combine_slot(
+    row_base, idx_row, s, stride_rs, stride_ik, cmask, amax, acc, raw, cmax, routed,
+    SHARED: tl.constexpr, FMT: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
+    BLOCK_H: tl.constexpr, CUDA_DIV: tl.constexpr, HW_CAST: tl.constexpr,
+):
+    """Routed slot ``s`` of one token: load it if valid, quantize, accumulate."""
+    slot = s + 1 if SHARED == 1 else s
+    valid = tl.load(idx_row + s * stride_ik) >= 0
+    x = tl.load(row_base + slot * stride_rs, mask=cmask & valid, other=0.0).to(tl.float32)
+    q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, CUDA_DIV, HW_CAST), HW_CAST)
+    acc = tl.where(valid, acc + q, acc)
+    if CHECK:
+        raw = tl.where(valid, raw + x, raw)
+    if CALIB:
+        cmax = tl.where(valid, tl.maximum(cmax, tl.abs(x), propagate_nan=_NAN), cmax)
+    routed += valid.to(tl.int32)
+    return acc, raw, cmax, routed
+
+
+@triton.jit
 def combine_kernel(
     rows_ptr, idx_ptr, out_ptr, check_ptr, flag_ptr, calib_ptr, amax_ptr,
     H, stride_rs, stride_rt, stride_it, stride_ik, stride_o, stride_c,
@@ -261,17 +281,17 @@ def combine_kernel(
         shared = tl.load(row_base, mask=cmask, other=0.0).to(tl.float32)
         acc += shared
         raw += shared
-    for s in tl.static_range(K):
-        slot = s + 1 if SHARED == 1 else s
-        valid = tl.load(idx_ptr + t * stride_it + s * stride_ik) >= 0
-        x = tl.load(row_base + slot * stride_rs, mask=cmask & valid, other=0.0).to(tl.float32)
-        q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, CUDA_DIV, HW_CAST), HW_CAST)
-        acc = tl.where(valid, acc + q, acc)
-        if CHECK:
-            raw = tl.where(valid, raw + x, raw)
-        if CALIB:
-            cmax = tl.where(valid, tl.maximum(cmax, tl.abs(x), propagate_nan=_NAN), cmax)
-        routed += valid.to(tl.int32)
+    if FMT == 8:
+        # A whole-row program: a rolled loop keeps the code (and the compile) small.
+        for s in range(K):
+            acc, raw, cmax, routed = _combine_slot(
+                row_base, idx_ptr + t * stride_it, s, stride_rs, stride_ik, cmask, amax,
+                acc, raw, cmax, routed, SHARED, FMT, CHECK, CALIB, BLOCK_H, CUDA_DIV, HW_CAST)
+    else:
+        for s in tl.static_range(K):
+            acc, raw, cmax, routed = _combine_slot(
+                row_base, idx_ptr + t * stride_it, s, stride_rs, stride_ik, cmask, amax,
+                acc, raw, cmax, routed, SHARED, FMT, CHECK, CALIB, BLOCK_H, CUDA_DIV, HW_CAST)
     if SHARED == 2:
         shared = tl.load(row_base + K * stride_rs, mask=cmask, other=0.0).to(tl.float32)
         acc += shared
