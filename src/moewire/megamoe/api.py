@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moewire.megamoe.registry import adapter_for, registered_classes
-from moewire.megamoe.wrapper import QUANTIZER_NAMES, convert, is_converted
+from moewire.megamoe.wrapper import QUANTIZER_NAMES, _module_device, convert, is_converted
 from moewire.quantizer import WireQuantizer
 
 __all__ = ["calibrate", "load_scales", "quantize", "quantizers", "save_scales", "summary"]
@@ -54,12 +54,6 @@ def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _qualified(module_name: str, attr: str) -> str:
     return f"{module_name}.{attr}" if module_name else attr
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    for tensor in list(module.parameters()) + list(module.buffers()):
-        return tensor.device
-    return torch.device("cpu")
 
 
 def quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
