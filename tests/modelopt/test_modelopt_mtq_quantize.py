@@ -333,3 +333,21 @@ def test_wrapper_refusals_hold(build, match, monkeypatch):
     with pytest.raises(RuntimeError, match=match) as info:
         build(monkeypatch) if build is _changed_layout else build()
     assert str(info.value).startswith("experts: ")  # names the layer by its path
+
+
+def test_parent_class_entries_match_the_experts_class():
+    """``parent_class`` takes the registry key register() used for the class."""
+    key = "moewire:moewire.reference.experts.MegaMoEExperts"
+    cfg = {
+        "quant_cfg": [
+            {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*combine_quantizer", "parent_class": key, "cfg": FP8},
+            {"quantizer_name": "*dispatch_quantizer", "parent_class": "nn.Linear", "cfg": FP8},
+        ],
+        "algorithm": "max",
+    }
+    model = Layer()
+    mtq.quantize(model, cfg, _loop)
+    assert model.experts.combine_quantizer.mode == "quantize"
+    assert model.experts.dispatch_quantizer.mode == "disabled"
+    assert "experts.combine_quantizer: format=fp8 mode=quantize" in moewire.summary(model)
