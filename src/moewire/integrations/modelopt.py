@@ -7,19 +7,22 @@ modules part of that workflow (SPEC section 3):
 
 - :func:`register` puts every experts class known to ``moewire.megamoe.registry`` (the
   stand-in, and vLLM's classes when vLLM is importable) into ModelOpt's
-  ``QuantModuleRegistry``. ``mtq.quantize`` then converts each experts module (class swap)
-  and its ``_setup`` creates two :class:`WireTensorQuantizer` children named
-  ``dispatch_quantizer`` and ``combine_quantizer``: real ``TensorQuantizer`` objects, so the
-  wildcards ``*dispatch_quantizer`` / ``*combine_quantizer`` match them, ``algorithm: max``
-  calibrates them, the summary lists them and ``modelopt_state`` saves them.
-- The math: a quantizer whose attributes name a format moewire implements bit-exactly
-  (``fp8`` per tensor: ``num_bits=(4, 3)``; ``nvfp4``: ``num_bits=(2, 1)`` with
-  ``block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)}``) fake-quantizes with
-  moewire's format (and its fused kernels), with the ``TensorQuantizer``'s amax. Any other
-  attributes (INT8, MX, per-channel...), or ``backend_extra_args={"math": "modelopt"}``, use
-  ModelOpt's own ``TensorQuantizer`` math.
+  ``QuantModuleRegistry``. ``mtq.quantize`` then converts each experts module (class swap),
+  hands it to moewire's wrapper, and gives it two :class:`WireTensorQuantizer` children,
+  ``dispatch_quantizer`` and ``combine_quantizer`` (disabled until a cfg entry names them):
+  real ``TensorQuantizer`` objects, so the wildcards ``*dispatch_quantizer`` /
+  ``*combine_quantizer`` match them, ``algorithm: max`` calibrates them (max over valid
+  rows, then over the EP group), the summary lists them and ``modelopt_state`` saves them.
+- The math: ``fp8`` per tensor (``num_bits=(4, 3)``) and ``nvfp4`` (``num_bits=(2, 1)``,
+  ``block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)}``), which moewire
+  implements bit-exactly with ModelOpt 0.47 (:data:`BIT_EXACT`), fake-quantize with
+  moewire's format and fused kernels, with the ``TensorQuantizer``'s amax. Every other
+  attribute set (INT8, MX, per-channel...) uses ModelOpt's ``TensorQuantizer`` math;
+  ``backend_extra_args={"math": "modelopt" | "moewire"}`` overrides the choice, and the
+  registered quant backend :data:`BACKEND` gives any ``TensorQuantizer`` moewire's math.
 - Scales interchange: :func:`to_modelopt_state` / :func:`from_modelopt_state` move amax
-  values between moewire's quantizers and a ModelOpt-converted model.
+  values between moewire's quantizers and a ModelOpt-converted model (``mto.save`` /
+  ``mto.restore`` and ``moewire.save_scales`` / ``load_scales`` work on both).
 
 Nothing here is imported by ``import moewire``; importing this module without
 ``nvidia-modelopt`` installed raises an ``ImportError`` that says what to install.
@@ -187,6 +190,7 @@ class WireTensorQuantizer(TensorQuantizer):
 
     @property
     def has_amax(self) -> bool:
+        """Whether an amax is fixed (``static_amax is not None``)."""
         return self.static_amax is not None
 
     def is_static_scale(self) -> bool:
