@@ -11,6 +11,8 @@ from study_helpers import EXPERTS, LAYER, dense_checkpoint
 from moewire import cli
 from moewire.study import PRESETS, StudyConfig, run_study
 from moewire.study.errors import StudyArgumentError
+from moewire.study.layer import build_layer
+from moewire.study.runner import _batches
 
 TINY = ["study", "--model", "tiny", "--tokens", "16", "--calib-batches", "1",
         "--eval-batches", "1", "--dispatch", "fp8", "--combine", "nvfp4,mxfp8"]
@@ -166,3 +168,16 @@ def test_study_argument_error_is_a_value_error():
     with pytest.raises(ValueError, match="--ranks"):
         run_study(StudyConfig(model="tiny", tokens=16, ranks=0))
     assert issubclass(StudyArgumentError, ValueError)
+
+
+def test_calibration_sees_only_the_calibration_batches():
+    cfg = StudyConfig(model="tiny", tokens=16, calib_batches=1, eval_batches=1,
+                      dispatch=("bf16", "fp8"), combine=("bf16",))
+    doc = run_study(cfg)
+    g = torch.Generator().manual_seed(cfg.seed)
+    calib, evals = _batches(cfg, build_layer(cfg, g), g)
+    got = next(r for r in doc["results"] if r["dispatch"] == "fp8")["amax"]["dispatch"]
+    # Every token is routed, so the dispatch amax is max |x| over the calibration tokens,
+    # and not over the held-out ones.
+    assert got == float(calib[0][0].abs().amax().float())
+    assert got != float(evals[0][0].abs().amax().float())
