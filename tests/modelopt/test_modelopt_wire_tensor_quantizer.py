@@ -4,7 +4,8 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.modelopt
-pytest.importorskip("modelopt")
+# Not "modelopt": pytest puts tests/ on sys.path, where tests/modelopt/ would pass for it.
+pytest.importorskip("modelopt.torch.quantization")
 
 from modelopt.torch.quantization.config import QuantizerAttributeConfig  # noqa: E402
 from modelopt.torch.quantization.nn import TensorQuantizer  # noqa: E402
