@@ -352,3 +352,21 @@ def test_parent_class_entries_match_the_experts_class():
     assert model.experts.combine_quantizer.mode == "quantize"
     assert model.experts.dispatch_quantizer.mode == "disabled"
     assert "experts.combine_quantizer: format=fp8 mode=quantize" in moewire.summary(model)
+
+
+class _LateExperts(MegaMoEExperts):
+    """An experts class with its own forward, known to moewire only after register()."""
+
+    def forward(self, hidden_states, topk_weights, topk_ids, shared_experts=None):
+        return super().forward(hidden_states, topk_weights, topk_ids, shared_experts)
+
+
+def test_classes_known_to_moewire_later_are_converted_by_mtq_quantize():
+    mw_mo.register(vllm=False)
+    assert _LateExperts not in mw_mo.registered_classes()
+    model = Layer()
+    model.experts.__class__ = _LateExperts  # same state, a class ModelOpt has not seen
+    mtq.quantize(model, _cfg(FP8, FP8), _loop)
+    assert _LateExperts in mw_mo.registered_classes()
+    assert isinstance(model.experts.combine_quantizer, mw_mo.WireTensorQuantizer)
+    assert model.experts.combine_quantizer.has_amax
