@@ -96,7 +96,7 @@ def current_flavour() -> str:
     return DEFAULT_FLAVOUR
 
 
-class use_flavour:  # noqa: N801 - lower case: it reads as a function call, as a setter too
+class use_flavour:  # lower case: used as a plain call (a setter) as often as in `with`
     """Select the layout flavour of buffers built from now on.
 
     ``use_flavour("sgl")`` sets it until changed; ``with use_flavour("sgl"): ...`` sets it
@@ -153,7 +153,7 @@ def _allocate(num_bytes: int, device: torch.device, group: Any, num_ranks: int):
 
             buffer = symm_mem.empty(num_bytes, dtype=torch.int8, device=device)
             return buffer, symm_mem.rendezvous(buffer, group=group)
-        except Exception:  # noqa: BLE001 - any failure means: no symmetric memory here
+        except Exception:  # any failure (no CUDA IPC, old torch) means: a plain tensor
             pass
     return torch.empty(num_bytes, dtype=torch.int8, device=device), None
 
