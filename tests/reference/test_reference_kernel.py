@@ -254,3 +254,18 @@ def test_fp4_weights_decode_to_the_dense_weights_within_e2m1_rounding():
     groups = np.abs(truth.reshape(1024, 16, 32)).max(-1, keepdims=True)
     err = np.abs(dense[1] - truth).reshape(1024, 16, 32)
     assert (err <= np.maximum(np.abs(truth.reshape(1024, 16, 32)) / 3, groups / 6 / 2)).all()
+
+
+def test_transform_does_upstreams_permutations():
+    n, k = 256, 512  # 2I = 256 rows (I = 128), K = 512
+    rows = torch.arange(n, dtype=torch.int32)
+    w = rows.view(1, n, 1).expand(2, n, k // 2).to(torch.int8).contiguous()
+    sf = rows.view(1, n, 1).expand(2, n, k // 128).contiguous()
+    (tw, tsf), (w2, sf2) = deep_gemm.transform_weights_for_mega_moe((w, sf), (w, sf))
+    interleaved = [b * 8 + j + (n // 2 if half else 0)
+                   for b in range(n // 16) for half in (0, 1) for j in range(8)]
+    assert tw[0, :, 0].tolist() == [r - 256 if r > 127 else r for r in interleaved]
+    utccp = [blk * 128 + 32 * q + r for blk in range(n // 128) for r in range(32)
+             for q in range(4)]
+    assert tsf[1, :, 0].tolist() == [interleaved[i] for i in utccp]
+    assert torch.equal(w2, w) and sf2[0, :, 0].tolist() == utccp
