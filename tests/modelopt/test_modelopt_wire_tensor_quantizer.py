@@ -171,6 +171,7 @@ def test_calibrating_collects_max_and_passes_values_through():
         assert torch.equal(q(b), b)
         q.collect(a[:0])  # an empty batch (no valid row) adds nothing
     expected = torch.maximum(a.abs().max(), b.abs().max()).float()
+    assert q._amax.dtype == torch.float32  # the buffer itself, not a cast per call
     assert torch.equal(q.static_amax, expected)
     assert q.mode == "quantize" and q.is_static_scale()
 

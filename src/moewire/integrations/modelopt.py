@@ -226,6 +226,12 @@ class WireTensorQuantizer(TensorQuantizer):
             self._amax = self._amax.float()
         self.amax = value
 
+    def load_calib_amax(self, *args: Any, **kwargs: Any) -> None:
+        super().load_calib_amax(*args, **kwargs)
+        # The calibrator's max has the data's dtype (BF16); moewire keeps amax in FP32 (exact
+        # for such a max), so kernels and CUDA graphs read the buffer itself, uncast.
+        self._amax = self._amax.float()
+
     def _fake_quantize(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.backend is None and self.math == "moewire":
             return self.fmt.qdq(inputs, self.scale_amax(inputs))
