@@ -47,12 +47,12 @@ def _weights(num_shared: int):
 
 
 class Layer(nn.Module):
-    def __init__(self, num_fused_shared_experts: int = 0):
+    def __init__(self, num_fused_shared_experts: int = 0, weights=None, device: str = "cpu"):
         super().__init__()
         self.experts = MegaMoEExperts(
             num_experts=E, top_k=K, hidden=H, intermediate=INTER, max_num_tokens=TMAX,
-            num_fused_shared_experts=num_fused_shared_experts, device="cpu",
-            weights=_weights(num_fused_shared_experts),
+            num_fused_shared_experts=num_fused_shared_experts, device=device,
+            weights=weights if weights is not None else _weights(num_fused_shared_experts),
         )
 
     def forward(self, x, weights, ids):
@@ -370,3 +370,32 @@ def test_classes_known_to_moewire_later_are_converted_by_mtq_quantize():
     assert _LateExperts in mw_mo.registered_classes()
     assert isinstance(model.experts.combine_quantizer, mw_mo.WireTensorQuantizer)
     assert model.experts.combine_quantizer.has_amax
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dispatch", "combine"), [(FP8, NVFP4), (None, {**NVFP4, "constant_amax": 2688.0})],
+    ids=["fp8-nvfp4", "nvfp4-constant-amax"],
+)
+def test_cuda_output_equals_moewire_path_and_cpu(dispatch, combine):
+    """On CUDA the combine runs moewire's fused kernel with the TensorQuantizer's amax."""
+    weights = make_weights(E, H, INTER, experts=range(E), seed=0, device="cuda")
+
+    def run(model, batch):
+        x, w, ids, padding = batch
+        with forward_context(is_padding=padding.cuda()):
+            return model(x.cuda(), w.cuda(), ids.cuda())
+
+    def loop(model):
+        for batch in CALIB:
+            run(model, batch)
+
+    cfg = _cfg(dispatch, combine)
+    theirs, ours = (Layer(weights=weights, device="cuda") for _ in range(2))
+    mtq.quantize(theirs, cfg, loop)
+    moewire.quantize(ours, {"quant_cfg": cfg["quant_cfg"]}, forward_loop=loop)
+    on_cpu = Layer()
+    mtq.quantize(on_cpu, cfg, _loop)
+    y = run(theirs, EVAL)
+    assert torch.equal(_bits(y), _bits(run(ours, EVAL)))
+    assert torch.equal(_bits(y.cpu()), _bits(_run(on_cpu, EVAL)))
