@@ -28,7 +28,7 @@ from _bench import TARGET, print_table, time_graph  # noqa: E402
 
 from moewire import kernels  # noqa: E402
 
-SWEEP = ((512, 4), (1024, 4), (2048, 8), (4096, 8))
+SWEEP = ((512, 4, False), (1024, 4, False), (512, 4, True), (1024, 4, True), (2048, 8, False))
 
 
 def run_tests(out: Path) -> str:
@@ -43,7 +43,7 @@ def run_tests(out: Path) -> str:
     return "\n".join(failed[:15] + lines[-1:])
 
 
-def sweep(fmts=("nvfp4", "bf16")) -> list[dict]:
+def sweep(fmts=("nvfp4", "mxfp4", "fp8_b32_ue8m0", "fp8")) -> list[dict]:
     """Fused combine (with check) at the target shape for each (block_h, num_warps)."""
     _, k, h = TARGET
     t = 8192
@@ -57,10 +57,13 @@ def sweep(fmts=("nvfp4", "bf16")) -> list[dict]:
     results = []
     for fmt in fmts:
         amax = rows.float().abs().amax().reshape(()) if fmt in ("nvfp4", "fp8") else None
-        for bh, nw in SWEEP:
-            us = time_graph(lambda i, fmt=fmt, amax=amax, bh=bh, nw=nw: kernels.fused_combine(
-                rows, idx, t, out, fmt, amax, None, y, flag, block_h=bh, num_warps=nw), 5)
-            results.append(dict(fmt=fmt, block_h=bh, num_warps=nw, us=us,
+        for bh, nw, un in SWEEP:
+            def call(i, fmt=fmt, amax=amax, bh=bh, nw=nw, un=un):
+                return kernels.fused_combine(rows, idx, t, out, fmt, amax, None, y, flag,
+                                             block_h=bh, num_warps=nw, unroll=un)
+
+            us = time_graph(call, 5)
+            results.append(dict(fmt=fmt, block_h=bh, num_warps=nw, unroll=un, us=us,
                                 gbps=minimal / us / 1e3, flag=int(flag)))
     return results
 
@@ -81,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--no-peers", action="store_true", help="time the fused kernels only")
     parser.add_argument("--tokens", type=int, nargs="*", default=[128, 1024, 8192])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -92,24 +96,27 @@ def main() -> None:
     print("tests:", tests, flush=True)
     sw = _stage("sweep", sweep)
     (args.out / "sweep.json").write_text(json.dumps(sw, indent=1))
+    peers = () if args.no_peers else dispatch.PEER_FORMATS
     disp = []
     for name in dispatch.MODELS:
         for t in args.tokens:
             fmts = dispatch.PEER_FORMATS + (dispatch.FUSED_ONLY if t == 8192 else ())
             h = dispatch.MODELS[name][2]
-            disp += _stage(f"dispatch {name} T={t}", dispatch.bench_shape, name, h, t, fmts)
+            disp += _stage(f"dispatch {name} T={t}", dispatch.bench_shape, name, h, t, fmts, peers)
             (args.out / "dispatch.json").write_text(json.dumps(disp, indent=1))
             torch.cuda.empty_cache()
     comb = []
     for name, k, h, t in combine._shapes(tuple(args.tokens), tuple(combine.MODELS)):
         fmts = combine.PEER_FORMATS + (combine.FUSED_ONLY if t == 8192 else ())
-        comb += _stage(f"combine {name} T={t}", combine.bench_shape, name, k, h, t, fmts)
+        comb += _stage(f"combine {name} T={t}", combine.bench_shape, name, k, h, t, fmts,
+                       tuple(combine.PEER_FORMATS) if not args.no_peers else ())
         (args.out / "combine.json").write_text(json.dumps(comb, indent=1))
         torch.cuda.empty_cache()
     mo = {r.get("modelopt") for r in comb + disp if r.get("modelopt")}
     print("modelopt:", "; ".join(sorted(mo)))
     print_table(sw, [("fmt", "fmt", ""), ("block_h", "block_h", ""), ("num_warps", "warps", ""),
-                     ("us", "us", ".1f"), ("gbps", "GB/s", ".0f"), ("flag", "flag", "")])
+                     ("unroll", "unroll", ""), ("us", "us", ".1f"), ("gbps", "GB/s", ".0f"),
+                     ("flag", "flag", "")])
     print_table(disp, dispatch.COLUMNS)
     print_table(comb, combine.COLUMNS)
     print("tests:", tests)

@@ -47,6 +47,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # takes the whole row (its global scale is the row's amax).
 _BLOCK_H = 1024
 _NUM_WARPS = 4
+# Formats whose combine loop over the k slots is unrolled (all rows loaded up front); the
+# others run a rolled loop, which keeps their heavier arithmetic out of register spills.
+_UNROLLED = frozenset({"bf16", "fp8", "mxfp8"})
 
 
 def _interpreting() -> bool:
@@ -290,6 +293,7 @@ def fused_combine(
     *,
     block_h: int | None = None,
     num_warps: int | None = None,
+    unroll: bool | None = None,
 ) -> torch.Tensor:
     """Fake-quantize and re-sum the combine rows in one pass, the kernel's order.
 
@@ -324,7 +328,7 @@ def fused_combine(
         amax: FP32 one-element device tensor for ``fp8`` and ``nvfp4`` (static scale).
         shared_slot: ``None``, ``"first"`` or ``"last"``.
         check_against, check_flag, calib_amax: see above.
-        block_h, num_warps: tuning only.
+        block_h, num_warps, unroll: tuning only (``unroll``: load all k rows up front).
 
     Returns:
         ``out``.
@@ -359,6 +363,7 @@ def fused_combine(
         K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_slot],
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, CHECK=check,
         CALIB=calib_amax is not None, BLOCK_H=bh, CUDA_DIV=rows.is_cuda, HW_CAST=rows.is_cuda,
+        UNROLL=(fmt_name in _UNROLLED) if unroll is None else unroll,
         num_warps=_num_warps(bh, num_warps), enable_fp_fusion=False,
     )
     return out

@@ -257,7 +257,7 @@ def combine_kernel(
     H, stride_rs, stride_rt, stride_it, stride_ik, stride_o, stride_c,
     K: tl.constexpr, SHARED: tl.constexpr, FMT: tl.constexpr, HAS_AMAX: tl.constexpr,
     CHECK: tl.constexpr, CALIB: tl.constexpr, BLOCK_H: tl.constexpr, CUDA_DIV: tl.constexpr,
-    HW_CAST: tl.constexpr,
+    HW_CAST: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One program per (token, column chunk): quantize, re-sum, check, calibrate.
 
@@ -281,8 +281,9 @@ def combine_kernel(
         shared = tl.load(row_base, mask=cmask, other=0.0).to(tl.float32)
         acc += shared
         raw += shared
-    if FMT == 8:
-        # A whole-row program: a rolled loop keeps the code (and the compile) small.
+    if not UNROLL:
+        # A rolled loop holds one row in registers at a time: the heavy formats spill when
+        # all K rows are loaded up front (and whole-row programs compile much faster).
         for s in range(K):
             acc, raw, cmax, routed = _combine_slot(
                 row_base, idx_ptr + t * stride_it, s, stride_rs, stride_ik, cmask, amax,
