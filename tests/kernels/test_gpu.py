@@ -123,7 +123,8 @@ def test_graph_replay_equals_eager():
     assert same_bits(out, reference_combine(rows, idx, t, "nvfp4", amax, "last")).all()
     assert int(flag) == 0
     assert float(calib) == float(valid_routed_max(rows, idx, t, "last"))
-    rows[0, 3, 9] += 2.0
+    tok, slot = (int(v) for v in (idx[:t] >= 0).nonzero()[0])
+    rows[slot, tok, 9] += 2.0  # a valid routed row ("last": routed slot s is row s)
     graph.replay()
     assert int(flag) >= 1
 
