@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 from study_helpers import EXPERTS, HIDDEN, INTER, LAYER, SHARED_INTER, dense_checkpoint
 
-from moewire.reference._numerics import dequantize_weight
+from moewire.reference import dequantize_weight
 from moewire.study.data import (
     WEIGHT_NAMES,
     Router,

@@ -5,11 +5,14 @@
 - ``MegaMoEExperts``: an ``nn.Module`` with vLLM's Mega-MoE experts contract.
 - ``make_weights`` / ``SharedExpert``: seeded weights for tests and the study.
 - ``forward_context``: vLLM's forward-context stand-in (``is_padding``).
+- ``quantize_fp4_ue8m0`` / ``dequantize_weight``: the kernel's weight format (FP4 E2M1,
+  UE8M0 per 32 along K), for callers that bring dense weights.
 
 Independent of ``moewire.megamoe``, ``moewire.quantizer`` and ``moewire.formats``.
 """
 
 from moewire.reference import deep_gemm
+from moewire.reference._numerics import dequantize_weight, quantize_fp4_ue8m0
 from moewire.reference.experts import (
     MegaMoEExperts,
     forward_context,
@@ -23,8 +26,10 @@ __all__ = [
     "MegaMoEWeights",
     "SharedExpert",
     "deep_gemm",
+    "dequantize_weight",
     "forward_context",
     "get_forward_context",
     "make_weights",
+    "quantize_fp4_ue8m0",
     "stage_mega_moe_inputs",
 ]

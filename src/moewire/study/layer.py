@@ -62,7 +62,7 @@ def kernel_weights_from_dense(w1: torch.Tensor, w2: torch.Tensor, mma: str) -> M
         :class:`~moewire.reference.MegaMoEWeights` for experts ``0..E-1``.
     """
     # The reference's own cast, so the kernel reads exactly the format it defines.
-    from moewire.reference._numerics import quantize_fp4_ue8m0
+    from moewire.reference import quantize_fp4_ue8m0
 
     if mma == "fp8xfp4":
         raw1 = quantize_fp4_ue8m0(w1.float())
