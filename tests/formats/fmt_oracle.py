@@ -3,7 +3,10 @@
 Written from the math in docs/formats.md, not from moewire's torch code: element rounding
 comes from ml_dtypes (float8_e4m3fn, float4_e2m1fn, bfloat16), powers of two from
 ``np.frexp`` and are checked against float8_e8m0fnu, FP32 arithmetic is NumPy float32
-(IEEE, one rounding per operation), and LogFMT is evaluated in float64.
+(IEEE, one rounding per operation), and LogFMT is evaluated in float64. A division of a
+tensor by a constant ``c`` is the reciprocal form torch computes on CUDA, ``t * fl(1/c)``,
+with the reciprocal formed here as one NumPy division in the tensor's precision
+(:func:`recip32`, :func:`recip64`).
 
 Every oracle takes a float32 NumPy array (the input values, exactly) and returns a
 float32 array: the result before the final cast to the input dtype.
@@ -22,6 +25,16 @@ E8M0 = ml_dtypes.float8_e8m0fnu
 
 _NP_OF = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16, torch.float32: np.float32}
 _INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def recip32(c: float) -> np.float32:
+    """fl32(1/c): one FP32 division (no double intermediate)."""
+    return F32(1.0) / F32(c)
+
+
+def recip64(c: float) -> np.float64:
+    """fl64(1/c): one float64 division."""
+    return np.float64(1.0) / np.float64(c)
 
 
 def e4m3(v: np.ndarray) -> np.ndarray:
@@ -73,7 +86,7 @@ def fp8_block(block: int, ue8m0: bool):
         xb = _blocks(x, block)
         a = np.max(np.abs(xb), axis=-1, keepdims=True)
         a = np.where(np.isnan(a), a, np.maximum(a, F32(1e-4)))
-        sf = (a / F32(448.0)).astype(F32)
+        sf = (a * recip32(448.0)).astype(F32)
         if ue8m0:
             sf = _ceil_ue8m0(sf)
         q = e4m3(xb * (F32(1.0) / sf)).astype(F32)
@@ -113,13 +126,13 @@ def _nvfp4(x: np.ndarray, gs: np.ndarray) -> np.ndarray:
 
 def nvfp4(x: np.ndarray, amax) -> np.ndarray:
     amax = F32(amax)
-    gs = amax / F32(2688.0) if amax > 0 else F32(1e-12)
+    gs = amax * recip32(2688.0) if amax > 0 else F32(1e-12)
     return _nvfp4(x, np.asarray(gs, dtype=F32))
 
 
 def nvfp4_token(x: np.ndarray, amax=None) -> np.ndarray:
     row = np.max(np.abs(x), axis=-1, keepdims=True)[..., None]
-    gs = np.where(row == 0, F32(1e-12), row / F32(2688.0)).astype(F32)
+    gs = np.where(row == 0, F32(1e-12), row * recip32(2688.0)).astype(F32)
     return _nvfp4(x, gs)
 
 
@@ -143,7 +156,7 @@ def logfmt10(x: np.ndarray, amax=None) -> np.ndarray:
                 if not np.all((la < 0) & (li < la)):
                     out[r, g0 : g0 + group] = chunk.reshape(-1)
                     continue
-                step = (la - li) / 510.0
+                step = (la - li) * recip64(510.0)
                 step_inv = 1.0 / step
                 fused = (2.0 - np.log2((1.0 + np.exp2(step)) * 0.5) * step_inv) - li * step_inv
                 t = np.log2(a) * step_inv + fused

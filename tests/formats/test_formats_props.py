@@ -30,6 +30,22 @@ def _amax(fmt, x):
     return finite.abs().amax() if fmt.needs_amax else None
 
 
+# FP32 scales recomputed from the quantized block (row) by the reciprocal form
+# ``amax * fl(1/c)``: on FP32 output the block max comes back as ``fl(448 * sf)`` (``fl(6 *
+# bs)``), not as the original amax, and the new scale can be one ulp off. Every element keeps
+# its code and moves by that ulp at most (DeepGEMM's and TensorRT-LLM's casts on CUDA do the
+# same). BF16/FP16 output rounds the block max back to the amax exactly: no drift there.
+_SCALE_ULP_DRIFT = ("fp8_b128", "nvfp4_token")
+
+
+def _assert_same_up_to_scale_ulp(twice, once, keep, what):
+    assert torch.equal(twice[keep] == 0, once[keep] == 0), what
+    nonzero = keep & (once != 0)
+    rel = ((twice - once).abs() / once.abs())[nonzero]
+    worst = float(rel.max()) if rel.numel() else 0.0  # "tiny" FP32 data flushes to zero
+    assert worst <= 2.0**-22, f"{what}: moved by {worst:.3g} (> 2 ulps)"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("kind", ["normal", "heavy", "ties", "tiny"])
 @pytest.mark.parametrize("name", NAMES)
@@ -39,6 +55,8 @@ def test_idempotent_with_a_fixed_scale(name, kind, dtype):
     amax = _amax(fmt, x)
     once = fmt.qdq(x, amax)
     twice = fmt.qdq(once, amax)
+    drift = name in _SCALE_ULP_DRIFT and dtype == torch.float32
+    what = f"{name}: q(q(x)) != q(x)"
     if name.startswith("nvfp4"):
         # Two documented exceptions of ModelOpt's math: torch's sign turns a -0.0 output
         # into +0.0, and a block whose E4M3 block scale is subnormal can re-round to a
@@ -48,9 +66,14 @@ def test_idempotent_with_a_fixed_scale(name, kind, dtype):
         normal = (xb.abs().amax(-1, keepdim=True) / (6 * gs) >= 2.0**-6).expand_as(xb)
         assert normal.float().mean() > 0.1, "test data has too few normal-scale blocks"
         keep = normal.reshape(x.shape)
-        assert torch.equal(twice[keep], once[keep]), f"{name}: q(q(x)) != q(x)"
+        if drift:
+            _assert_same_up_to_scale_ulp(twice, once, keep, what)
+        else:
+            assert torch.equal(twice[keep], once[keep]), what
+    elif drift:
+        _assert_same_up_to_scale_ulp(twice, once, torch.isfinite(once), what)
     else:
-        fmt_oracle.assert_bits_equal(twice, once, f"{name}: q(q(x)) != q(x)")
+        fmt_oracle.assert_bits_equal(twice, once, what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

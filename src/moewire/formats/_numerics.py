@@ -1,7 +1,8 @@
-"""Element casts and power-of-two helpers shared by the formats (plain torch, CPU and CUDA).
+"""Element casts, power-of-two helpers and constant divisors shared by the formats.
 
-Every helper takes and returns FP32 tensors and is exact: the only rounding is the one
-the helper names (round to nearest, ties to even, onto the element grid).
+Plain torch, CPU and CUDA, with the same bits on both. Every helper takes and returns FP32
+tensors (:func:`mul_recip` also float64) and is exact but for the one rounding it names
+(round to nearest, ties to even, onto the element grid or onto FP32).
 """
 
 from __future__ import annotations
@@ -16,6 +17,45 @@ E2M1_MAX = 6.0
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_UP_AT_TIE = (False, True, False, True, False, True, False)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def mul_recip(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c`` for a constant ``c``, written as torch computes it on CUDA: ``t * fl(1/c)``.
+
+    PyTorch's CUDA division by a Python (CPU) scalar multiplies by the reciprocal rounded
+    in the tensor's dtype (``a * (1 / b)``), while its CPU division is a true, correctly
+    rounded division; the two differ by one ulp for many ``t`` (about half of all FP32
+    values for ``c = 448``). The formats' sources (DeepGEMM's casts, ModelOpt's
+    quantizers) run on CUDA, so the reciprocal form is the faithful one, and spelling it
+    out gives the reference the same bits on CPU and CUDA.
+
+    The reciprocal is ``fl(1/c)`` in ``t.dtype``, correctly rounded: Python's ``1.0 / c``
+    is the correctly rounded double, and rounding that double once more to FP32 is still
+    the correctly rounded FP32 quotient, since double rounding of a quotient through a
+    format with ``p' >= 2p + 2`` bits is innocuous (Figueroa, 1995; 53 >= 2 * 24 + 2).
+    ``tests/formats`` checks it against ``np.float32(1) / np.float32(c)`` for every divisor
+    the formats use. It is a Python-side constant, so the helper traces under
+    ``torch.compile`` and CUDA-graph capture.
+
+    Args:
+        t: FP32 or float64 tensor, any shape, any device.
+        c: the divisor, a positive integer below 2^24 (exact in FP32): 448, 2688, 510.
+
+    Returns:
+        ``fl(t * fl(1/c))``: same shape, dtype and device as ``t``.
+
+    Raises:
+        TypeError: ``t`` is not FP32 or float64.
+        ValueError: ``c`` is not a positive integer below 2^24.
+    """
+    if t.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"mul_recip: t must be float32 or float64, got {t.dtype}")
+    if not (0 < c < 2**24 and c == int(c)):
+        raise ValueError(
+            f"mul_recip: the divisor {c!r} must be a positive integer below 2^24, exact in FP32"
+        )
+    # A 0-d CPU tensor of t's dtype: torch multiplies by its value as is on either device.
+    return t * torch.tensor(1.0 / c, dtype=t.dtype)
 
 
 def e4m3(v: torch.Tensor) -> torch.Tensor:

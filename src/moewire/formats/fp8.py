@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moewire.formats._numerics import E4M3_MAX, ceil_pow2_ue8m0, e4m3, split_blocks
+from moewire.formats._numerics import E4M3_MAX, ceil_pow2_ue8m0, e4m3, mul_recip, split_blocks
 from moewire.formats.base import WireFormat, register
 
 # ModelOpt's guard for a vanishing amax (the smallest FP16 subnormal).
@@ -57,15 +57,23 @@ class FP8Block(WireFormat):
     Math per block ``b`` of ``block`` consecutive elements along the last dim, FP32::
 
         amax = max(max|x_b|, 1e-4)                  # torch.clamp: a NaN amax stays NaN
-        sf   = fl(amax / 448)
+        sf   = fl(amax * fl(1 / 448))               # DeepGEMM's `amax / 448.0` on CUDA
         sf   = ceil_to_ue8m0(sf)                    # UE8M0 variants only: 2^ceil(log2 sf)
         q    = e4m3(fl(x_b * fl(1 / sf)))
         out  = fl(q * sf).to(x.dtype)
 
     This is DeepGEMM's ``per_token_cast_to_fp8(x, use_ue8m0, gran_k)``
-    (``deep_gemm/utils/math.py``): ``x * (1.0 / sf)`` multiplies by the FP32 reciprocal,
-    and ``ceil_to_ue8m0`` works on the exponent bits, so it is an exact ``ceil(log2)``.
-    For finite input the clamp inside :func:`e4m3` never fires (``|x_b| / sf <= 448``).
+    (``deep_gemm/utils/math.py``) as it runs on CUDA: there torch evaluates the tensor
+    divided by the constant, ``amax / 448.0``, as ``amax * fl(1/448)`` (its CUDA division
+    by a CPU scalar multiplies by the FP32 reciprocal), which differs by one ulp from a
+    true division for about half of all amax values. The reference writes that product
+    out (:func:`~moewire.formats._numerics.mul_recip`), so it gives the same bits on CPU
+    and CUDA. ``x * (1.0 / sf)`` multiplies by the FP32 reciprocal of the scale, and
+    ``ceil_to_ue8m0`` works on the exponent bits, so it is an exact ``ceil(log2)``. The
+    UE8M0 variants get the same scale from either division (the two quotients never fall
+    on opposite sides of a power of two for ``amax >= 1e-4``); only ``fp8_b128``'s FP32
+    scale sees the ulp. For finite input the clamp inside :func:`e4m3` never fires
+    (``|x_b| * fl(1/sf) <= 448``).
 
     Special values (they follow from the math, as in DeepGEMM's cast):
 
@@ -89,7 +97,7 @@ class FP8Block(WireFormat):
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         xb = split_blocks(x, self.block_size)
         block_amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=_DEEPGEMM_AMAX_FLOOR)
-        sf = block_amax / E4M3_MAX
+        sf = mul_recip(block_amax, E4M3_MAX)
         if self.ue8m0:
             sf = ceil_pow2_ue8m0(sf)
         q = e4m3(xb * torch.reciprocal(sf))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from moewire.formats._numerics import mul_recip
 from moewire.formats.base import WireFormat, register
 
 _DIVISION = 128  # channels sharing one (amax, amin) pair
@@ -47,7 +48,7 @@ class LogFMT10(WireFormat):
     512; a shorter last group when H is not a multiple); the group is cast only if every
     block in it has ``ok_b``, else it is sent, and returned, as BF16 ``v``. In a cast block::
 
-        step = (la - li) / 510
+        step = (la - li) * fl64(1/510)              # torch's `/ 510` on CUDA, see below
         r    = 2 - log2((1 + 2^step) / 2) / step    # puts the threshold between two levels
                                                     # at their arithmetic mean
         code = floor(max(log2(a) / step + r - li / step, 0))      # 0 .. 511
@@ -60,7 +61,11 @@ class LogFMT10(WireFormat):
     DeepEP evaluates it in FP32 with PTX ``lg2.approx``/``ex2.approx``, so on the GPU a
     decoded value can differ in its last FP32 bits and an element within ~1e-6 (relative,
     in the log domain) of a code boundary can land one code away; this reference is the
-    exact-math definition, not a bit-copy of those approximations. DeepEP accumulates the
+    exact-math definition, not a bit-copy of those approximations. The one division by a
+    constant, ``(la - li) / 510``, is written as torch evaluates it on CUDA, a
+    multiplication by the float64 reciprocal ``fl64(1/510)`` (a true division on CPU), so
+    the reference computes that step alike on CPU and CUDA; ``1 / step`` is torch's
+    ``reciprocal`` (correctly rounded on both). DeepEP accumulates the
     decoded FP32 values over the top-k before one BF16 rounding; here each row is rounded
     to ``x.dtype`` on its own (the combine re-sum adds the rows).
 
@@ -104,7 +109,7 @@ class LogFMT10(WireFormat):
         # Blocks that are not cast get harmless stand-ins so the log math stays finite.
         la = torch.where(ok, la, torch.full_like(la, -1.0))
         li = torch.where(ok, li, torch.full_like(li, -2.0))
-        step = (la - li) / (_NUM_VALUES - 2)
+        step = mul_recip(la - li, _NUM_VALUES - 2)
         step_inv = 1.0 / step
         rounding = 2.0 - torch.log2((1.0 + torch.exp2(step)) * 0.5) * step_inv
         fused = rounding - li * step_inv

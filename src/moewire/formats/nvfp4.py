@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from moewire.formats._numerics import E2M1_MAX, E4M3_MAX, e2m1_magnitude, e4m3, split_blocks
+from moewire.formats._numerics import (
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_magnitude,
+    e4m3,
+    mul_recip,
+    split_blocks,
+)
 from moewire.formats.base import WireFormat, register
 
 _NVFP4_BLOCK = 16
@@ -44,7 +51,7 @@ class NVFP4(WireFormat):
 
     Math, FP32 (``fl`` = one FP32 rounding), blocks of 16 along the last dim::
 
-        gs   = fl(amax / 2688) if amax > 0 else 1e-12      # 2688 = 6 * 448
+        gs   = fl(amax * fl(1/2688)) if amax > 0 else 1e-12   # 2688 = 6 * 448
         bmax = max|x_b|
         bs   = e4m3(min(fl(bmax / fl(6 * gs)), 448)) * gs  # the E4M3 block scale, decoded
         bs   = 1 if bs < 1e-5 else bs
@@ -55,6 +62,14 @@ class NVFP4(WireFormat):
 
     ``sign`` is torch's: ``-0.0`` comes out as ``+0.0`` and a small negative that rounds
     to zero as ``-0.0``, as in ModelOpt.
+
+    The global scale is ModelOpt's ``amax / (6 * 448)`` as torch evaluates it on CUDA,
+    where ModelOpt runs: a tensor divided by a Python constant is a multiplication by the
+    FP32 reciprocal there, ``amax * fl(1/2688)`` (one ulp away from a true division for
+    about a fifth of all amax values). The reference writes that product out
+    (:func:`~moewire.formats._numerics.mul_recip`), so CPU and CUDA give the same bits.
+    The divisions by tensors, ``bmax / (6 * gs)`` and ``|x| / bs``, are true divisions on
+    both devices.
 
     Special values: NaN in a block makes ``bmax`` NaN and the whole block NaN; ±inf
     saturates (its block scale is ``448 * gs``, the element ``±6 * bs``, the rest of the
@@ -76,7 +91,7 @@ class NVFP4(WireFormat):
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         gs = torch.where(
-            amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.full_like(amax, _GS_FALLBACK)
+            amax > 0, mul_recip(amax, E2M1_MAX * E4M3_MAX), torch.full_like(amax, _GS_FALLBACK)
         )
         return nvfp4_qdq(x, gs).to(x.dtype)
 
@@ -85,8 +100,9 @@ class NVFP4Token(WireFormat):
     """``nvfp4_token``: NVFP4 with a per-row FP32 global scale from the row's own amax.
 
     Math: as :class:`NVFP4` with ``amax = max|x[..., :]|`` of each row (TensorRT-LLM's
-    low-precision combine), i.e. ``gs = fl(amax_row / 2688)``, ``1e-12`` for an all-zero
-    row. The row's FP32 global scale travels with it (``row_scale_bits = 32``).
+    low-precision combine), i.e. ``gs = fl(amax_row * fl(1/2688))`` (the reciprocal form,
+    as torch computes ``amax_row / 2688`` on CUDA; see :class:`NVFP4`), ``1e-12`` for an
+    all-zero row. The row's FP32 global scale travels with it (``row_scale_bits = 32``).
 
     Special values: a row holding NaN gets a NaN ``gs`` and comes out all NaN; a row
     holding ±inf gets ``gs = inf`` and also comes out all NaN (``0 * inf``); a zero row
@@ -105,7 +121,9 @@ class NVFP4Token(WireFormat):
         row_amax = x.to(torch.float32).abs().amax(dim=-1, keepdim=True).unsqueeze(-1)
         # `== 0` rather than `<= 0`: a NaN row must keep a NaN scale (and come out NaN).
         gs = torch.where(
-            row_amax == 0, torch.full_like(row_amax, _GS_FALLBACK), row_amax / (E2M1_MAX * E4M3_MAX)
+            row_amax == 0,
+            torch.full_like(row_amax, _GS_FALLBACK),
+            mul_recip(row_amax, E2M1_MAX * E4M3_MAX),
         )
         return nvfp4_qdq(x, gs).to(x.dtype)
 
