@@ -183,3 +183,94 @@ def test_zero_blocks_stay_zero(name):
     fmt = formats.get(name)
     out = fmt.qdq(x, 1.0 if fmt.needs_amax else None)
     assert torch.equal(out, torch.zeros_like(out)) and not torch.isnan(out).any()
+
+
+# -- a division by a constant is torch's CUDA rule, t * fl(1/c), on every device ----------
+
+F32 = np.float32
+
+
+def _split_amaxes(c: float, n: int, seed: int) -> np.ndarray:
+    """``n`` FP32 amaxes in [0.5, 4) where a true division by ``c`` differs from the
+    multiplication by the FP32 reciprocal (torch's CPU vs its CUDA ``a / c``)."""
+    a = np.random.default_rng(seed).uniform(0.5, 4.0, 20 * n).astype(F32)
+    split = a[(a / F32(c)) != (a * (F32(1) / F32(c)))]
+    assert split.size >= n, "too few amaxes split the two divisions"
+    return split[:n]
+
+
+def _rows_with_max(amaxes: np.ndarray, hidden: int, seed: int) -> np.ndarray:
+    """FP32 ``[len(amaxes), hidden]``: row r has max|x| exactly ``amaxes[r]``."""
+    rng = np.random.default_rng(seed)
+    x = (rng.uniform(-1.0, 1.0, (amaxes.size, hidden)) * amaxes[:, None]).astype(F32)
+    x[:, 3] = -amaxes
+    return x
+
+
+def _true_division_fp8_b128(x: np.ndarray) -> np.ndarray:
+    a = np.maximum(np.max(np.abs(x), axis=-1, keepdims=True), F32(1e-4))
+    sf = a / F32(448.0)
+    return fmt_oracle.e4m3(x * (F32(1) / sf)).astype(F32) * sf
+
+
+def _true_division(name: str, x: np.ndarray, amax) -> np.ndarray:
+    """What the reference gave before it wrote out the reciprocal (a true division)."""
+    if name == "fp8_b128":
+        return _true_division_fp8_b128(x)
+    if name == "nvfp4":
+        return fmt_oracle._nvfp4(x, np.asarray(F32(amax) / F32(2688.0), dtype=F32))
+    row = np.max(np.abs(x), axis=-1, keepdims=True)[..., None]
+    return fmt_oracle._nvfp4(x, (row / F32(2688.0)).astype(F32))
+
+
+@pytest.mark.parametrize(
+    "name,divisor", [("fp8_b128", 448.0), ("nvfp4", 2688.0), ("nvfp4_token", 2688.0)]
+)
+def test_constant_division_is_the_cuda_reciprocal_form(name, divisor):
+    """On amaxes where ``a / c`` and ``a * fl(1/c)`` disagree, the CPU reference follows
+    the reciprocal (what torch computes on CUDA), bit for bit, and not the true division."""
+    amaxes = _split_amaxes(divisor, 8, seed=hash(name) % 2**31)
+    xs = _rows_with_max(amaxes, 128, seed=5)
+    fmt = formats.get(name)
+    differs = 0
+    for row, a in zip(xs, amaxes, strict=True):
+        x = torch.from_numpy(row[None].copy())
+        amax = float(a) if fmt.needs_amax else None
+        out = fmt.qdq(x, amax)
+        fmt_oracle.assert_bits_equal(out, fmt_oracle.expected(name, x, amax), f"{name} a={a}")
+        true_div = torch.from_numpy(_true_division(name, row[None], amax).astype(F32))
+        differs += int((out != true_div).sum())
+    assert differs > xs.size // 4, f"only {differs} elements show the reciprocal form"
+
+
+def test_ue8m0_scales_are_the_same_under_either_division():
+    """``ceil_to_ue8m0(amax / 448)`` cannot tell the two divisions apart: both quotients are
+    monotone in amax, so a difference would need amax within a few ulps of ``448 * 2^k``;
+    every such FP32 amax (>= 1e-4, DeepGEMM's floor) rounds to the same power of two."""
+    from moewire.formats._numerics import ceil_pow2_ue8m0, mul_recip
+
+    centres = np.ldexp(F32(448.0), np.arange(-21, 119)).astype(F32)
+    near = [centres]
+    for direction in (np.inf, 0.0):
+        v = centres
+        for _ in range(4):
+            v = np.nextafter(v, F32(direction))
+            near.append(v)
+    a = torch.from_numpy(np.concatenate(near))
+    assert a.min() >= 1e-4 and torch.isfinite(a).all()
+    assert not torch.equal(mul_recip(a, 448.0), a / 448.0), "the quotients never differ"
+    assert torch.equal(ceil_pow2_ue8m0(mul_recip(a, 448.0)), ceil_pow2_ue8m0(a / 448.0))
+
+
+@pytest.mark.parametrize("divisor", [448.0, 2688.0, 510.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_mul_recip_multiplies_by_the_correctly_rounded_reciprocal(divisor, dtype):
+    from moewire.formats._numerics import mul_recip
+
+    np_t = np.float32 if dtype == torch.float32 else np.float64
+    recip = np_t(1.0) / np_t(divisor)  # one division in the tensor's own precision
+    t = np.random.default_rng(int(divisor)).uniform(-8.0, 8.0, 4096).astype(np_t)
+    got = mul_recip(torch.from_numpy(t), divisor)
+    assert got.dtype == dtype
+    assert np.array_equal(got.numpy(), t * recip)
+    assert not np.array_equal(got.numpy(), t / np_t(divisor)), "no input split the two"

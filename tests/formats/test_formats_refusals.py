@@ -118,3 +118,24 @@ def test_register_refuses_duplicates_and_empty_names():
 
     with pytest.raises(ValueError, match="non-empty name"):
         formats.register(Nameless)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.int32], ids=["bf16", "fp16", "int32"]
+)
+def test_mul_recip_refuses_other_dtypes(dtype):
+    from moewire.formats._numerics import mul_recip
+
+    with pytest.raises(TypeError, match="mul_recip: t must be float32 or float64"):
+        mul_recip(torch.ones(4).to(dtype), 448.0)
+
+
+@pytest.mark.parametrize(
+    "divisor", [0.0, -448.0, 1.5, 2.0**24, float("inf")],
+    ids=["zero", "negative", "fraction", "2^24", "inf"],
+)
+def test_mul_recip_refuses_divisors_not_exact_integers(divisor):
+    from moewire.formats._numerics import mul_recip
+
+    with pytest.raises(ValueError, match="positive integer below 2\\^24"):
+        mul_recip(torch.ones(4), divisor)

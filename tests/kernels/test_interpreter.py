@@ -42,7 +42,7 @@ def test_qdq_bit_exact(fmt, dist):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4_token"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_b128", "mxfp4", "nvfp4", "nvfp4_token"])
 def test_qdq_other_dtypes_and_shapes(fmt, dtype):
     gen = torch.Generator().manual_seed(7)
     x = sample((2, 2, 128), "normal", gen, dtype=dtype)
@@ -50,6 +50,22 @@ def test_qdq_other_dtypes_and_shapes(fmt, dtype):
     got = kernels.qdq(x, fmt, amax)
     assert got.dtype == dtype and got.shape == x.shape
     assert same_bits(got, formats.get(fmt).reference(x, amax)).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_b128", "nvfp4", "nvfp4_token"])
+def test_qdq_divides_by_constants_in_the_reciprocal_form(fmt):
+    """FP32 amaxes where ``a / c`` != ``a * fl(1/c)`` (c = 448, 2688): the kernel follows
+    the reference's reciprocal form, on FP32 output, where a one-ulp scale change shows."""
+    c = 448.0 if fmt == "fp8_b128" else 2688.0
+    gen = torch.Generator().manual_seed(5)
+    cand = torch.rand(4000, generator=gen) * 3.5 + 0.5
+    split = cand[cand / c != cand * torch.tensor(1.0 / c)][:4]
+    x = (torch.rand(4, 128, generator=gen) * 2 - 1) * split[:, None]
+    x[:, 9] = split
+    for row, a in zip(x, split, strict=True):
+        got = kernels.qdq(row[None], fmt, a.reshape(()))
+        want = formats.get(fmt).reference(row[None], a.reshape(()))
+        assert same_bits(got, want).all(), f"a={float(a)!r}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

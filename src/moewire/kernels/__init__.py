@@ -1,7 +1,7 @@
 """Fast Triton kernels for moewire's row-local wire formats (GPU only).
 
 Two entry points, each bit-exact to the torch definitions in ``moewire.formats`` and
-``moewire.megamoe.resum`` on the device it runs on:
+``moewire.megamoe.resum`` (which give the same bits on CPU and CUDA):
 
 - :func:`qdq`: fake quantization of ``[..., H]`` tensors (the dispatch quantizer);
 - :func:`fused_combine`: the combine re-sum in one pass over the combine rows: each valid
@@ -186,7 +186,7 @@ def qdq(
     impl.qdq_kernel[grid](
         flat, out, amax_t if amax_t is not None else flat, hidden, flat.stride(0), out.stride(0),
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, BLOCK_H=bh,
-        CUDA_DIV=x.is_cuda, HW_CAST=x.is_cuda, num_warps=_num_warps(bh, num_warps),
+        HW_CAST=x.is_cuda, num_warps=_num_warps(bh, num_warps),
         enable_fp_fusion=False,
     )
     return out.reshape(x.shape)
@@ -362,7 +362,7 @@ def fused_combine(
         out.stride(0), check_against.stride(0) if check else 0,
         K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_slot],
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, CHECK=check,
-        CALIB=calib_amax is not None, BLOCK_H=bh, CUDA_DIV=rows.is_cuda, HW_CAST=rows.is_cuda,
+        CALIB=calib_amax is not None, BLOCK_H=bh, HW_CAST=rows.is_cuda,
         UNROLL=(fmt_name in _UNROLLED) if unroll is None else unroll,
         num_warps=_num_warps(bh, num_warps), enable_fp_fusion=False,
     )

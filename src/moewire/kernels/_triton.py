@@ -6,10 +6,10 @@ Every format's math here is the math of its torch reference in ``moewire.formats
 - exact division (``div_rn``), never Triton's default approximate ``/``;
 - FMA contraction is switched off at launch (``enable_fp_fusion=False``), so a multiply
   followed by an add rounds twice, as torch does;
-- a torch division of a tensor by a Python constant is a true division on CPU but a
-  multiplication by the FP32 reciprocal on CUDA (``a * fl(1/c)``, PyTorch's scalar-divisor
-  path, which DeepGEMM's and ModelOpt's own casts take on the GPU); the constexpr
-  ``CUDA_DIV`` picks the rule of the device the tensors live on;
+- a division by a constant (``amax / 448``, ``amax / 2688``) is a multiplication by the
+  FP32 reciprocal, ``a * fl(1/c)``, as the references write it (``mul_recip``: torch's
+  CUDA rule, which DeepGEMM's and ModelOpt's own casts follow on the GPU), on the GPU and
+  under the interpreter alike;
 - block maxima propagate NaN, as ``torch.amax`` does;
 - E4M3 rounding clamps to ±448 then casts (RNE); E2M1 rounding is RNE onto
   {0, 0.5, 1, 1.5, 2, 3, 4, 6} by adding and subtracting a power-of-two "magic" number
@@ -50,7 +50,7 @@ BLOCK_SIZES = {
 NEEDS_AMAX = frozenset({"fp8", "nvfp4"})
 SHARED_CODES = {None: 0, "first": 1, "last": 2}
 
-# FP32 reciprocals of the constants the references divide by (CUDA's scalar-divisor rule).
+# FP32 reciprocals of the constants the references divide by, each one FP32 division.
 _INV_448 = tl.constexpr(float(np.float32(1.0) / np.float32(448.0)))
 _INV_2688 = tl.constexpr(float(np.float32(1.0) / np.float32(2688.0)))
 
@@ -60,14 +60,6 @@ _NAN = tl.constexpr(tl.PropagateNan.ALL)
 @triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=_NAN)
-
-
-@triton.jit
-def _div_const(a, C: tl.constexpr, INV_C: tl.constexpr, CUDA_DIV: tl.constexpr):
-    if CUDA_DIV:
-        return a * INV_C
-    else:
-        return tl.math.div_rn(a, tl.full(a.shape, C, tl.float32))
 
 
 @triton.jit
@@ -147,10 +139,7 @@ def _nvfp4_blocks(xb, gs, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _qdq(
-    x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, CUDA_DIV: tl.constexpr,
-    HW_CAST: tl.constexpr,
-):
+def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr):
     """Fake-quantize one row chunk ``x`` FP32 [BLOCK_H] (whole blocks; a masked tail is 0).
 
     ``amax`` is the FP32 per-tensor amax for ``fp8`` and ``nvfp4`` (ignored otherwise).
@@ -168,7 +157,7 @@ def _qdq(
         BS: tl.constexpr = 32 if FMT == 4 else 128
         xb = tl.reshape(x, (BLOCK_H // BS, BS))
         bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
-        sf = _div_const(tl.maximum(bmax, 1e-4, propagate_nan=_NAN), 448.0, _INV_448, CUDA_DIV)
+        sf = tl.maximum(bmax, 1e-4, propagate_nan=_NAN) * _INV_448
         if FMT != 2:
             sf = _ceil_pow2_ue8m0(sf)
         inv = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
@@ -198,7 +187,7 @@ def _qdq(
             # A NaN row keeps a NaN global scale (the reference tests ``amax == 0``).
             ref = tl.reduce(tl.abs(x), 0, _max_nan) + tl.zeros((1,), tl.float32)
             use_ref = ref != 0
-        gs = tl.where(use_ref, _div_const(ref, 2688.0, _INV_2688, CUDA_DIV), 1e-12)
+        gs = tl.where(use_ref, ref * _INV_2688, 1e-12)
         xb = tl.reshape(x, (BLOCK_H // 16, 16))
         out = tl.reshape(_nvfp4_blocks(xb, tl.reshape(gs, (1, 1)), HW_CAST), (BLOCK_H,))
     return out
@@ -216,8 +205,7 @@ def _load_amax(amax_ptr, HAS_AMAX: tl.constexpr):
 @triton.jit
 def qdq_kernel(
     x_ptr, out_ptr, amax_ptr, H, stride_x, stride_o,
-    FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, CUDA_DIV: tl.constexpr,
-    HW_CAST: tl.constexpr,
+    FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     """One program per (row, column chunk): ``out[r, chunk] = qdq(x[r, chunk])``."""
     row = tl.program_id(0).to(tl.int64)
@@ -225,8 +213,9 @@ def qdq_kernel(
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     amax = _load_amax(amax_ptr, HAS_AMAX)
-    out = _qdq(x, amax, FMT, BLOCK_H, CUDA_DIV, HW_CAST)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
+    out = _qdq(x, amax, FMT, BLOCK_H, HW_CAST)
+    if FMT == 0 or out_ptr.dtype.element_ty == tl.bfloat16:
+        # ``bf16`` rounds FP32/FP16 input to BF16, as the reference's ``x.to(bfloat16)``.
         out = _round_bf16(out, HW_CAST)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -235,13 +224,13 @@ def qdq_kernel(
 def _combine_slot(
     row_base, idx_row, s, stride_rs, stride_ik, cmask, amax, acc, raw, cmax, routed,
     SHARED: tl.constexpr, FMT: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
-    BLOCK_H: tl.constexpr, CUDA_DIV: tl.constexpr, HW_CAST: tl.constexpr,
+    BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     """Routed slot ``s`` of one token: load it if valid, quantize, accumulate."""
     slot = s + 1 if SHARED == 1 else s
     valid = tl.load(idx_row + s * stride_ik) >= 0
     x = tl.load(row_base + slot * stride_rs, mask=cmask & valid, other=0.0).to(tl.float32)
-    q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, CUDA_DIV, HW_CAST), HW_CAST)
+    q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, HW_CAST), HW_CAST)
     acc = tl.where(valid, acc + q, acc)
     if CHECK:
         raw = tl.where(valid, raw + x, raw)
@@ -256,8 +245,8 @@ def combine_kernel(
     rows_ptr, idx_ptr, out_ptr, check_ptr, flag_ptr, calib_ptr, amax_ptr,
     H, stride_rs, stride_rt, stride_it, stride_ik, stride_o, stride_c,
     K: tl.constexpr, SHARED: tl.constexpr, FMT: tl.constexpr, HAS_AMAX: tl.constexpr,
-    CHECK: tl.constexpr, CALIB: tl.constexpr, BLOCK_H: tl.constexpr, CUDA_DIV: tl.constexpr,
-    HW_CAST: tl.constexpr, UNROLL: tl.constexpr,
+    CHECK: tl.constexpr, CALIB: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """One program per (token, column chunk): quantize, re-sum, check, calibrate.
 
@@ -287,12 +276,12 @@ def combine_kernel(
         for s in range(K):
             acc, raw, cmax, routed = _combine_slot(
                 row_base, idx_ptr + t * stride_it, s, stride_rs, stride_ik, cmask, amax,
-                acc, raw, cmax, routed, SHARED, FMT, CHECK, CALIB, BLOCK_H, CUDA_DIV, HW_CAST)
+                acc, raw, cmax, routed, SHARED, FMT, CHECK, CALIB, BLOCK_H, HW_CAST)
     else:
         for s in tl.static_range(K):
             acc, raw, cmax, routed = _combine_slot(
                 row_base, idx_ptr + t * stride_it, s, stride_rs, stride_ik, cmask, amax,
-                acc, raw, cmax, routed, SHARED, FMT, CHECK, CALIB, BLOCK_H, CUDA_DIV, HW_CAST)
+                acc, raw, cmax, routed, SHARED, FMT, CHECK, CALIB, BLOCK_H, HW_CAST)
     if SHARED == 2:
         shared = tl.load(row_base + K * stride_rs, mask=cmask, other=0.0).to(tl.float32)
         acc += shared
