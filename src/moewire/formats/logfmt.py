@@ -65,7 +65,10 @@ class LogFMT10(WireFormat):
     constant, ``(la - li) / 510``, is written as torch evaluates it on CUDA, a
     multiplication by the float64 reciprocal ``fl64(1/510)`` (a true division on CPU), so
     the reference computes that step alike on CPU and CUDA; ``1 / step`` is torch's
-    ``reciprocal`` (correctly rounded on both). DeepEP accumulates the
+    ``reciprocal`` (correctly rounded on both). Its float64 ``log2``/``exp2`` come from
+    different math libraries on CPU and CUDA (within an ulp or two): that reaches the FP32
+    result only for an element within ~1e-14 (relative) of a code boundary or an FP32
+    rounding midpoint. DeepEP accumulates the
     decoded FP32 values over the top-k before one BF16 rounding; here each row is rounded
     to ``x.dtype`` on its own (the combine re-sum adds the rows).
 
