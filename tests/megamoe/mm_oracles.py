@@ -94,7 +94,7 @@ def nvfp4(x: np.ndarray, amax: float) -> np.ndarray:
     """ModelOpt NVFP4 (SPEC 4) along the last dim, blocks of 16; BF16 out."""
     x = np.asarray(x, dtype=F32)
     amax = F32(amax)
-    gs = F32(amax / F32(6 * 448)) if amax > 0 else F32(1e-12)
+    gs = F32(amax * (F32(1) / F32(6 * 448))) if amax > 0 else F32(1e-12)  # CUDA's a * fl(1/c)
     blocks = x.reshape(*x.shape[:-1], -1, 16)
     bmax = np.abs(blocks).max(axis=-1, keepdims=True)
     bs = e4m3(np.minimum(bmax / F32(F32(6.0) * gs), F32(448)).astype(F32)) * gs

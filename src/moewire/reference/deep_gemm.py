@@ -404,7 +404,10 @@ def per_token_cast_to_fp8(
     padded = torch.zeros((m, padded_n), dtype=x.dtype, device=x.device)
     padded[:, :n] = x
     groups = padded.view(m, padded_n // gran_k, gran_k)
-    sf = groups.abs().float().amax(dim=2).clamp(min=1e-4) / FP8_MAX
+    # DeepGEMM writes amax / 448; on CUDA, where it runs, torch evaluates a division by a
+    # Python constant as a multiplication by its FP32 reciprocal: do that on every device.
+    recip = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=x.device)
+    sf = groups.abs().float().amax(dim=2).clamp(min=1e-4) * recip
     if use_ue8m0:
         sf = ceil_to_ue8m0(sf)
     q = (groups * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn)
