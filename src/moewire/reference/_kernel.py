@@ -120,7 +120,13 @@ WEIGHT_CACHE = _WeightCache()
 
 
 class _Experts:
-    """One set of expert weights (routed, or a 2-D shared one) handing out FP32 ``[N, K]``."""
+    """One set of expert weights (routed, or a 2-D shared one) handing out ``[N, K]``.
+
+    The cached dense copy is FP32 on CPU and BF16 on CUDA: every weight is
+    ``element * 2^e`` (FP4/FP8 elements, UE8M0 scales), exact in both, and CUDA's grouped
+    GEMM takes BF16 operands (torch 2.11 has no FP32 one on SM90) while still accumulating
+    in FP32.
+    """
 
     def __init__(self, weights: Any, is_l1: bool, num_experts: int, n: int, k: int) -> None:
         self.weights = weights
@@ -128,16 +134,17 @@ class _Experts:
         self.n = n
         sources = weights if isinstance(weights, tuple) else (weights,)
         device = sources[0].device
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.dense = WEIGHT_CACHE.get(
             sources,
             lambda: self._dequantize_all(num_experts),
-            num_experts * n * k * 4,
+            num_experts * n * k * self.dtype.itemsize,
             device,
         )
 
     def _dequantize_all(self, num_experts: int) -> torch.Tensor:
-        first = _dequantize_experts(self.weights, 0, 1, self.is_l1)
-        dense = torch.empty((num_experts, *first.shape[1:]), dtype=first.dtype,
+        first = _dequantize_experts(self.weights, 0, 1, self.is_l1).to(self.dtype)
+        dense = torch.empty((num_experts, *first.shape[1:]), dtype=self.dtype,
                             device=first.device)
         dense[:1] = first
         # Two experts at a time keep the temporary unpacking tensors small.
@@ -147,8 +154,9 @@ class _Experts:
         return dense
 
     def __getitem__(self, e: int) -> torch.Tensor:
+        """FP32 ``[N, K]`` of expert ``e``."""
         if self.dense is not None:
-            return self.dense[e]
+            return self.dense[e].float()
         return _dequantize_experts(self.weights, e, e + 1, self.is_l1)[0]
 
 
@@ -254,19 +262,30 @@ def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, activation, 
 
 
 def _grouped_matmul(x: torch.Tensor, experts: _Experts, ends: torch.Tensor) -> torch.Tensor:
-    """FP32 ``x[rows of e] @ W[e].T`` for rows grouped by expert; rows past the last group
-    are left undefined.
+    """``x[rows of e] @ W[e].T`` for rows grouped by expert, accumulated in FP32; rows past
+    the last group are left undefined. FP32 out on CPU; on CUDA BF16 out, rounded to
+    nearest even from the FP32 accumulator (the caller rounds to BF16 either way).
 
-    ``ends``: int32 ``[E]`` on the device, cumulative row counts (group ``e`` is rows
-    ``ends[e-1]:ends[e]``). With cached weights this is one ``torch._grouped_mm``, which
-    needs no host sync (capturable in a CUDA graph); otherwise, or where the backend lacks
-    it, a loop over experts with the counts read on the host.
+    ``x`` holds dequantized FP8 (or BF16) activations, exact in BF16, so casting it to the
+    cache's dtype loses nothing. ``ends``: int32 ``[E]`` on the device, cumulative row
+    counts (group ``e`` is rows ``ends[e-1]:ends[e]``). With cached weights this is one
+    ``torch._grouped_mm``, which needs no host sync (capturable in a CUDA graph);
+    otherwise, or where the backend lacks it, a loop over experts with the counts read on
+    the host, which a capture refuses with a clear error.
     """
     if experts.dense is not None and x.shape[0]:
         try:
-            return torch._grouped_mm(x, experts.dense.transpose(1, 2), offs=ends)
-        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
-            pass
+            return torch._grouped_mm(
+                x.to(experts.dtype), experts.dense.transpose(1, 2), offs=ends
+            )
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "moewire.reference: torch._grouped_mm is unavailable here "
+                    f"({exc}), and the per-expert fallback reads row counts on the host, "
+                    "which a CUDA graph capture forbids; run eagerly, or raise "
+                    "MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES so the weights stay cached"
+                ) from exc
     out = torch.empty((x.shape[0], experts.n), dtype=torch.float32, device=x.device)
     bounds = [0, *ends.tolist()]
     for e in range(len(bounds) - 1):

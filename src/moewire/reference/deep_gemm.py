@@ -406,7 +406,9 @@ def per_token_cast_to_fp8(
     groups = padded.view(m, padded_n // gran_k, gran_k)
     # DeepGEMM writes amax / 448; on CUDA, where it runs, torch evaluates a division by a
     # Python constant as a multiplication by its FP32 reciprocal: do that on every device.
-    recip = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=x.device)
+    # A 0-dim CPU tensor: CUDA ops take it as a scalar, so nothing is copied to the
+    # device (a copy would break CUDA-graph capture).
+    recip = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
     sf = groups.abs().float().amax(dim=2).clamp(min=1e-4) * recip
     if use_ue8m0:
         sf = ceil_to_ue8m0(sf)
