@@ -399,7 +399,13 @@ class QuantExperts:
                     f"check failing. {causes}",
                     stacklevel=2,
                 )
-            torch._assert_async(~differs.any(), f"{where}. {causes}")
+            # torch caps a device-assert message at 254 characters; the warning above
+            # carries the full explanation.
+            short = (
+                f"{self._moewire_name}: the Mega-MoE layout check failed (flavour "
+                f"{flavour.name!r}); see moewire's capture-time warning"
+            )
+            torch._assert_async(~differs.any(), short[:254])
             return
         has_routed, bad, total = torch.stack(
             [routed.any().long(), differs.sum(), routed.sum()]
