@@ -1,6 +1,8 @@
 """moewire's formats against ModelOpt 0.47's own fake quant, bit for bit, on random data."""
 
+import importlib.util
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,17 +134,30 @@ def test_fp8_amax_stored_in_bf16_is_read_as_fp32():
     assert torch.equal(_bits(moewire.fake_quant(x, "fp8", tq.amax)), _bits(tq(x)))
 
 
+def _parity_tools():
+    """The emulations of benchmarks/modelopt_nvfp4_parity.py (the measurement's own code)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "modelopt_nvfp4_parity.py"
+    spec = importlib.util.spec_from_file_location("modelopt_nvfp4_parity", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("dist", DISTS)
 def test_nvfp4_matches_tensor_quantizer_on_cuda(dist, dtype):
     """ModelOpt's NVFP4 fake quant runs only on CUDA (Triton kernel on SM >= 8.9).
 
-    Every value agrees; only the sign of some zeros differs. A negative input that rounds
-    to zero comes out -0.0 from SPEC's ``sign(x) * q * bs`` (moewire, and ModelOpt's own
-    formula) but +0.0 from ModelOpt 0.47's Triton kernel, whose negation compiles to
-    ``0 - x`` (measured on the H200, docs/modelopt.md). A signed zero changes no sum.
+    Two differences, both pinned here (measured on the H200, docs/modelopt.md):
+    - signed zeros: a negative input that rounds to zero is -0.0 in SPEC's
+      ``sign(x) * q * bs`` (moewire) and +0.0 from ModelOpt 0.47's Triton kernel;
+    - rare values at a rounding boundary: ModelOpt's kernel divides with Triton's
+      default FP32 division, which is not correctly rounded. SPEC's math with that one
+      division swapped in reproduces every ModelOpt value; with torch's correctly
+      rounded division it reproduces every moewire value.
     """
+    tools = _parity_tools()
     gen = torch.Generator().manual_seed(_seed("nvfp4", dist, dtype))
     x = _sample(dist, (128, 256), gen).to(dtype).cuda()
     data_max = float(x.float().abs().max())
@@ -151,8 +166,12 @@ def test_nvfp4_matches_tensor_quantizer_on_cuda(dist, dtype):
         ours_cuda = moewire.fake_quant(x, "nvfp4", amax)
         ours_cpu = moewire.fake_quant(x.cpu(), "nvfp4", amax)
         assert torch.equal(_bits(ours_cpu), _bits(ours_cuda.cpu())), f"amax={amax!r}"
-        assert torch.equal(ours_cuda, theirs), f"amax={amax!r}: values differ from ModelOpt"
-        diff = _bits(ours_cuda) != _bits(theirs)
-        assert (ours_cuda[diff] == 0).all() and (x[diff] < 0).all(), f"amax={amax!r}"
-        assert torch.signbit(ours_cuda[diff]).all(), f"amax={amax!r}: moewire keeps -0.0"
-        assert not torch.signbit(theirs[diff]).any(), f"amax={amax!r}: ModelOpt gives +0.0"
+        assert torch.equal(ours_cuda, tools.nvfp4_with(torch.div, x, amax)), f"amax={amax!r}"
+        assert torch.equal(theirs, tools.nvfp4_with(tools.triton_div, x, amax)), (
+            f"amax={amax!r}: a ModelOpt value the division does not explain"
+        )
+        assert (ours_cuda != theirs).float().mean() < 1e-3, f"amax={amax!r}"
+        zeros = (_bits(ours_cuda) != _bits(theirs)) & (ours_cuda == theirs)
+        assert (ours_cuda[zeros] == 0).all() and (x[zeros] < 0).all(), f"amax={amax!r}"
+        assert torch.signbit(ours_cuda[zeros]).all(), f"amax={amax!r}: moewire keeps -0.0"
+        assert not torch.signbit(theirs[zeros]).any(), f"amax={amax!r}: ModelOpt gives +0.0"
