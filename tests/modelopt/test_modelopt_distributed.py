@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
 import traceback
 from pathlib import Path
 
 import pytest
+
+from spawn_ranks import run_ranks
 
 pytestmark = pytest.mark.modelopt
 # Not "modelopt": pytest puts tests/ on sys.path, where tests/modelopt/ would pass for it.
@@ -109,33 +109,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.slow
 def test_max_calibrate_reduces_amax_over_the_ep_group(tmp_path):
     world = 2
-    ctx = mp.get_context("spawn")
-    init_file = tmp_path / "init"
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, str(init_file), str(tmp_path)))
-        for r in range(world)
-    ]
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S)
-    finally:
-        hung = [p.pid for p in procs if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-    errors = [e.read_text() for e in sorted(tmp_path.glob("rank*.err"))]
-    assert not hung, f"ranks hung (killed after {TIMEOUT_S}s): {hung}\n" + "\n".join(errors)
-    assert not errors, "\n".join(errors)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    results = run_ranks(_worker, world, tmp_path, TIMEOUT_S)
     assert all(r["ep_group_used"] for r in results)
     assert results[-1]["idle"] and results[-1]["local"]["dispatch"] == 0.0
     for key in ("dispatch", "combine"):
