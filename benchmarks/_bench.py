@@ -9,9 +9,12 @@ two CUDA events. Inputs rotate over enough copies that one pass touches at least
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -99,3 +102,16 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     for line in cells:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+
+
+def cli(doc: str, run: Callable[..., list[dict]], columns: list[tuple[str, str, str]]) -> None:
+    """The command line of a sweep: ``--out``, ``--tokens``, ``--no-peers``; prints the table."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument("--no-peers", action="store_true")
+    args = parser.parse_args()
+    results = run(tuple(args.tokens), peers=not args.no_peers)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    print_table(results, columns)

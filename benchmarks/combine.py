@@ -7,8 +7,6 @@ writes half). Run on the H200 (``python benchmarks/combine.py --out results.json
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,9 +18,9 @@ from _bench import (  # noqa: E402
     MODELS,
     TARGET,
     TOKENS,
+    cli,
     copies_for,
     gbps,
-    print_table,
     time_graph,
     time_loop,
 )
@@ -137,15 +135,7 @@ def run(tokens=TOKENS, models=tuple(MODELS), peers=True, all_formats=True) -> li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
-    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
-    parser.add_argument("--no-peers", action="store_true")
-    args = parser.parse_args()
-    results = run(tuple(args.tokens), peers=not args.no_peers)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
-    print_table(results, COLUMNS)
+    cli(__doc__, run, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,6 @@ moves the same bytes. Run on the H200 (``python benchmarks/dispatch.py --out r.j
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -15,7 +13,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import MODELS, TOKENS, copies_for, gbps, print_table, time_graph, time_loop  # noqa: E402
+from _bench import (  # noqa: E402
+    MODELS,
+    TOKENS,
+    cli,
+    copies_for,
+    gbps,
+    time_graph,
+    time_loop,
+)
 from _peers import compiled_qdq, modelopt_quantizer  # noqa: E402
 
 from moewire import formats, kernels  # noqa: E402
@@ -96,15 +102,7 @@ def run(tokens=TOKENS, models=tuple(MODELS), peers=True) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
-    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
-    parser.add_argument("--no-peers", action="store_true")
-    args = parser.parse_args()
-    results = run(tuple(args.tokens), peers=not args.no_peers)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
-    print_table(results, COLUMNS)
+    cli(__doc__, run, COLUMNS)
 
 
 if __name__ == "__main__":
