@@ -14,7 +14,9 @@ Three launches on the same tokens: (A) one launch that calibrates in
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.vllm
 RECIPE = "moe_fp8_dispatch_nvfp4_combine"
 WORKER = "moewire.integrations.vllm_worker.MoewireWorker"
 EXTENSION = "moewire.integrations.vllm.MoewireWorkerExtension"
+TIMEOUT_S = 300
 ENGINE_ARGS = dict(
     load_format="dummy", skip_tokenizer_init=True, max_model_len=128,
     max_num_batched_tokens=128, max_num_seqs=4, dtype="bfloat16",
@@ -47,11 +50,11 @@ def _model(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
 
 
-def _amaxes(llm) -> dict[str, tuple[float | None, str | None]]:
+def _amaxes(llm) -> dict[str, list]:
     from moewire.megamoe import api
 
     return {
-        name: (None if q.static_amax is None else float(q.amax), q.amax_source)
+        name: [None if q.static_amax is None else float(q.amax), q.amax_source]
         for name, _, q in api.quantizers(_model(llm))
     }
 
@@ -68,71 +71,86 @@ def _shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    """Run launches A, B, C once; yield what the tests compare."""
-    import _tiny_moe
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+def _launches(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Launches A, B, C in this (spawned) process; writes ``rank0.json``.
 
-    import moewire.integrations.vllm as vllm_mod
-    from moewire.megamoe import api
-    from vllm import LLM
-
-    assert "llvmlite" not in sys.modules, (
-        "numba/llvmlite imported before the in-process engine: vLLM 0.32's CPU kernel "
-        "dispatcher scan fails on llvmlite's ffi object"
-    )
-    tmp = tmp_path_factory.mktemp("one_launch")
-    model_dir = str(_tiny_moe.write_config(tmp / "tiny"))
-    tokens = _calibration_tokens()
-    (tmp / "calib.json").write_text(json.dumps(tokens))
-    results: dict[str, object] = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # vLLM's in-process model inspection would import numba (see the assert above).
-        mp.setitem(sys.modules, "numba", None)
+    A process of its own: vLLM's in-process engine changes process-wide state (it appends a
+    worker extension to ``CPUWorker.__bases__``, tears down the distributed groups of the
+    other tests' session world at shutdown, pins torch threads).
+    """
+    try:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM 0.32's CPU worker rebinds Triton kernels by scanning every module in
+        # sys.modules and fails on llvmlite's ffi object (its __dict__ is a function
+        # wrapper); in-process, vLLM's model inspection would import numba (and llvmlite).
+        sys.modules["numba"] = None
         for key in ("MOEWIRE_RECIPE", "MOEWIRE_SCALES", "MOEWIRE_SAVE_SCALES",
                     "MOEWIRE_CALIB_DATA"):
-            mp.delenv(key, raising=False)
+            os.environ.pop(key, None)
+        import _tiny_moe
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
         from vllm.plugins import load_general_plugins
 
-        load_general_plugins()  # once per process; the env has no recipe here: no-op
+        import moewire.integrations.vllm as vllm_mod
+        from moewire.megamoe import api
+        from vllm import LLM
+
+        tmp = Path(out_dir)
+        model_dir = str(_tiny_moe.write_config(tmp / "tiny"))
+        tokens = _calibration_tokens()
+        (tmp / "calib.json").write_text(json.dumps(tokens))
+        results: dict[str, object] = {}
+        load_general_plugins()  # once per process; no recipe in the env yet: a no-op
         _tiny_moe.register()
         vllm_mod.register_vllm_experts()
         with vllm_mod.use_reference_deep_gemm():
             # (A) one launch: the plugin quantizes at load, the worker calibrates.
-            with pytest.MonkeyPatch.context() as plugin:
-                plugin.setattr(BaseModelLoader, "load_model", BaseModelLoader.load_model)
-                plugin.setenv("MOEWIRE_RECIPE", RECIPE)
-                plugin.setenv("MOEWIRE_CALIB_DATA", str(tmp / "calib.json"))
-                plugin.setenv("MOEWIRE_SAVE_SCALES", str(tmp / "one.rank{rank}.pt"))
-                vllm_mod.register()
-                llm = LLM(model_dir, worker_cls=WORKER, **ENGINE_ARGS)
-                results["one"] = _amaxes(llm)
-                results["quantized"] = _logprobs(llm)
-                quantizers = [q for _, _, q in api.quantizers(_model(llm))]
-                for q in quantizers:
-                    q.disable()
-                results["plain"] = _logprobs(llm)
-                for q in quantizers:
-                    q.enable()
-                results["again"] = _logprobs(llm)
-                _shutdown(llm)
+            os.environ["MOEWIRE_RECIPE"] = RECIPE
+            os.environ["MOEWIRE_CALIB_DATA"] = str(tmp / "calib.json")
+            os.environ["MOEWIRE_SAVE_SCALES"] = str(tmp / "one.rank{rank}.pt")
+            unwrapped = BaseModelLoader.load_model
+            vllm_mod.register()
+            llm = LLM(model_dir, worker_cls=WORKER, **ENGINE_ARGS)
+            results["one"] = _amaxes(llm)
+            results["quantized"] = _logprobs(llm)
+            quantizers = [q for _, _, q in api.quantizers(_model(llm))]
+            for q in quantizers:
+                q.disable()
+            results["plain"] = _logprobs(llm)
+            for q in quantizers:
+                q.enable()
+            results["again"] = _logprobs(llm)
+            _shutdown(llm)
+            BaseModelLoader.load_model = unwrapped
+            for key in ("MOEWIRE_RECIPE", "MOEWIRE_CALIB_DATA", "MOEWIRE_SAVE_SCALES"):
+                del os.environ[key]
             # (B) offline: the two-RPC calibration around LLM.generate, same tokens.
             llm = LLM(model_dir, worker_extension_cls=EXTENSION, **ENGINE_ARGS)
             vllm_mod.calibrate(llm, RECIPE, [{"prompt_token_ids": t} for t in tokens],
                                str(tmp / "offline.rank{rank}.pt"))
             results["offline"] = _amaxes(llm)
             _shutdown(llm)
-            # (C) serve with A's scales: loaded, nothing calibrated.
-            mp.setenv("MOEWIRE_RECIPE", RECIPE)
-            mp.setenv("MOEWIRE_SCALES", str(tmp / "one.rank{rank}.pt"))
+            # (C) serve with A's scales (no plugin): loaded, nothing calibrated.
+            os.environ["MOEWIRE_RECIPE"] = RECIPE
+            os.environ["MOEWIRE_SCALES"] = str(tmp / "one.rank{rank}.pt")
             llm = LLM(model_dir, worker_cls=WORKER, **ENGINE_ARGS)
             results["loaded"] = _amaxes(llm)
             results["loaded_logprobs"] = _logprobs(llm)
             _shutdown(llm)
-    results["files"] = sorted(p.name for p in tmp.glob("*.pt"))
-    return results
+        results["files"] = sorted(p.name for p in tmp.glob("*.pt"))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Run launches A, B, C once, in a spawned process; what the tests compare."""
+    from spawn_ranks import run_ranks
+
+    (result,) = run_ranks(_launches, 1, tmp_path_factory.mktemp("one_launch"), TIMEOUT_S)
+    return result
 
 
 def test_one_launch_equals_offline_calibration(launches):
@@ -279,3 +297,10 @@ def test_worker_is_the_platform_worker_with_the_rpcs():
     assert issubclass(worker, CPUWorker) and issubclass(worker, MoewireWorkerExtension)
     assert worker.compile_or_warm_up_model is not CPUWorker.compile_or_warm_up_model
     assert Path(_worker_mod().__file__).name == "vllm_worker.py"
+
+
+def test_changed_scheduler_output_is_refused():
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    with pytest.raises(RuntimeError, match="does not take the fields of vLLM 0.32's"):
+        _worker_mod()._build(SchedulerOutput, scheduled_new_reqs=[], not_a_field=1)

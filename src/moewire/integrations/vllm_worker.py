@@ -281,8 +281,20 @@ def _parallel(worker: Any) -> tuple[Any, int, int]:
     return group, dp.world_size, dp.rank_in_group
 
 
+def _build(cls: type, **fields: Any) -> Any:
+    try:
+        return cls(**fields)
+    except TypeError as exc:
+        raise RuntimeError(
+            f"moewire worker: this vLLM's {cls.__name__} does not take the fields of vLLM "
+            f"0.32's ({exc}); one-launch calibration cannot build its steps here. Calibrate "
+            "with the two-RPC path (moewire.integrations.vllm.calibrate) and serve with "
+            f"{ENV_SCALES}"
+        ) from exc
+
+
 def _scheduler_output(
-    worker: Any, batch: list[tuple[str, list[int]]], finished: set[str], block_sizes: list[int]
+    batch: list[tuple[str, list[int]]], finished: set[str], block_sizes: list[int]
 ) -> Any:
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -296,13 +308,14 @@ def _scheduler_output(
             count = math.ceil(len(tokens) / size)
             block_ids.append(list(range(next_block, next_block + count)))
             next_block += count
-        new_reqs.append(NewRequestData(
-            req_id=req_id, prompt_token_ids=tokens, mm_features=[],
+        new_reqs.append(_build(
+            NewRequestData, req_id=req_id, prompt_token_ids=tokens, mm_features=[],
             sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
             block_ids=tuple(block_ids), num_computed_tokens=0, lora_request=None,
         ))
         counts[req_id] = len(tokens)
-    return SchedulerOutput(
+    return _build(
+        SchedulerOutput,
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=CachedRequestData.make_empty(),
         num_scheduled_tokens=counts,
@@ -383,11 +396,11 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
         finished: set[str] = set()
         for number, step in enumerate(steps, 1):
             batch = [(f"moewire-calib-{dp_rank}-{i}", seqs[i]) for i in step]
-            _run_step(worker, _scheduler_output(worker, batch, finished, block_sizes))
+            _run_step(worker, _scheduler_output(batch, finished, block_sizes))
             finished = {req_id for req_id, _ in batch}
             logger.info("moewire: calibration step %d/%d (%d sequences)", number, len(steps),
                         len(batch))
-        _run_step(worker, _scheduler_output(worker, [], finished, block_sizes))
+        _run_step(worker, _scheduler_output([], finished, block_sizes))
 
     api.calibrate(model, forward_loop, extra_groups=(dp_group,))
     saved = ""
