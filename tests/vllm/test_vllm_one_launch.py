@@ -103,6 +103,18 @@ def _launches(rank: int, world: int, init_file: str, out_dir: str) -> None:
         load_general_plugins()  # once per process; no recipe in the env yet: a no-op
         _tiny_moe.register()
         vllm_mod.register_vllm_experts()
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        platform_warm_up = CPUWorker.compile_or_warm_up_model
+
+        def warm_up(self):
+            # What the platform's warm-up (graph capture on a GPU) finds: calibrated amaxes.
+            results.setdefault("at_warm_up", []).append(
+                [q.amax_source for _, _, q in api.quantizers(self.model_runner.get_model())]
+            )
+            return platform_warm_up(self)
+
+        CPUWorker.compile_or_warm_up_model = warm_up
         with vllm_mod.use_reference_deep_gemm():
             # (A) one launch: the plugin quantizes at load, the worker calibrates.
             os.environ["MOEWIRE_RECIPE"] = RECIPE
@@ -162,6 +174,8 @@ def test_one_launch_equals_offline_calibration(launches):
         name: amax for name, (amax, _) in offline.items()
     }
     assert launches["files"] == ["offline.rank0.pt", "one.rank0.pt"]
+    # Warm-up (A), the two-RPC engine's (B, unquantized then) and the scales launch's (C).
+    assert launches["at_warm_up"] == [["calibrated"] * 4, [], ["loaded"] * 4]
 
 
 def test_one_launch_serves_with_the_quantizers_active(launches):

@@ -26,6 +26,7 @@ tokenizer); a path to a ``.txt`` file (one sample per non-empty line) or a ``.js
 
 from __future__ import annotations
 
+import importlib
 import importlib.resources
 import json
 import logging
@@ -428,16 +429,21 @@ def _load_instead(worker: Any, plan: CalibrationPlan) -> str:
     return line
 
 
+#: The worker class of each vLLM platform (``current_platform.device_type``); any other
+#: device type (``cuda``, ROCm's too) uses vLLM's GPU worker.
+PLATFORM_WORKERS = {
+    "cpu": "vllm.v1.worker.cpu_worker.CPUWorker",
+    "xpu": "vllm.v1.worker.xpu_worker.XPUWorker",
+}
+GPU_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+
+
 def _platform_worker() -> type:
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        return CPUWorker
-    from vllm.v1.worker.gpu_worker import Worker
-
-    return Worker
+    path = PLATFORM_WORKERS.get(current_platform.device_type, GPU_WORKER)
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
 class _OneLaunch:
@@ -454,6 +460,7 @@ class _OneLaunch:
 
 
 #: ``--worker-cls moewire.integrations.vllm_worker.MoewireWorker``: the platform's worker
+#: (:data:`PLATFORM_WORKERS`)
 #: with one-launch calibration, plus the two calibration RPCs of
 #: :class:`~moewire.integrations.vllm.MoewireWorkerExtension`.
 MoewireWorker = type(
