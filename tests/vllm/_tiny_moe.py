@@ -121,3 +121,18 @@ def write_config(directory: Path) -> Path:
     }
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def write_tokenizer(directory: Path) -> Path:
+    """A byte-level tokenizer (256 ids, no merges, no special tokens) next to the config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+    return directory

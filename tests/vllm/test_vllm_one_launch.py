@@ -13,6 +13,7 @@ Three launches on the same tokens: (A) one launch that calibrates in
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ RECIPE = "moe_fp8_dispatch_nvfp4_combine"
 WORKER = "moewire.integrations.vllm_worker.MoewireWorker"
 EXTENSION = "moewire.integrations.vllm.MoewireWorkerExtension"
 TIMEOUT_S = 300
+TEXT_SEQS, TEXT_LEN = 6, 40
 ENGINE_ARGS = dict(
     load_format="dummy", skip_tokenizer_init=True, max_model_len=128,
     max_num_batched_tokens=128, max_num_seqs=4, dtype="bfloat16",
@@ -96,9 +98,15 @@ def _launches(rank: int, world: int, init_file: str, out_dir: str) -> None:
         from vllm import LLM
 
         tmp = Path(out_dir)
-        model_dir = str(_tiny_moe.write_config(tmp / "tiny"))
+        model_dir = str(_tiny_moe.write_tokenizer(_tiny_moe.write_config(tmp / "tiny")))
         tokens = _calibration_tokens()
         (tmp / "calib.json").write_text(json.dumps(tokens))
+        # Launch A2 calibrates on moewire's packaged text, tokenized by the model's tokenizer.
+        from vllm.tokenizers import get_tokenizer
+
+        tokenizer = get_tokenizer(model_dir)
+        text = (importlib.resources.files("moewire") / "data" / "calibration.txt").read_text()
+        text_tokens = [tokenizer.encode(line)[:TEXT_LEN] for line in text.splitlines()[:TEXT_SEQS]]
         results: dict[str, object] = {}
         load_general_plugins()  # once per process; no recipe in the env yet: a no-op
         _tiny_moe.register()
@@ -136,11 +144,24 @@ def _launches(rank: int, world: int, init_file: str, out_dir: str) -> None:
             BaseModelLoader.load_model = unwrapped
             for key in ("MOEWIRE_RECIPE", "MOEWIRE_CALIB_DATA", "MOEWIRE_SAVE_SCALES"):
                 del os.environ[key]
-            # (B) offline: the two-RPC calibration around LLM.generate, same tokens.
+            # (A2) one launch on the default calibration set (a tokenizer this time).
+            os.environ["MOEWIRE_RECIPE"] = RECIPE
+            os.environ["MOEWIRE_CALIB_MAX_SEQS"] = str(TEXT_SEQS)
+            os.environ["MOEWIRE_CALIB_SEQ_LEN"] = str(TEXT_LEN)
+            llm = LLM(model_dir, worker_cls=WORKER, **{**ENGINE_ARGS, "skip_tokenizer_init": False})
+            results["text"] = _amaxes(llm)
+            _shutdown(llm)
+            for key in ("MOEWIRE_RECIPE", "MOEWIRE_CALIB_MAX_SEQS", "MOEWIRE_CALIB_SEQ_LEN"):
+                del os.environ[key]
+            # (B) offline: the two-RPC calibration around LLM.generate, same tokens as A and
+            # as A2.
             llm = LLM(model_dir, worker_extension_cls=EXTENSION, **ENGINE_ARGS)
             vllm_mod.calibrate(llm, RECIPE, [{"prompt_token_ids": t} for t in tokens],
                                str(tmp / "offline.rank{rank}.pt"))
             results["offline"] = _amaxes(llm)
+            vllm_mod.calibrate(llm, RECIPE, [{"prompt_token_ids": t} for t in text_tokens],
+                               str(tmp / "offline_text.rank{rank}.pt"))
+            results["offline_text"] = _amaxes(llm)
             _shutdown(llm)
             # (C) serve with A's scales (no plugin): loaded, nothing calibrated.
             os.environ["MOEWIRE_RECIPE"] = RECIPE
@@ -173,9 +194,16 @@ def test_one_launch_equals_offline_calibration(launches):
     assert {name: amax for name, (amax, _) in one.items()} == {
         name: amax for name, (amax, _) in offline.items()
     }
-    assert launches["files"] == ["offline.rank0.pt", "one.rank0.pt"]
-    # Warm-up (A), the two-RPC engine's (B, unquantized then) and the scales launch's (C).
-    assert launches["at_warm_up"] == [["calibrated"] * 4, [], ["loaded"] * 4]
+    assert launches["files"] == ["offline.rank0.pt", "offline_text.rank0.pt", "one.rank0.pt"]
+    # Warm-up of A, A2, B (unquantized then) and C (the scales launch).
+    assert launches["at_warm_up"] == [["calibrated"] * 4] * 2 + [[], ["loaded"] * 4]
+
+
+def test_one_launch_on_the_packaged_text_equals_offline_calibration(launches):
+    text, offline = launches["text"], launches["offline_text"]
+    assert {source for _, source in text.values()} == {"calibrated"}
+    assert text == offline
+    assert text != launches["one"]
 
 
 def test_one_launch_serves_with_the_quantizers_active(launches):
