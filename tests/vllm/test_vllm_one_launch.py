@@ -240,9 +240,11 @@ def _worker_mod():
          "both set"),
         ({"MOEWIRE_RECIPE": RECIPE, "MOEWIRE_CALIB_MAX_SEQS": "0"}, "positive integer"),
         ({"MOEWIRE_RECIPE": RECIPE, "MOEWIRE_CALIB_SEQ_LEN": "many"}, "positive integer"),
+        ({"MOEWIRE_RECIPE": RECIPE, "MOEWIRE_CALIB_DATA": "/no/such/calib.txt"},
+         "is not a file"),
     ],
     ids=["save-without-recipe", "scales-without-recipe", "data-without-recipe",
-         "save-with-scales", "zero-max-seqs", "non-integer-seq-len"],
+         "save-with-scales", "zero-max-seqs", "non-integer-seq-len", "missing-data-file"],
 )
 def test_plan_refusals(env, match):
     with pytest.raises(ValueError, match=match):
@@ -348,3 +350,11 @@ def test_changed_scheduler_output_is_refused():
 
     with pytest.raises(RuntimeError, match="does not take the fields of vLLM 0.32's"):
         _worker_mod()._build(SchedulerOutput, scheduled_new_reqs=[], not_a_field=1)
+
+
+def test_worker_refuses_a_bad_environment_before_loading(monkeypatch):
+    monkeypatch.setenv("MOEWIRE_SAVE_SCALES", "s.pt")
+    monkeypatch.delenv("MOEWIRE_RECIPE", raising=False)
+    with pytest.raises(ValueError, match="without MOEWIRE_RECIPE"):
+        _worker_mod().MoewireWorker(vllm_config=None, local_rank=0, rank=0,
+                                    distributed_init_method="", is_driver_worker=True)

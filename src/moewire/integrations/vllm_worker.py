@@ -112,6 +112,13 @@ def _positive_int(env: Mapping[str, str], key: str, default: int) -> int:
     return value
 
 
+def _not_a_file(data: str) -> str:
+    return (
+        f"moewire worker: {ENV_CALIB_DATA}={data!r} is not a file; give a .txt (one sample "
+        "per line) or .json (token-id lists) file, or inline token ids [[1, 2]]"
+    )
+
+
 def calibration_plan(env: Mapping[str, str] | None = None) -> CalibrationPlan | None:
     """The plan the environment asks for, or ``None`` without ``MOEWIRE_RECIPE``.
 
@@ -119,7 +126,7 @@ def calibration_plan(env: Mapping[str, str] | None = None) -> CalibrationPlan | 
         ValueError: ``MOEWIRE_SAVE_SCALES`` or calibration settings without
             ``MOEWIRE_RECIPE``; ``MOEWIRE_SAVE_SCALES`` together with ``MOEWIRE_SCALES``
             (nothing is calibrated, so nothing new would be saved); a count that is not a
-            positive integer.
+            positive integer; a ``MOEWIRE_CALIB_DATA`` path that is not a file.
     """
     env = os.environ if env is None else env
     recipe = env.get(ENV_RECIPE) or None
@@ -140,6 +147,8 @@ def calibration_plan(env: Mapping[str, str] | None = None) -> CalibrationPlan | 
             f"{ENV_SCALES} the launch loads scales and calibrates nothing. Unset "
             f"{ENV_SCALES} to calibrate and save, or {ENV_SAVE_SCALES} to load"
         )
+    if data is not None and not data.lstrip().startswith("[") and not Path(data).is_file():
+        raise ValueError(_not_a_file(data))
     return CalibrationPlan(
         recipe=recipe, scales=scales, save=save, data=data,
         max_seqs=_positive_int(env, ENV_CALIB_MAX_SEQS, _DEFAULT_MAX_SEQS),
@@ -190,10 +199,7 @@ def calibration_token_ids(
         else:
             path = Path(data)
             if not path.is_file():
-                raise ValueError(
-                    f"moewire worker: {where}={data!r} is not a file; give a .txt (one sample "
-                    "per line) or .json (token-id lists) file, or inline token ids [[1, 2]]"
-                )
+                raise ValueError(_not_a_file(data))
             text, where = path, str(path)
         if path is not None and path.suffix == ".json":
             try:
@@ -448,6 +454,10 @@ def _platform_worker() -> type:
 
 class _OneLaunch:
     """``compile_or_warm_up_model``: moewire's calibration (or scale load) first."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        calibration_plan()  # refuse a bad environment before the weights load
+        super().__init__(*args, **kwargs)
 
     def compile_or_warm_up_model(self) -> Any:
         plan = calibration_plan()
