@@ -7,6 +7,8 @@ import sys
 import traceback
 from pathlib import Path
 
+import pytest
+
 from spawn_ranks import run_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -50,6 +52,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         raise
 
 
+@pytest.mark.slow
 def test_extra_groups_max_reduce_over_data_parallel_ranks(tmp_path):
     results = run_ranks(_worker, 2, tmp_path, TIMEOUT_S)
     local = [r["local"] for r in results]
