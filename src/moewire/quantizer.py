@@ -45,14 +45,17 @@ from torch import nn
 
 from moewire import formats
 
-__all__ = ["CFG_KEYS", "MODES", "CfgError", "QuantizerSpec", "WireQuantizer", "parse_cfg"]
+__all__ = ["CFG_KEYS", "MODES", "USE_CONSTANT_AMAX", "CfgError", "QuantizerSpec", "WireQuantizer",
+           "parse_cfg"]
 
 MODES = ("quantize", "calibrate", "disabled")
 
 #: Keys a quantizer cfg may hold: ModelOpt's attribute names plus moewire's own
 #: ``format`` and ``allow_dynamic``.
-CFG_KEYS = ("num_bits", "block_sizes", "axis", "constant_amax", "enable", "format",
-            "allow_dynamic")
+CFG_KEYS = ("num_bits", "block_sizes", "axis", "constant_amax", "use_constant_amax", "enable",
+            "format", "allow_dynamic")
+#: The amax ModelOpt's ``use_constant_amax: true`` pins (the FP8 E4M3 maximum).
+USE_CONSTANT_AMAX = 448.0
 
 _BLOCK_KEYS = (-1, "type", "scale_bits")
 _NAMED_BITS = {"e4m3": (4, 3), "e2m1": (2, 1), "e8m0": (8, 0)}
@@ -207,8 +210,11 @@ def parse_cfg(cfg: Mapping[str, Any]) -> QuantizerSpec:
     """Map a ModelOpt-style quantizer cfg to a moewire format and options.
 
     Accepted keys (:data:`CFG_KEYS`): ``num_bits``, ``block_sizes``, ``axis``,
-    ``constant_amax``, ``enable`` (ModelOpt's attribute names), and moewire's own
-    ``format`` (a registered format name) and ``allow_dynamic``. The mapping:
+    ``constant_amax``, ``use_constant_amax``, ``enable`` (ModelOpt's attribute names), and
+    moewire's own ``format`` (a registered format name) and ``allow_dynamic``.
+    ``use_constant_amax: true`` pins the amax to 448.0 (:data:`USE_CONSTANT_AMAX`, ModelOpt's
+    FP8 E4M3 range), i.e. ``constant_amax: 448.0``; the two keys are mutually exclusive, as
+    in ModelOpt. The mapping:
 
     ============  ====================================================  ============
     num_bits      block_sizes                                           format
@@ -301,12 +307,21 @@ def parse_cfg(cfg: Mapping[str, Any]) -> QuantizerSpec:
     constant = cfg.get("constant_amax")
     if constant is not None:
         constant = _positive_amax(constant, ("constant_amax",))
-        if not formats.get(name).needs_amax:
+    if _flag(cfg, "use_constant_amax", False):
+        if constant is not None:
             raise CfgError(
-                f"constant_amax is set but format {name!r} has no global amax (its scales "
-                "come from each block or row); remove constant_amax",
-                ("constant_amax",),
+                "use_constant_amax and constant_amax are both set; they are mutually exclusive "
+                "(as in ModelOpt): keep use_constant_amax (amax 448) or constant_amax",
+                ("use_constant_amax",),
             )
+        constant = USE_CONSTANT_AMAX
+    if constant is not None and not formats.get(name).needs_amax:
+        key = "constant_amax" if "constant_amax" in cfg else "use_constant_amax"
+        raise CfgError(
+            f"{key} is set but format {name!r} has no global amax (its scales "
+            f"come from each block or row); remove {key}",
+            (key,),
+        )
     return QuantizerSpec(name, constant, enable, allow_dynamic)
 
 

@@ -6,7 +6,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,11 @@ def _load_recipe(recipe: Any) -> Any:
     """A ``Recipe`` from a name, a path, a Recipe, ``{"quant_cfg": [...]}`` or a list."""
     from moewire import recipes
 
-    if hasattr(recipe, "match"):
-        return recipe
+    # Paths first: pathlib.Path has a .match method too.
     if isinstance(recipe, (str, os.PathLike)):
         return recipes.load(recipe)
+    if hasattr(recipe, "match"):
+        return recipe
     if isinstance(recipe, Mapping):
         entries = recipe.get("quant_cfg")
         if not isinstance(entries, (list, tuple)):
@@ -116,14 +117,26 @@ def quantize(
     return model
 
 
-def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], Any]) -> nn.Module:
+def calibrate(
+    model: nn.Module,
+    forward_loop: Callable[[nn.Module], Any],
+    *,
+    extra_groups: Sequence[Any] = (),
+) -> nn.Module:
     """Calibrate every enabled quantizer (``max``), then max-reduce over each EP group.
 
     While ``forward_loop(model)`` runs, values pass through unquantized (ModelOpt's
     semantics); the combine quantizer sees only valid rows and the dispatch quantizer only
     tokens with at least one valid slot. Afterwards each quantizer's amax is max-reduced
-    over its module's ``ep_group`` (the adapter's), in module order on every rank, also on a
-    rank whose batches routed nothing.
+    over its module's ``ep_group`` (the adapter's), then over each of ``extra_groups``
+    (vLLM's data-parallel group, as ModelOpt syncs over DP and EP), in module order on every
+    rank, also on a rank whose batches routed nothing.
+
+    Args:
+        model: a model converted by :func:`quantize`.
+        forward_loop: ``forward_loop(model)`` runs the calibration batches.
+        extra_groups: more process groups to max-reduce every amax over (``None`` entries
+            and groups of one rank are skipped).
     """
     active = [(n, m, q) for n, m, q in quantizers(model) if q.mode != "disabled"]
     with contextlib.ExitStack() as stack:
@@ -135,8 +148,9 @@ def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], Any]) -> nn.
         forward_loop(model)
     for _, module, quantizer in active:
         group = module._moewire_adapter.ep_group(module)
-        if group is not None:
-            quantizer.sync_amax(group)
+        for sync_group in (group, *extra_groups):
+            if sync_group is not None:
+                quantizer.sync_amax(sync_group)
         if (
             isinstance(quantizer, WireQuantizer)
             and quantizer.fmt.needs_amax

@@ -32,9 +32,9 @@ from typing import Any
 
 import yaml
 
-from moewire.quantizer import CfgError, parse_cfg
+from moewire.quantizer import _CFG_TABLE, USE_CONSTANT_AMAX, CfgError, parse_cfg
 
-__all__ = ["Recipe", "RecipeEntry", "load", "names"]
+__all__ = ["Recipe", "RecipeEntry", "load", "names", "to_modelopt"]
 
 _TOP_KEYS = ("description", "units", "quant_cfg")
 _ENTRY_KEYS = ("quantizer_name", "cfg", "enable")
@@ -336,3 +336,80 @@ def _entry(raw: Any, where: str, locate: Any) -> RecipeEntry:
         enable=enable,
         source=locate(()),
     )
+
+
+# -- ModelOpt ----------------------------------------------------------------------------
+
+# moewire-only cfg keys: ``format`` is respelled in ModelOpt's attributes; ``allow_dynamic``
+# has no ModelOpt counterpart (an uncalibrated ModelOpt quantizer is dynamic).
+_MOEWIRE_ONLY_KEYS = ("format", "allow_dynamic")
+
+
+def _modelopt_spelling(fmt: str) -> dict[str, Any] | None:
+    for (bits, block, scale_bits, axis), name in _CFG_TABLE.items():
+        if name != fmt:
+            continue
+        cfg: dict[str, Any] = {"num_bits": bits}
+        if block is not None:
+            blocks: dict[Any, Any] = {-1: block, "type": "dynamic"}
+            if scale_bits is not None:
+                blocks["scale_bits"] = scale_bits
+            cfg["block_sizes"] = blocks
+        cfg["axis"] = 0 if axis == "token" else None
+        return cfg
+    return None
+
+
+def _to_modelopt_cfg(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    spec = parse_cfg(cfg)
+    out = {k: v for k, v in cfg.items() if k not in _MOEWIRE_ONLY_KEYS and k not in (
+        "num_bits", "block_sizes", "axis")}
+    if out.pop("use_constant_amax", False):
+        # The same amax, in the key ModelOpt's experts quantizers take (ModelOpt keeps
+        # use_constant_amax for its KV-cache quantizers).
+        out["constant_amax"] = USE_CONSTANT_AMAX
+    if not spec.enable and "num_bits" not in cfg and "format" not in cfg:
+        return out
+    spelled = _modelopt_spelling(spec.fmt)
+    if spelled is None:
+        raise ValueError(
+            f"to_modelopt: {where} uses format {spec.fmt!r}, which ModelOpt cannot spell "
+            "(no num_bits/block_sizes/axis for it); use moewire.quantize for this recipe, or "
+            "pick a format with a ModelOpt spelling (fp8, nvfp4, mxfp8, mxfp4, fp8_b128...)"
+        )
+    return {**spelled, **out}
+
+
+def to_modelopt(name_or_path: str | os.PathLike) -> list[dict[str, Any]]:
+    """A recipe as ModelOpt's ``quant_cfg`` list (for ``mtq.quantize``).
+
+    ``units`` are expanded in order; each entry keeps ``quantizer_name`` and ``enable``; its
+    ``cfg`` is written in ModelOpt's attribute names only: ``format`` becomes ``num_bits``
+    / ``block_sizes`` / ``axis`` (tuples, as ModelOpt writes them), ``allow_dynamic`` is
+    dropped, ``constant_amax`` and ``enable`` stay, ``use_constant_amax: true`` becomes
+    ``constant_amax: 448.0`` (the same amax; moewire's ModelOpt quantizers take that key). With
+    ``moewire.integrations.modelopt.register()`` done, ``mtq.quantize(model, {"quant_cfg":
+    [*other_entries, *to_modelopt(name)], "algorithm": "max"}, forward_loop)`` configures
+    the experts' ``dispatch_quantizer`` / ``combine_quantizer`` as ``moewire.quantize(model,
+    name, forward_loop)`` does.
+
+    Args:
+        name_or_path: a packaged recipe name or a recipe file (:func:`load`).
+
+    Returns:
+        ``[{"quantizer_name": ..., "cfg": {...}, "enable": ...}, ...]``, fresh dicts.
+
+    Raises:
+        ValueError: the recipe does not load (see :func:`load`), or an entry enables a
+            format ModelOpt has no spelling for (``logfmt10``, ``fp8_b32_ue8m0``, ``bf16``).
+    """
+    recipe = load(name_or_path)
+    entries = []
+    for entry in recipe.entries:
+        out: dict[str, Any] = {"quantizer_name": entry.quantizer_name}
+        if entry.cfg is not None:
+            out["cfg"] = _to_modelopt_cfg(entry.cfg, entry.source)
+        if entry.enable is not None:
+            out["enable"] = entry.enable
+        entries.append(out)
+    return entries
