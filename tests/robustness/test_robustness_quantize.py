@@ -38,7 +38,6 @@ def _refused(model, recipe, exc, match, **kwargs):
 )
 def test_recipe_matching_nothing_is_refused_and_names_the_quantizers(recipe):
     model = Model(n=1)
-    model.layers[0].experts  # a bare stand-in: "layers.0.experts.*" is the real name
     nested = torch.nn.Module()
     nested.inner = model
     message = _refused(nested, recipe, ValueError, "matches any wire quantizer")
