@@ -142,6 +142,67 @@ class Router:
         return w.float().contiguous(), ids.to(torch.int64).contiguous()
 
 
+def load_profile(num_experts: int, imbalance: float) -> torch.Tensor:
+    """Relative expected loads FP32 ``[num_experts]``, mean 1 and max ``imbalance``.
+
+    ``v[e] = exp(-beta * e / (E - 1))`` rescaled to mean 1, with ``beta`` found by bisection
+    so that ``max(v) = imbalance``: a few hot experts, a tail of cold ones (the shape of
+    measured DeepSeek/Mixtral expert loads). ``imbalance = 1`` is uniform.
+    """
+    u = torch.linspace(0.0, 1.0, num_experts, dtype=torch.float64)
+    lo, hi = 0.0, 60.0
+    for _ in range(100):
+        beta = (lo + hi) / 2
+        v = torch.exp(-beta * u)
+        if float(v.max() / v.mean()) < imbalance:
+            lo = beta
+        else:
+            hi = beta
+    v = torch.exp(-lo * u)
+    return (v / v.mean()).float()
+
+
+def balanced_bias(router: Router, imbalance: float, generator: torch.Generator,
+                  steps: int = 120) -> torch.Tensor:
+    """A selection bias FP32 ``[E]`` that gives ``router`` the expected load of
+    :func:`load_profile` (hottest expert ``imbalance`` x the mean), in a seeded order.
+
+    DeepSeek-V3/V4 learn their selection bias to balance the experts' load ("auxiliary-loss
+    free" balancing: raise the bias of an under-loaded expert, lower an over-loaded one's);
+    this does the same on synthetic tokens (:func:`synthetic_hidden_states`), toward a
+    target profile instead of a flat one. Without it, a random bias swamps the router's
+    scores at a few hundred experts and a handful of experts get most tokens.
+
+    Args:
+        router: the router (its ``bias`` is ignored); ``weight`` FP32 ``[E, H]``.
+        imbalance: the hottest expert's expected load over the mean, in
+            ``[1, E / top_k]`` (an expert cannot get more than every token).
+        generator: seeds the tokens and which experts are hot.
+        steps: update steps.
+
+    Returns:
+        The bias, FP32 ``[E]`` on the router's device.
+    """
+    num_experts, hidden = router.weight.shape
+    k = router.top_k
+    # Enough tokens that the fit follows the router, not the sample: >= 128 per expert.
+    tokens = min(16384, max(4096, 128 * num_experts // k))
+    x = synthetic_hidden_states(tokens, hidden, generator).to(router.weight.device)
+    logits = x.float() @ router.weight.float().t()
+    base = torch.sigmoid(logits) if router.gating == "sigmoid" else logits
+    target = load_profile(num_experts, imbalance)[torch.randperm(num_experts,
+                                                                 generator=generator)]
+    target = target.to(base.device) * (tokens * k / num_experts)
+    spread = float(base.std())
+    bias = torch.zeros(num_experts, device=base.device)
+    for step in range(steps):
+        ids = (base + bias).topk(k, dim=-1).indices
+        load = torch.bincount(ids.reshape(-1), minlength=num_experts).float()
+        rate = 0.5 * spread * (1.0 - step / steps) + 0.01 * spread
+        bias += rate * (target - load) / (tokens * k / num_experts)
+    return bias
+
+
 # --------------------------------------------------------------------------- real data
 
 
