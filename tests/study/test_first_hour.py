@@ -71,8 +71,8 @@ def test_missing_dependency_names_the_pip_line_before_any_work(tmp_path, capsys,
                                   ["study", "--model", "gpt5"], []],
                          ids=["help", "study-help", "bad-int", "bad-choice", "no-command"])
 def test_help_and_flag_errors_do_not_import_torch(argv):
-    code = ("import sys; from moewire import cli; rc = cli.main(%r); "
-            "assert 'torch' not in sys.modules, 'torch imported'; print('rc', rc)" % argv)
+    code = (f"import sys; from moewire import cli; rc = cli.main({argv!r}); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('rc', rc)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert "torch imported" not in done.stderr and "rc " in done.stdout, done.stderr
