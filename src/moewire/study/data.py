@@ -84,11 +84,23 @@ class LayerWeights:
 # --------------------------------------------------------------------------- synthetic
 
 
-def synthetic_hidden_states(num_tokens: int, hidden: int, generator: torch.Generator):
-    """Seeded BF16 ``[num_tokens, hidden]`` post-norm hidden states (module docstring)."""
+def norm_gamma(hidden: int, generator: torch.Generator) -> torch.Tensor:
+    """Seeded FP32 ``[hidden]`` norm weights ``gamma`` (module docstring): one per layer."""
     gamma = torch.exp(0.3 * torch.randn(hidden, generator=generator))
     outlier_channels = torch.randperm(hidden, generator=generator)[: max(1, hidden // 512)]
     gamma[outlier_channels] *= 10.0
+    return gamma
+
+
+def synthetic_hidden_states(num_tokens: int, hidden: int, generator: torch.Generator,
+                            gamma: torch.Tensor | None = None):
+    """Seeded BF16 ``[num_tokens, hidden]`` post-norm hidden states (module docstring).
+
+    ``gamma``: the layer's norm weights (:func:`norm_gamma`); pass the same one for every
+    batch of a layer, as a model's RMSNorm has one. ``None`` draws a fresh one.
+    """
+    if gamma is None:
+        gamma = norm_gamma(hidden, generator)
     u = torch.randn(num_tokens, hidden, generator=generator)
     num_outliers = max(1, num_tokens // 64)
     tokens = torch.randperm(num_tokens, generator=generator)[:num_outliers]
@@ -163,7 +175,7 @@ def load_profile(num_experts: int, imbalance: float) -> torch.Tensor:
 
 
 def balanced_bias(router: Router, imbalance: float, generator: torch.Generator,
-                  steps: int = 120) -> torch.Tensor:
+                  gamma: torch.Tensor | None = None, steps: int = 120) -> torch.Tensor:
     """A selection bias FP32 ``[E]`` that gives ``router`` the expected load of
     :func:`load_profile` (hottest expert ``imbalance`` x the mean), in a seeded order.
 
@@ -178,6 +190,7 @@ def balanced_bias(router: Router, imbalance: float, generator: torch.Generator,
         imbalance: the hottest expert's expected load over the mean, in
             ``[1, E / top_k]`` (an expert cannot get more than every token).
         generator: seeds the tokens and which experts are hot.
+        gamma: the layer's norm weights (:func:`norm_gamma`) its tokens are drawn with.
         steps: update steps.
 
     Returns:
@@ -187,7 +200,7 @@ def balanced_bias(router: Router, imbalance: float, generator: torch.Generator,
     k = router.top_k
     # Enough tokens that the fit follows the router, not the sample: >= 128 per expert.
     tokens = min(16384, max(4096, 128 * num_experts // k))
-    x = synthetic_hidden_states(tokens, hidden, generator).to(router.weight.device)
+    x = synthetic_hidden_states(tokens, hidden, generator, gamma).to(router.weight.device)
     logits = x.float() @ router.weight.float().t()
     base = torch.sigmoid(logits) if router.gating == "sigmoid" else logits
     target = load_profile(num_experts, imbalance)[torch.randperm(num_experts,

@@ -22,7 +22,7 @@ from moewire.recipes import Recipe
 from moewire.reference import MegaMoEExperts, MegaMoEWeights, SharedExpert, deep_gemm
 from moewire.reference import make_weights as reference_make_weights
 from moewire.study.config import NONE, StudyConfig, check_layer_shapes, router_imbalance
-from moewire.study.data import LayerWeights, Router, balanced_bias, load_weights
+from moewire.study.data import LayerWeights, Router, balanced_bias, load_weights, norm_gamma
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -87,6 +87,7 @@ class StudyLayer:
         mma, device: kernel MMA type and device.
         router_imbalance: the synthetic router's expected max/mean load, or ``None`` for
             a checkpoint's router.
+        norm_gamma: FP32 ``[H]``, the norm weights of the layer's synthetic tokens.
     """
 
     num_experts: int
@@ -102,6 +103,7 @@ class StudyLayer:
     mma: str
     device: torch.device
     router_imbalance: float | None = None
+    norm_gamma: torch.Tensor | None = None
 
     def fresh(self) -> MoELayer:
         """A new, unconverted layer over the same weights."""
@@ -135,13 +137,14 @@ def _shared_from_dense(w1: torch.Tensor, w2: torch.Tensor, device: torch.device)
 
 def synthetic_router(num_experts: int, hidden: int, top_k: int, gating: str,
                      imbalance: float, generator: torch.Generator,
+                     gamma: torch.Tensor | None = None,
                      device: torch.device | str = "cpu") -> Router:
     """A seeded router: ``weight ~ N(0, 1/H)`` and a selection bias fitted so that the
-    hottest expert's expected load is ``imbalance`` x the mean
-    (:func:`moewire.study.data.balanced_bias`)."""
+    hottest expert's expected load is ``imbalance`` x the mean on tokens drawn with the
+    norm weights ``gamma`` (:func:`moewire.study.data.balanced_bias`)."""
     weight = (torch.randn(num_experts, hidden, generator=generator) * hidden**-0.5).to(device)
     router = Router(weight, None, top_k, gating)
-    router.bias = balanced_bias(router, imbalance, generator)
+    router.bias = balanced_bias(router, imbalance, generator, gamma)
     return router
 
 
@@ -267,14 +270,15 @@ def build_layer(cfg: StudyConfig, generator: torch.Generator) -> StudyLayer:
             shared = SharedExpert(hidden, shared_inter, seed=cfg.seed, device=device)
         router = None
         source = f"synthetic(seed={cfg.seed})"
+    gamma = norm_gamma(hidden, generator)
     imbalance = None
     if router is None:
         imbalance = router_imbalance(cfg, num_experts, preset.top_k)
         router = synthetic_router(num_experts, hidden, preset.top_k, preset.gating,
-                                  imbalance, generator, device)
+                                  imbalance, generator, gamma, device)
     return StudyLayer(
         num_experts, preset.top_k, hidden, inter, shared_inter, weights, shared, router,
-        source, cfg.tokens, cfg.mma, device, imbalance,
+        source, cfg.tokens, cfg.mma, device, imbalance, gamma,
     )
 
 

@@ -69,7 +69,7 @@ def _batches(cfg: StudyConfig, layer: StudyLayer, generator: torch.Generator):
             )
         chunks = list(x[:need].split(t))
     else:
-        chunks = [synthetic_hidden_states(t, layer.hidden, generator)
+        chunks = [synthetic_hidden_states(t, layer.hidden, generator, layer.norm_gamma)
                   for _ in range(n_calib + n_eval)]
     batches: list[Batch] = []
     for chunk in chunks:
