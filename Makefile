@@ -28,7 +28,7 @@ FAST := tests/formats tests/test_quantizer.py tests/test_recipes.py \
 
 test-fast: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q -x -m "not slow and not vllm and not gpu" $(FAST)
+	$(BIN)/python -m pytest -q -x -m "not slow and not vllm and not gpu and not modelopt" $(FAST)
 
 demo: $(VENV)/.installed
 	$(BIN)/moewire study

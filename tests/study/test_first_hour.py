@@ -173,6 +173,7 @@ def test_synthetic_router_is_balanced_at_full_size(name):
     assert 2.2 <= _measured_imbalance(name, 2.5) <= 3.2
 
 
+@pytest.mark.slow
 def test_study_reports_the_target_and_lands_near_it(tmp_path):
     out = tmp_path / "o"
     assert cli.main(["study", "--model", "tiny", "--tokens", "512", "--calib-batches", "1",

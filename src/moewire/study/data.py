@@ -9,7 +9,8 @@ Synthetic data (the default) is seeded and has the outlier structure of real MoE
   sits in those channels, values near ``sqrt(H / 4)``. ``gamma[c] = exp(0.3 * n_c)``, with
   ``max(1, H // 512)`` outlier channels multiplied by 10 (the norm weights of "massive"
   channels). Every ``u[t] / rms(u[t])`` has RMS 1, as after a real norm, so tokens differ
-  in shape (spikes), not in overall scale;
+  in shape (spikes), not in overall scale. ``gamma`` is one per layer (:func:`norm_gamma`),
+  shared by all of its batches and by the router fit, as a model's RMSNorm weights are;
 - the router's synthetic weights are built by :func:`moewire.study.layer.build_layer`,
   the experts' by :func:`moewire.reference.make_weights` (outlier input channels).
 
