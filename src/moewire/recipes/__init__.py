@@ -38,6 +38,9 @@ __all__ = ["Recipe", "RecipeEntry", "load", "names", "to_modelopt"]
 
 _TOP_KEYS = ("description", "units", "quant_cfg")
 _ENTRY_KEYS = ("quantizer_name", "cfg", "enable")
+# ModelOpt's own entry key: it selects quantizers by their module's class (nn.BatchNorm1d...),
+# which a wire quantizer never has; accepted in ModelOpt cfg dicts only.
+_MODELOPT_ENTRY_KEYS = (*_ENTRY_KEYS, "parent_class")
 _SUFFIXES = (".yaml", ".yml")
 
 
@@ -50,16 +53,24 @@ class RecipeEntry:
         cfg: the quantizer cfg (validated), or ``None`` for an enable-only entry.
         enable: the entry's ``enable``, or ``None`` when it does not set one.
         source: ``"<file>:<line>"`` where the entry was written (``"<list>"`` otherwise).
+        parent_class: ModelOpt's ``parent_class`` (the entry then matches no wire
+            quantizer), or ``None``.
+        error: why ``cfg`` has no moewire format, for an entry of a ModelOpt cfg dict whose
+            check waits until it matches a wire quantizer (``Recipe.from_entries(...,
+            modelopt=True)``); ``None`` when the cfg is valid.
     """
 
     quantizer_name: str
     cfg: Mapping[str, Any] | None = None
     enable: bool | None = None
     source: str = "<list>"
+    parent_class: str | None = None
+    error: str | None = None
 
     def matches(self, name: str) -> bool:
-        """Whether ``name`` matches the wildcard (case-sensitive ``fnmatch``)."""
-        return fnmatch.fnmatchcase(name, self.quantizer_name)
+        """Whether ``name`` matches the wildcard (case-sensitive ``fnmatch``); an entry
+        with a ``parent_class`` matches no wire quantizer."""
+        return self.parent_class is None and fnmatch.fnmatchcase(name, self.quantizer_name)
 
 
 @dataclass(frozen=True)
@@ -84,12 +95,29 @@ class Recipe:
         Returns:
             A cfg for ``WireQuantizer.from_cfg`` with ``enable`` always set, or ``None``
             when no entry matches.
+
+        Raises:
+            ValueError: a matching entry's cfg has no moewire format (an entry of a ModelOpt
+                cfg dict, checked only now), or an enable-only entry turns the quantizer on
+                with no earlier cfg; the message names the quantizer and the entry.
         """
         result: dict[str, Any] | None = None
+        configured = False
         for entry in self.entries:
             if not entry.matches(quantizer_name):
                 continue
+            if entry.error is not None:
+                raise ValueError(f"{entry.source}: {entry.quantizer_name}: matches the wire "
+                                 f"quantizer {quantizer_name}, and {entry.error}")
+            if entry.cfg is None and entry.enable and not configured:
+                raise ValueError(
+                    f"{entry.source}: {entry.quantizer_name}: enables the wire quantizer "
+                    f"{quantizer_name}, but no earlier entry gave it a cfg, so it has no "
+                    "format; put an entry with a cfg (e.g. {quantizer_name: "
+                    "'*combine_quantizer', cfg: {format: nvfp4}}) before it"
+                )
             if entry.cfg is not None:
+                configured = True
                 result = dict(entry.cfg)
                 result["enable"] = entry.enable if entry.enable is not None else bool(
                     entry.cfg.get("enable", True))
@@ -99,17 +127,33 @@ class Recipe:
         return result
 
     @classmethod
-    def from_entries(cls, entries: Iterable[Mapping[str, Any]], name: str = "custom"
-                     ) -> Recipe:
+    def from_entries(cls, entries: Iterable[Mapping[str, Any]], name: str = "custom", *,
+                     modelopt: bool = False) -> Recipe:
         """A recipe from Python dicts (``{"quantizer_name": ..., "cfg": ...}``), validated.
+
+        Args:
+            entries: the ``quant_cfg`` list.
+            name: the recipe's name, used in messages (``"<name>[<index>]"``).
+            modelopt: the entries come from a ModelOpt cfg dict, whose entries mostly target
+                ModelOpt's own quantizers (``*weight_quantizer``, cfgs with
+                ``effective_bits`` or lists of cfgs): a cfg moewire cannot map is then
+                refused only if the entry matches a wire quantizer (in :meth:`match`), and
+                entries with ModelOpt's ``parent_class`` (quantizers of modules of that
+                class, which a wire quantizer never is) match nothing.
 
         Raises:
             ValueError: an entry or cfg is malformed; the message names the entry index.
         """
+        if isinstance(entries, (str, bytes, Mapping)) or not isinstance(entries, Iterable):
+            raise TypeError(f"{name}: the entries must be a list of dicts "
+                            f"{{'quantizer_name': ..., 'cfg': ...}}, got {type(entries).__name__}")
         built = []
         for index, raw in enumerate(entries):
             where = f"{name}[{index}]"
-            built.append(_entry(raw, where, lambda _key, where=where: where))
+            built.append(_entry(raw, where, lambda _key, where=where: where, defer=modelopt))
+        if not built:
+            raise ValueError(f"{name}: the recipe has no entries, so it would quantize nothing; "
+                             "give at least one {'quantizer_name': ..., 'cfg': ...}")
         return cls(name=name, entries=tuple(built))
 
 
@@ -177,7 +221,16 @@ def _load(name_or_path: str | os.PathLike, stack: tuple[str, ...], base: Path | 
     if where in stack:
         chain = " -> ".join((*stack, where))
         raise ValueError(f"recipe units form a cycle: {chain}; remove one of the units")
-    text = resource.read_text(encoding="utf-8")
+    try:
+        text = resource.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = resource.read_bytes()[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{where}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+            f"{err.start}); save the recipe as UTF-8"
+        ) from None
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read the recipe ({err.strerror or err})") from None
     name = resource.name.rsplit(".", 1)[0]
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -185,6 +238,13 @@ def _load(name_or_path: str | os.PathLike, stack: tuple[str, ...], base: Path | 
         mark = err.problem_mark or err.context_mark
         line = f":{mark.line + 1}" if mark is not None else ""
         raise ValueError(f"{where}{line}: not valid YAML: {err.problem}") from None
+    except yaml.reader.ReaderError as err:  # a control character such as NUL
+        line = text[: err.position].count("\n") + 1
+        char = chr(err.character) if isinstance(err.character, int) else err.character
+        raise ValueError(
+            f"{where}:{line}: not valid YAML: the character {char!r} at offset "
+            f"{err.position} is not allowed (a binary or corrupted file?); remove it"
+        ) from None
     if node is None:
         raise ValueError(f"{where}:1: the recipe is empty; give quant_cfg entries or units")
     base_dir = Path(where).parent if isinstance(resource, Path) else None
@@ -298,14 +358,15 @@ def _node_entry(node: yaml.Node, where: str) -> RecipeEntry:
     return _entry(_value(node), where, locate)
 
 
-def _entry(raw: Any, where: str, locate: Any) -> RecipeEntry:
+def _entry(raw: Any, where: str, locate: Any, defer: bool = False) -> RecipeEntry:
     if not isinstance(raw, Mapping):
         raise ValueError(f"{locate(())}: a quant_cfg entry is a mapping, got {raw!r}")
+    accepted = _MODELOPT_ENTRY_KEYS if defer else _ENTRY_KEYS
     for key in raw:
-        if key not in _ENTRY_KEYS:
+        if key not in accepted:
             raise ValueError(
                 f"{locate((key,))}: unknown entry key {key!r}; an entry has "
-                f"{', '.join(_ENTRY_KEYS)}"
+                f"{', '.join(accepted)}"
             )
     pattern = raw.get("quantizer_name")
     if not isinstance(pattern, str) or not pattern:
@@ -317,24 +378,33 @@ def _entry(raw: Any, where: str, locate: Any) -> RecipeEntry:
     if enable is not None and not isinstance(enable, bool):
         raise ValueError(f"{locate(('enable',))}: {pattern}: enable must be true or false, got "
                          f"{enable!r}")
+    parent_class = raw.get("parent_class")
+    if parent_class is not None and not isinstance(parent_class, str):
+        raise ValueError(f"{locate(('parent_class',))}: {pattern}: parent_class must be a class "
+                         f"name such as 'nn.Linear', got {parent_class!r}")
     cfg = raw.get("cfg")
     if cfg is None and enable is None:
         raise ValueError(f"{locate(())}: {pattern}: the entry needs cfg, enable or both")
+    error = None
     if cfg is not None:
-        if not isinstance(cfg, Mapping):
-            raise ValueError(f"{locate(('cfg',))}: {pattern}: cfg must be a mapping, got {cfg!r}")
-        checked = dict(cfg)
-        if enable is not None:
-            checked["enable"] = enable
         try:
+            if not isinstance(cfg, Mapping):
+                raise CfgError(f"cfg must be a mapping, got {type(cfg).__name__}: {cfg!r}")
+            checked = dict(cfg)
+            if enable is not None:
+                checked["enable"] = enable
             parse_cfg(checked)
         except CfgError as err:
-            raise ValueError(f"{locate(('cfg', *err.key))}: {pattern}: {err}") from None
+            if not defer:
+                raise ValueError(f"{locate(('cfg', *err.key))}: {pattern}: {err}") from None
+            error = str(err)
     return RecipeEntry(
         quantizer_name=pattern,
         cfg=cfg,
         enable=enable,
         source=locate(()),
+        parent_class=parent_class,
+        error=error,
     )
 
 
