@@ -611,3 +611,20 @@ def bf16_mega_moe(
         activation_clamp=activation_clamp,
         stats=cumulative_local_expert_recv_stats,
     )
+
+
+# The NVFP4 Mega-MoE of vLLM 0.33/0.34's bundled DeepGEMM (`mega/nvfp4.py`) lives in its own
+# module; exported here because callers reach it through the `deep_gemm` namespace.
+from moewire.reference.nvfp4_mega_moe import (  # noqa: E402
+    NVFP4SymmBuffer,
+    get_block_m_for_nvfp4_mega_moe,
+    get_token_alignment_for_nvfp4_mega_moe,
+    nvfp4_mega_moe,
+)
+
+__all__ += [
+    "NVFP4SymmBuffer",
+    "get_block_m_for_nvfp4_mega_moe",
+    "get_token_alignment_for_nvfp4_mega_moe",
+    "nvfp4_mega_moe",
+]
