@@ -24,6 +24,7 @@ Where it differs from ``fp8_fp4_mega_moe`` (SPEC 1.5):
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -694,7 +695,9 @@ def _validate(y, l1, l2, buf, shared_l1, shared_l2, stats, clamp, fast_math, alp
     if activation not in ACTIVATIONS:
         _fail(where, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     for name, value in (("activation_alpha", alpha), ("activation_beta", beta)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+            value
+        ):
             _fail(where, f"{name} must be a finite float, got {value!r}")
     if activation == "swiglustep" and (alpha != 1.0 or beta != 0.0 or buf.num_shared_experts):
         _fail(
