@@ -14,7 +14,15 @@ import torch
 from torch import nn
 
 from moewire.megamoe.registry import adapter_for, registered_classes
-from moewire.megamoe.wrapper import QUANTIZER_NAMES, _module_device, convert, is_converted
+from moewire.megamoe.wrapper import (
+    QUANTIZER_NAMES,
+    _module_device,
+    amax_rows,
+    convert,
+    is_converted,
+    kernel_rows,
+    set_amax_rows,
+)
 from moewire.quantizer import WireQuantizer
 
 __all__ = ["calibrate", "load_scales", "quantize", "quantizers", "save_scales", "summary"]
@@ -181,9 +189,12 @@ def save_scales(model: nn.Module, path: str | Path) -> Path:
     path = Path(path)
     entries: dict[str, dict[str, Any]] = {}
     tensors: dict[str, torch.Tensor] = {}
-    for name, _, quantizer in quantizers(model):
+    for name, module, quantizer in quantizers(model):
         amax = quantizer.static_amax
         entry: dict[str, Any] = {"format": _format_name(quantizer), "shape": None, "amax": None}
+        if name.endswith("combine_quantizer"):
+            # Which kernel's rows the amax describes (nvfp4_mega_moe: unweighted).
+            entry["rows"] = amax_rows(module)
         if amax is not None:
             amax = amax.detach().float().cpu().contiguous()
             entry["shape"] = list(amax.shape)
@@ -198,7 +209,9 @@ def save_scales(model: nn.Module, path: str | Path) -> Path:
     if path.suffix == ".safetensors":
         from safetensors.torch import save_file
 
-        meta = {n: {"format": e["format"], "shape": e["shape"]} for n, e in entries.items()}
+        meta = {
+            n: {k: v for k, v in e.items() if k != "amax"} for n, e in entries.items()
+        }
         header = json.dumps({"version": SCALES_VERSION, "quantizers": meta})
         save_file(tensors, str(path), metadata={_METADATA_KEY: header})
     else:
@@ -206,6 +219,18 @@ def save_scales(model: nn.Module, path: str | Path) -> Path:
             json.dumps({_METADATA_KEY: SCALES_VERSION, "quantizers": entries}, indent=1)
         )
     return path
+
+
+def _read_rows_tags(path: Path) -> dict[str, str | None]:
+    """The ``rows`` entry of each saved combine quantizer (absent in older files: None)."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            entries = json.loads((f.metadata() or {})[_METADATA_KEY])["quantizers"]
+    else:
+        entries = json.loads(path.read_text())["quantizers"]
+    return {name: entry.get("rows") for name, entry in entries.items()}
 
 
 def _read_scales(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None]]:
@@ -273,9 +298,20 @@ def load_scales(model: nn.Module, path: str | Path) -> list[str]:
             "save the scales of this model (moewire.save_scales) or quantize it like the "
             "saved one"
         )
+    rows_tags = _read_rows_tags(path)
+    modules = {name: module for name, module, _ in quantizers(model)}
     updates = []
     for name, quantizer in present.items():
         fmt, amax = saved[name]
+        tag = rows_tags.get(name)
+        seen = kernel_rows(modules[name])
+        if tag is not None and seen is not None and tag != seen:
+            raise ValueError(
+                f"load_scales: {name} in {path} was calibrated on {tag} combine rows, but this "
+                f"model's kernel leaves {seen} rows (nvfp4_mega_moe's rows are unweighted "
+                "expert outputs, fp8_fp4_mega_moe's router-weighted): the amaxes are not "
+                "interchangeable; calibrate this model or load scales saved from the same kernel"
+            )
         current = _format_name(quantizer)
         if fmt != current:
             raise ValueError(
@@ -304,6 +340,9 @@ def load_scales(model: nn.Module, path: str | Path) -> list[str]:
         updates.append((name, quantizer, amax))
     for _, quantizer, amax in updates:
         quantizer.load_amax(amax)
+    for name, tag in rows_tags.items():
+        if tag is not None and name in modules:
+            set_amax_rows(modules[name], tag)
     return [name for name, _, _ in updates]
 
 

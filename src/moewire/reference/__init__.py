@@ -43,3 +43,6 @@ from moewire.reference.nvfp4_weights import (  # noqa: E402
 )
 
 __all__ += ["NVFP4MegaMoEWeights", "make_nvfp4_weights", "prepare_megamoe_nvfp4_inputs"]
+from moewire.reference.nvfp4_experts import NVFP4MegaMoEExperts  # noqa: E402
+
+__all__ += ["NVFP4MegaMoEExperts"]
