@@ -354,3 +354,30 @@ def test_fp4_fp4_mega_moe_is_refused_once_quantized(monkeypatch):
     with pytest.raises(RuntimeError, match="calls fp4_fp4_mega_moe, which moewire does not"):
         module(x, w, ids)
     assert calls == [1]
+
+
+# -- every packaged recipe on the NVFP4 kernel -----------------------------------------------
+
+
+@pytest.mark.parametrize("name", moewire.recipes.names())
+def test_every_packaged_recipe_runs_on_the_nvfp4_kernel(name):
+    """Calibrated on one batch, each recipe re-sums the quantized rows with the FMA: the
+    quantized output equals the weighted re-sum of the rows it quantized (combine); a
+    dispatch quantizer changes the staged tokens."""
+    model = _Model()
+    x, w, ids = _batch(12, f"recipe-{name}")
+    model(x, w, ids)
+    plain_x = model.experts.get_symm_buffer().x[:12].clone()
+    moewire.quantize(model, name, forward_loop=lambda m: m(x, w, ids))
+    y = model(x, w, ids)
+    assert torch.isfinite(y.float()).all()
+    dispatch, combine = model.experts.dispatch_quantizer, model.experts.combine_quantizer
+    assert "quantize" in (dispatch.mode, combine.mode)
+    if dispatch.mode == "quantize":
+        assert not torch.equal(model.experts.get_symm_buffer().x[:12], plain_x)
+    if combine.mode == "quantize":
+        buf = model.experts.get_symm_buffer()
+        rows = layout.combine_rows(buf, "vllm-0.33", "nvfp4_mega_moe")
+        want = resum(rows, buf.topk_idx[:12], 12, weights=buf.topk_weights,
+                     row_quantizer=lambda r: combine.fmt.qdq(r, combine.static_amax))
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16))
