@@ -104,7 +104,7 @@ def test_033_nvfp4_experts_equal_the_stand_in_bit_for_bit(vllm_config, v033):
     weights = _weights()
     x, ids, w = _routing(8, seed=1)
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts = _make(v033, vllm_config, "model.layers.50.ffn.experts", weights)
+        experts = _make(v033, vllm_config, "model.layers.930.ffn.experts", weights)
         y = experts(x, w, ids)
         assert vllm_mod.kernel_flavour(experts) == "vllm-0.33"
         assert type(experts.get_symm_buffer()).__name__ == "NVFP4SymmBuffer"
@@ -124,7 +124,7 @@ def test_033_nvfp4_quantized_combine_and_dispatch(vllm_config, v033):
     recipe = [{"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}},
               {"quantizer_name": "*dispatch_quantizer", "cfg": {"format": "mxfp8"}}]
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts = _make(v033, vllm_config, "model.layers.51.ffn.experts", weights)
+        experts = _make(v033, vllm_config, "model.layers.931.ffn.experts", weights)
         holder = torch.nn.Module()
         holder.experts = experts
         moewire.quantize(holder, recipe)
@@ -151,7 +151,7 @@ def test_033_nvfp4_calibration_sees_unweighted_rows(vllm_config, v033):
     weights = _weights()
     x, ids, w = _routing(8, seed=4)
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts = _make(v033, vllm_config, "model.layers.52.ffn.experts", weights)
+        experts = _make(v033, vllm_config, "model.layers.932.ffn.experts", weights)
         holder = torch.nn.Module()
         holder.experts = experts
         moewire.quantize(holder, [{"quantizer_name": "*combine_quantizer",
