@@ -1,8 +1,10 @@
-"""vLLM 0.33's ``DeepGemmMegaMoEExperts`` NVFP4 path (``MEGA_MOE_NVFP4``) on the stand-in.
+"""vLLM 0.33's and 0.34's ``DeepGemmMegaMoEExperts`` NVFP4 path (``MEGA_MOE_NVFP4``) on the
+stand-in.
 
-vLLM's own module source (fetched by ``make test-vllm`` into ``.venv-vllm/vllm-0.33.0-src``,
-as ``test_vllm033_source.py`` does; 0.34's NVFP4 branch differs only by passing
-``eplb_state`` to the staging) builds the experts, loads an NVFP4 checkpoint through its own
+vLLM's own module source (0.33: fetched by ``make test-vllm`` into
+``.venv-vllm/vllm-0.33.0-src``, as ``test_vllm033_source.py`` does; 0.34: its files in
+``MOEWIRE_VLLM034_SRC``; 0.34's NVFP4 branch also passes ``eplb_state`` to the staging)
+builds the experts, loads an NVFP4 checkpoint through its own
 weight loader (``weight``, ``weight_scale``, ``weight_scale_2``, ``input_scale``), stages
 with ``prepare_megamoe_nvfp4_inputs`` (the stand-in's torch version) and calls
 ``deep_gemm.nvfp4_mega_moe`` of the stand-in. Checked: its output equals the stand-in
@@ -24,9 +26,16 @@ import torch
 pytestmark = pytest.mark.vllm
 
 vllm_mod = pytest.importorskip("moewire.integrations.vllm")
-SRC = Path(os.environ.get("MOEWIRE_VLLM033_SRC", ".venv-vllm/vllm-0.33.0-src"))
-NAME = "vllm033_nvfp4_deep_gemm_mega_moe"
+# Where each version's module sources are: 0.33's are fetched by `make test-vllm`; 0.34's
+# (deep_gemm_mega_moe.py, prepare_megamoe.py, eplb_triton.py) by the 0.34 fetch when the
+# Makefile has it (else this version is skipped, saying so).
+SOURCES = {
+    "0.33": Path(os.environ.get("MOEWIRE_VLLM033_SRC", ".venv-vllm/vllm-0.33.0-src")),
+    "0.34": Path(os.environ.get("MOEWIRE_VLLM034_SRC", ".venv-vllm/vllm-0.34.0-src")),
+}
+FILES = {"0.33": ("prepare_megamoe",), "0.34": ("eplb_triton", "prepare_megamoe")}
 E, K, H, INTER = 4, 2, 256, 256
+_LAYERS = iter(range(930, 1000))
 
 
 def _load(name: str, path: Path):
@@ -37,16 +46,39 @@ def _load(name: str, path: Path):
     return module
 
 
-@pytest.fixture(scope="module")
-def v033():
-    if not (SRC / "deep_gemm_mega_moe.py").is_file():
-        pytest.fail(f"vLLM 0.33 sources missing in {SRC}: run `make test-vllm` (it fetches them)")
-    _load("vllm.model_executor.layers.fused_moe.prepare_megamoe", SRC / "prepare_megamoe.py")
-    module = _load(NAME, SRC / "deep_gemm_mega_moe.py")
-    site = vllm_mod.ExpertsSite("0.33", NAME, "DeepGemmMegaMoEExperts",
+@pytest.fixture(scope="module", params=list(SOURCES), ids=[f"vllm-{v}" for v in SOURCES])
+def vllm_module(request):
+    """vLLM's ``deep_gemm_mega_moe`` module of one version, loaded from its source files.
+
+    Its helper modules are loaded under their real names for the duration and restored
+    afterwards (the other vLLM tests import the installed 0.32 ones).
+    """
+    version = request.param
+    src = SOURCES[version]
+    if not (src / "deep_gemm_mega_moe.py").is_file():
+        if version == "0.33":
+            pytest.fail(f"vLLM 0.33 sources missing in {src}: run `make test-vllm`")
+        pytest.skip(f"vLLM {version} sources missing in {src} (set MOEWIRE_VLLM034_SRC)")
+    saved = {}
+    for helper in FILES[version]:
+        name = f"vllm.model_executor.layers.fused_moe.{helper}"
+        saved[name] = sys.modules.get(name)
+        _load(name, src / f"{helper}.py")
+    name = f"vllm{version.replace('.', '')}_nvfp4_deep_gemm_mega_moe"
+    module = _load(name, src / "deep_gemm_mega_moe.py")
+    site = vllm_mod.ExpertsSite(version, name, "DeepGemmMegaMoEExperts",
                                 extra_stage_fns=(vllm_mod.NVFP4_STAGE_FN,))
     vllm_mod.register_site(module.DeepGemmMegaMoEExperts, site)
-    return module
+    yield module
+    for key, value in saved.items():
+        if value is None:
+            sys.modules.pop(key, None)
+        else:
+            sys.modules[key] = value
+
+
+def _prefix() -> str:
+    return f"model.layers.{next(_LAYERS)}.ffn.experts"
 
 
 def _weights():
@@ -100,11 +132,11 @@ def _reference(weights, x, w, ids):
     return ref(x, w, ids), ref
 
 
-def test_033_nvfp4_experts_equal_the_stand_in_bit_for_bit(vllm_config, v033):
+def test_nvfp4_experts_equal_the_stand_in_bit_for_bit(vllm_config, vllm_module):
     weights = _weights()
     x, ids, w = _routing(8, seed=1)
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts = _make(v033, vllm_config, "model.layers.930.ffn.experts", weights)
+        experts = _make(vllm_module, vllm_config, _prefix(), weights)
         y = experts(x, w, ids)
         assert vllm_mod.kernel_flavour(experts) == "vllm-0.33"
         assert type(experts.get_symm_buffer()).__name__ == "NVFP4SymmBuffer"
@@ -112,7 +144,7 @@ def test_033_nvfp4_experts_equal_the_stand_in_bit_for_bit(vllm_config, v033):
     assert torch.equal(y.view(torch.int16), y_ref.view(torch.int16))
 
 
-def test_033_nvfp4_quantized_combine_and_dispatch(vllm_config, v033):
+def test_nvfp4_quantized_combine_and_dispatch(vllm_config, vllm_module):
     import moewire
     from moewire import formats
     from moewire.megamoe import layout
@@ -124,7 +156,7 @@ def test_033_nvfp4_quantized_combine_and_dispatch(vllm_config, v033):
     recipe = [{"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}},
               {"quantizer_name": "*dispatch_quantizer", "cfg": {"format": "mxfp8"}}]
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts = _make(v033, vllm_config, "model.layers.931.ffn.experts", weights)
+        experts = _make(vllm_module, vllm_config, _prefix(), weights)
         holder = torch.nn.Module()
         holder.experts = experts
         moewire.quantize(holder, recipe)
@@ -144,14 +176,14 @@ def test_033_nvfp4_quantized_combine_and_dispatch(vllm_config, v033):
     assert torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
-def test_033_nvfp4_calibration_sees_unweighted_rows(vllm_config, v033):
+def test_nvfp4_calibration_sees_unweighted_rows(vllm_config, vllm_module):
     import moewire
     from moewire.megamoe import layout, wrapper
 
     weights = _weights()
     x, ids, w = _routing(8, seed=4)
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts = _make(v033, vllm_config, "model.layers.932.ffn.experts", weights)
+        experts = _make(vllm_module, vllm_config, _prefix(), weights)
         holder = torch.nn.Module()
         holder.experts = experts
         moewire.quantize(holder, [{"quantizer_name": "*combine_quantizer",
