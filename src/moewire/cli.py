@@ -91,7 +91,8 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--activations", default=None, metavar="PATH",
                    help="captured hidden states [N, H] (.pt or .safetensors)")
     p.add_argument("--mma", choices=MMA_TYPES, default=d.mma,
-                   help="stand-in kernel MMA type (default fp8xfp4, as DeepSeek-V4 serves)")
+                   help="stand-in kernel MMA type (default fp8xfp4, as DeepSeek-V4 serves; "
+                   "nvfp4: the NVFP4 Mega-MoE of vLLM 0.33/0.34, unweighted combine rows)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
     p.add_argument("--router-imbalance", type=_float_at_least(1.0), default=None,
                    metavar="X",

@@ -13,8 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from moewire.megamoe.flavours import ROWS_KINDS
 from moewire.megamoe.registry import adapter_for, registered_classes
-from moewire.megamoe.wrapper import QUANTIZER_NAMES, _module_device, convert, is_converted
+from moewire.megamoe.wrapper import (
+    QUANTIZER_NAMES,
+    _module_device,
+    amax_rows,
+    convert,
+    is_converted,
+    kernel_rows,
+    set_amax_rows,
+)
 from moewire.quantizer import WireQuantizer
 
 __all__ = ["calibrate", "load_scales", "quantize", "quantizers", "save_scales", "summary"]
@@ -280,9 +289,12 @@ def save_scales(model: nn.Module, path: str | Path) -> Path:
     path = _scales_path(path, "save_scales")
     entries: dict[str, dict[str, Any]] = {}
     tensors: dict[str, torch.Tensor] = {}
-    for name, _, quantizer in quantizers(model):
+    for name, module, quantizer in quantizers(model):
         amax = quantizer.static_amax
         entry: dict[str, Any] = {"format": _format_name(quantizer), "shape": None, "amax": None}
+        if name.endswith("combine_quantizer"):
+            # Which kernel's rows the amax describes (nvfp4_mega_moe: unweighted).
+            entry["rows"] = amax_rows(module)
         if amax is not None:
             amax = amax.detach().float().cpu().contiguous()
             entry["shape"] = list(amax.shape)
@@ -297,7 +309,9 @@ def save_scales(model: nn.Module, path: str | Path) -> Path:
     if path.suffix == ".safetensors":
         from safetensors.torch import save
 
-        meta = {n: {"format": e["format"], "shape": e["shape"]} for n, e in entries.items()}
+        meta = {
+            n: {k: v for k, v in e.items() if k != "amax"} for n, e in entries.items()
+        }
         header = json.dumps({"version": SCALES_VERSION, "quantizers": meta})
         # safetensors' save_file creates the file 0600; plain writing honours the umask.
         path.write_bytes(save(tensors, metadata={_METADATA_KEY: header}))
@@ -338,10 +352,13 @@ def _check_entries(path: Path, quantizers_: Any) -> dict[str, Mapping[str, Any]]
         if shape is not None and (not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
             raise _bad(path, f"{name}: shape is {shape!r}, not a list of sizes")
+        rows = entry.get("rows")
+        if rows is not None and rows not in ROWS_KINDS:
+            raise _bad(path, f"{name}: rows is {rows!r}, not one of {ROWS_KINDS}")
     return dict(quantizers_)
 
 
-def _read_safetensors(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None]]:
+def _read_safetensors(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None, str | None]]:
     from safetensors import safe_open
 
     try:
@@ -376,11 +393,11 @@ def _read_safetensors(path: Path) -> dict[str, tuple[str | None, torch.Tensor | 
         if tensor is not None and tensor.dtype != torch.float32:
             raise _bad(path, f"{name}: the amax is {tensor.dtype}; an amax is stored as FP32 "
                              "(torch.float32)")
-        out[name] = (entry.get("format"), tensor)
+        out[name] = (entry.get("format"), tensor, entry.get("rows"))
     return out
 
 
-def _read_json(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None]]:
+def _read_json(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None, str | None]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -406,11 +423,11 @@ def _read_json(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None]]:
             if shape is None or math.prod(shape) != amax.numel():
                 raise _bad(path, f"{name}: amax has {amax.numel()} values and shape {shape!r}")
             amax = amax.float().reshape(shape)
-        out[name] = (entry.get("format"), amax)
+        out[name] = (entry.get("format"), amax, entry.get("rows"))
     return out
 
 
-def _read_scales(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None]]:
+def _read_scales(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None, str | None]]:
     if not path.is_file():
         raise ValueError(f"load_scales: {path} does not exist or is not a file; pass the path "
                          "save_scales wrote")
@@ -468,9 +485,18 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
             "save the scales of this model (moewire.save_scales) or quantize it like the "
             "saved one"
         )
+    modules = {name: module for name, module, _ in quantizers(model)}
     updates, uncovered = [], []
     for name, quantizer in present.items():
-        fmt, amax = saved[name]
+        fmt, amax, tag = saved[name]
+        seen = kernel_rows(modules[name])
+        if tag is not None and seen is not None and tag != seen:
+            raise ValueError(
+                f"load_scales: {name} in {path} was calibrated on {tag} combine rows, but this "
+                f"model's kernel leaves {seen} rows (nvfp4_mega_moe's rows are unweighted "
+                "expert outputs, fp8_fp4_mega_moe's router-weighted): the amaxes are not "
+                "interchangeable; calibrate this model or load scales saved from the same kernel"
+            )
         current = _format_name(quantizer)
         if fmt != current:
             raise ValueError(
@@ -511,6 +537,9 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
         )
     for _, quantizer, amax in updates:
         quantizer.load_amax(amax)
+    for name, (_, _, tag) in saved.items():
+        if tag is not None and name in modules:
+            set_amax_rows(modules[name], tag)
     return [name for name, _, _ in updates]
 
 

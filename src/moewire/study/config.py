@@ -19,12 +19,12 @@ NONE = "bf16"
 _NONE_ALIASES = {"bf16", "none"}
 DEFAULT_DISPATCH = ("fp8", "mxfp8", "nvfp4", "mxfp4")
 DEFAULT_COMBINE = ("fp8", "mxfp8", "nvfp4", "logfmt10")
-MMA_TYPES = ("fp8xfp4", "bf16xbf16")
+MMA_TYPES = ("fp8xfp4", "bf16xbf16", "nvfp4")
 #: The synthetic router's default hottest-expert load over the mean (DeepSeek's
 #: bias-balanced routing keeps it at a few x).
 DEFAULT_ROUTER_IMBALANCE = 2.5
 # The stand-in kernel tiles K by 512 for FP8 x FP4 and by 128 for BF16 (deep_gemm).
-_HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128}
+_HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128, "nvfp4": 128}
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class StudyConfig:
         weights, layer: a safetensors checkpoint and the layer index to read from it.
         activations: captured hidden states ``[N, H]`` (``.pt`` / ``.safetensors``).
         mma: the stand-in kernel's MMA type, ``fp8xfp4`` (FP8 staging, FP4 weights, as
-            DeepSeek-V4 serves) or ``bf16xbf16``.
+            DeepSeek-V4 serves), ``bf16xbf16``, or ``nvfp4`` (the NVFP4 Mega-MoE of vLLM
+            0.33/0.34: per-token NVFP4 staging, NVFP4 weights, unweighted combine rows).
         device: ``cpu`` or ``cuda``.
         seed: seeds weights, router and synthetic tokens.
         out: output directory.

@@ -19,7 +19,15 @@ from torch import nn
 
 import moewire
 from moewire.recipes import Recipe
-from moewire.reference import MegaMoEExperts, MegaMoEWeights, SharedExpert, deep_gemm
+from moewire.reference import (
+    MegaMoEExperts,
+    MegaMoEWeights,
+    NVFP4MegaMoEExperts,
+    NVFP4MegaMoEWeights,
+    SharedExpert,
+    deep_gemm,
+    make_nvfp4_weights,
+)
 from moewire.reference import make_weights as reference_make_weights
 from moewire.study.config import NONE, StudyConfig, check_layer_shapes, router_imbalance
 from moewire.study.data import LayerWeights, Router, balanced_bias, load_weights, norm_gamma
@@ -47,23 +55,39 @@ class MoELayer(nn.Module):
         return self.experts(x, topk_weights, topk_ids, shared_experts=self.shared_experts)
 
 
-def kernel_weights_from_dense(w1: torch.Tensor, w2: torch.Tensor, mma: str) -> MegaMoEWeights:
+def kernel_weights_from_dense(
+    w1: torch.Tensor, w2: torch.Tensor, mma: str
+) -> MegaMoEWeights | NVFP4MegaMoEWeights:
     """Convert dense expert weights into the stand-in kernel's formats.
 
     ``fp8xfp4``: FP4 E2M1 with one UE8M0 scale per 32 along K (the reference kernel's
     weight cast, ``sf = 2^ceil(log2(max(amax, 1e-4) / 6))``), then DeepGEMM's layout
-    transform. ``bf16xbf16``: BF16 as is, then the transform.
+    transform. ``bf16xbf16``: BF16 as is, then the transform. ``nvfp4`` (the NVFP4 Mega-MoE
+    of vLLM 0.33/0.34): NVFP4 per expert, a global scale ``amax / 2688`` and an E4M3 scale
+    per 16 (:func:`moewire.reference.nvfp4_weights.quantize_nvfp4_weight`), then the
+    transform; the global scales become the kernel's ``l1_alpha`` / ``l2_alpha``.
 
     Args:
         w1: ``[E, 2I, H]`` rows ``[gate | up]``; w2: ``[E, H, I]``; any float dtype.
-        mma: ``"fp8xfp4"`` or ``"bf16xbf16"``.
+        mma: ``"fp8xfp4"``, ``"bf16xbf16"`` or ``"nvfp4"``.
 
     Returns:
-        :class:`~moewire.reference.MegaMoEWeights` for experts ``0..E-1``.
+        :class:`~moewire.reference.MegaMoEWeights` (or ``NVFP4MegaMoEWeights``) for
+        experts ``0..E-1``.
     """
     # The reference's own cast, so the kernel reads exactly the format it defines.
     from moewire.reference import quantize_fp4_ue8m0
+    from moewire.reference.nvfp4_weights import quantize_nvfp4_weight
 
+    if mma == "nvfp4":
+        parts = [[quantize_nvfp4_weight(w[e].float()) for e in range(w.shape[0])]
+                 for w in (w1, w2)]
+        raw1, raw2 = (
+            tuple(torch.stack([p[j] for p in ps]) for j in range(2)) for ps in parts
+        )
+        gs1, gs2 = (torch.stack([p[2] for p in ps]) for ps in parts)
+        l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
+        return NVFP4MegaMoEWeights(tuple(range(w1.shape[0])), l1, l2, raw1, raw2, gs1, gs2)
     if mma == "fp8xfp4":
         raw1 = quantize_fp4_ue8m0(w1.float())
         raw2 = quantize_fp4_ue8m0(w2.float())
@@ -95,7 +119,7 @@ class StudyLayer:
     hidden: int
     intermediate: int
     shared_intermediate: int
-    weights: MegaMoEWeights
+    weights: MegaMoEWeights | NVFP4MegaMoEWeights
     shared: nn.Module | None
     router: Router
     source: str
@@ -107,10 +131,17 @@ class StudyLayer:
 
     def fresh(self) -> MoELayer:
         """A new, unconverted layer over the same weights."""
-        experts = MegaMoEExperts(
-            self.num_experts, self.top_k, self.hidden, self.intermediate,
-            self.max_num_tokens, mma_type=self.mma, weights=self.weights, device=self.device,
-        )
+        if self.mma == "nvfp4":
+            experts: nn.Module = NVFP4MegaMoEExperts(
+                self.num_experts, self.top_k, self.hidden, self.intermediate,
+                self.max_num_tokens, weights=self.weights, device=self.device,
+            )
+        else:
+            experts = MegaMoEExperts(
+                self.num_experts, self.top_k, self.hidden, self.intermediate,
+                self.max_num_tokens, mma_type=self.mma, weights=self.weights,
+                device=self.device,
+            )
         return MoELayer(experts, self.shared)
 
     def shapes(self) -> dict[str, Any]:
@@ -152,7 +183,9 @@ def synthetic_router(num_experts: int, hidden: int, top_k: int, gating: str,
 #: with ``make_weights`` at V4-Flash shapes on CPU (fp8xfp4: 8 and 32 experts peaked at 0.47
 #: and 1.33 GB, i.e. 1.42 bytes per weight plus 0.18 GB). bf16xbf16 keeps the BF16 weights
 #: and their transformed copy (4 bytes per weight) plus one expert's FP32 draw.
-_BUILD_BYTES_PER_WEIGHT = {"fp8xfp4": 1.42, "bf16xbf16": 4.5}
+# nvfp4: an estimate from what the stand-in keeps (packed E2M1 + E4M3 scales, 0.56 B, and
+# its dense FP32 weight cache on CPU, 4 B), not measured.
+_BUILD_BYTES_PER_WEIGHT = {"fp8xfp4": 1.42, "bf16xbf16": 4.5, "nvfp4": 4.6}
 _BUILD_FIXED_BYTES = 0.25e9
 #: Tokens per batch above which the CPU run is warned about (each forward pass costs
 #: ``2 * T * k * 3 * H * I`` FLOPs; the demo sweep does about 60 of them at T = 128).
@@ -261,9 +294,12 @@ def build_layer(cfg: StudyConfig, generator: torch.Generator) -> StudyLayer:
         num_experts = cfg.experts or preset.num_experts
         hidden, inter = preset.hidden, preset.intermediate
         check_layer_shapes(cfg, num_experts, preset.top_k, hidden, inter)
-        weights = reference_make_weights(
-            num_experts, hidden, inter, mma_type=cfg.mma, seed=cfg.seed, device=device
-        )
+        if cfg.mma == "nvfp4":
+            weights = make_nvfp4_weights(num_experts, hidden, inter, seed=cfg.seed, device=device)
+        else:
+            weights = reference_make_weights(
+                num_experts, hidden, inter, mma_type=cfg.mma, seed=cfg.seed, device=device
+            )
         shared_inter = preset.num_shared * inter
         shared = None
         if shared_inter:
