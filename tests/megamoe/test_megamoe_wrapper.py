@@ -496,3 +496,83 @@ def test_capture_branch_records_an_assert_instead_of_syncing(corrupt, monkeypatc
         else:
             experts(x, w, ids)
     assert not layout_checked(experts.get_symm_buffer())  # eager still checks later
+
+
+# -- fail closed: a forward that bypasses a hook ---------------------------------------------
+
+
+class _InlineStaging(MegaMoEExperts):
+    """Stages inline (no staging call, as vLLM main's DeepGemmMegaExperts), kernel through
+    the namespace."""
+
+    def forward(self, hidden_states, topk_weights, topk_ids, shared_experts=None):
+        from moewire.reference import experts as experts_module
+
+        buf, t = self.get_symm_buffer(), hidden_states.shape[0]
+        buf.x[:t].copy_(hidden_states)
+        buf.topk_idx[:t].copy_(topk_ids)
+        buf.topk_weights[:t].copy_(topk_weights)
+        y = torch.empty((t, self.hidden), dtype=torch.bfloat16)
+        kernel = getattr(experts_module.deep_gemm, self.kernel_name)
+        kernel(y, self.l1_weights, self.l2_weights, buf)
+        return y
+
+
+class _BoundKernel(MegaMoEExperts):
+    """Stages through the hooked global, but calls a kernel function bound before moewire
+    hooked anything (``from deep_gemm import bf16_mega_moe``)."""
+
+    _kernel = staticmethod(deep_gemm.bf16_mega_moe)
+
+    def forward(self, hidden_states, topk_weights, topk_ids, shared_experts=None):
+        from moewire.reference import experts as experts_module
+
+        buf, t = self.get_symm_buffer(), hidden_states.shape[0]
+        experts_module.stage_mega_moe_inputs(hidden_states, topk_ids, topk_weights, buf)
+        y = torch.empty((t, self.hidden), dtype=torch.bfloat16)
+        self._kernel(y, self.l1_weights, self.l2_weights, buf)
+        return y
+
+
+def _bypassing(cls, which):
+    h, i = SHAPES["bf16xbf16"]
+    experts = convert(cls(8, 4, h, i, 24, mma_type="bf16xbf16", device="cpu"), "layers.7.experts")
+    if which == "dispatch":
+        experts.dispatch_quantizer = WireQuantizer("mxfp8")
+    else:
+        experts.combine_quantizer = WireQuantizer("mxfp8")
+    return experts
+
+
+@pytest.mark.parametrize(
+    "cls,which,hook",
+    [(_InlineStaging, "dispatch", "staging"), (_BoundKernel, "combine", "kernel")],
+    ids=["inline-staging-dispatch", "bound-kernel-combine"],
+)
+def test_a_forward_that_bypasses_a_hook_raises(cls, which, hook):
+    experts = _bypassing(cls, which)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"layers\.7\.experts: the forward of {cls.__name__} \(moewire's stand-in "
+        rf"experts\) finished without reaching moewire's {hook} hook .*{which}_quantizer did "
+        "not run",
+    ):
+        _run(experts)
+
+
+@pytest.mark.parametrize(
+    "cls,which",
+    [(_InlineStaging, "combine"), (_BoundKernel, "dispatch")],
+    ids=["inline-staging-combine", "bound-kernel-dispatch"],
+)
+def test_the_hook_a_quantizer_needs_is_the_one_checked(cls, which):
+    # Inline staging with only a combine quantizer, or a bound kernel with only a dispatch
+    # quantizer: the hook each enabled quantizer acts in was reached, so nothing is refused.
+    _run(_bypassing(cls, which))
+
+
+def test_calibration_fails_closed_too():
+    experts = _bypassing(_BoundKernel, "combine")
+    experts.combine_quantizer = WireQuantizer("nvfp4")
+    with experts.combine_quantizer.calibrating(), pytest.raises(RuntimeError, match="kernel hook"):
+        _run(experts)

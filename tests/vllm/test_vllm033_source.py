@@ -38,7 +38,7 @@ def v033():
         pytest.fail(f"vLLM 0.33 sources missing in {SRC}: run `make test-vllm` (it fetches them)")
     _load("vllm.model_executor.layers.fused_moe.prepare_megamoe", SRC / "prepare_megamoe.py")
     module = _load(NAME, SRC / "deep_gemm_mega_moe.py")
-    site = vllm_mod.ExpertsSite("0.33", NAME, "DeepGemmMegaMoEExperts")
+    site = vllm_mod.ExpertsSite(NAME, "DeepGemmMegaMoEExperts", read_from="0.33")
     vllm_mod.register_site(module.DeepGemmMegaMoEExperts, site)
     return module
 

@@ -64,6 +64,16 @@ QUANTIZER_NAMES = ("dispatch_quantizer", "combine_quantizer")
 _ACTIVE: contextvars.ContextVar[QuantExperts | None] = contextvars.ContextVar(
     "moewire_active_experts", default=None
 )
+# The hooks the running quantized forward has reached ("staging", "kernel").
+_REACHED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "moewire_reached_hooks", default=None
+)
+
+
+def _reached(hook: str) -> None:
+    reached = _REACHED.get()
+    if reached is not None:
+        reached.add(hook)
 
 
 # -- proxies on the forward module's globals ------------------------------------------------
@@ -82,6 +92,7 @@ class _StagingProxy:
         module = _ACTIVE.get()
         if module is None:
             return self._moewire_original(*args, **kwargs)
+        _reached("staging")
         return module._moewire_stage(self._moewire_original, args, kwargs)
 
     def __repr__(self) -> str:
@@ -128,6 +139,7 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
         module = _ACTIVE.get()
         if module is None:
             return fn(*args, **kwargs)
+        _reached("kernel")
         y = args[0] if args else kwargs.get("y")
         if not isinstance(y, torch.Tensor):
             raise RuntimeError(
@@ -284,11 +296,47 @@ class QuantExperts:
         return self.__dict__.get("_moewire_name_") or type(self).__name__
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        token = _ACTIVE.set(self)
+        reached: set[str] = set()
+        token, reached_token = _ACTIVE.set(self), _REACHED.set(reached)
         try:
-            return super().forward(*args, **kwargs)
+            result = super().forward(*args, **kwargs)
         finally:
             _ACTIVE.reset(token)
+            _REACHED.reset(reached_token)
+        self._moewire_require_hooks(reached)
+        return result
+
+    def _moewire_require_hooks(self, reached: set[str]) -> None:
+        """Fail closed: an enabled quantizer whose hook the forward never reached.
+
+        The dispatch quantizer acts in the staging call, the combine quantizer right after
+        the kernel call; a forward that stages inline, imports ``deep_gemm`` under another
+        name or calls a kernel function no flavour describes would otherwise run
+        unquantized without a word.
+        """
+        needed = (
+            ("dispatch_quantizer", "staging", "the staging call"),
+            ("combine_quantizer", "kernel", "the Mega-MoE kernel call"),
+        )
+        for quantizer_name, hook, what in needed:
+            if getattr(self, quantizer_name).mode == "disabled" or hook in reached:
+                continue
+            adapter = self._moewire_adapter
+            if hook == "staging":
+                looked = f"{adapter.forward_module}.{adapter.stage_fn}"
+            else:
+                looked = (
+                    f"{adapter.forward_module}.{adapter.kernel_ns}.<"
+                    f"{'|'.join(sorted(_flavours.kernel_functions()))}>"
+                )
+            raise RuntimeError(
+                f"{self._moewire_name}: the forward of {_original_class(self).__qualname__} "
+                f"({adapter.runtime()}) finished without reaching moewire's {hook} hook "
+                f"({what}, through {looked}), so {quantizer_name} did not run and the output "
+                "is unquantized. This forward stages or calls the kernel some other way "
+                "(inline staging, a local import of deep_gemm, a kernel function no flavour "
+                f"describes); register an experts adapter for it, or disable {quantizer_name}"
+            )
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -418,6 +466,11 @@ class QuantExperts:
                 f"{where} ({bad} of {total} routed tokens differ).{_debug_env_hint()} {causes}"
             )
         state.checked = True
+
+
+def _original_class(module: nn.Module) -> type:
+    """The experts class ``Quant<Cls>`` was generated from."""
+    return next(k for k in type(module).__mro__ if not issubclass(k, QuantExperts))
 
 
 def _capturing(t: torch.Tensor) -> bool:
