@@ -234,7 +234,7 @@ def test_check_raises_on_a_corrupted_row(monkeypatch):
 
     monkeypatch.setattr(deep_gemm, "bf16_mega_moe", corrupting)
     x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=13)
-    with pytest.raises(RuntimeError, match=r"\(1 of \d+ routed tokens differ\)"):
+    with pytest.raises(RuntimeError, match=r"\(1 of \d+ compared tokens differ\)"):
         experts(x, w, ids)
 
 
@@ -576,3 +576,82 @@ def test_calibration_fails_closed_too():
     experts.combine_quantizer = WireQuantizer("nvfp4")
     with experts.combine_quantizer.calibrating(), pytest.raises(RuntimeError, match="kernel hook"):
         _run(experts)
+
+
+# -- the blind spot: which stored row is the shared one ----------------------------------------
+
+
+def _shared_stored_first(real):
+    """A kernel build that stores the fused shared row at slot 0 (routed slot s at s + 1)
+    and sums it first: the old ``sgl`` picture. With every slot valid, reading it as a
+    build that stores the shared row at k adds the same rows and matches ``y``."""
+
+    def kernel(y, l1, l2, buf, **kwargs):
+        real(y, l1, l2, buf, **kwargs)
+        rows = region(buf)
+        rows.copy_(torch.cat([rows[-1:], rows[:-1]]))
+
+    return kernel
+
+
+def test_all_valid_batches_do_not_prove_which_row_is_shared(monkeypatch):
+    # The repro of issue 12 (item 5): the wrong storage slot passes the sum check when every
+    # slot is valid and no token is padding, so such batches must not mark the buffer.
+    experts = combine_on(converted(Model(n=1, fused=1)))
+    monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _shared_stored_first(deep_gemm.bf16_mega_moe))
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=30, masked=0.0)
+    for _ in range(2):
+        experts(x, w, ids)  # the sums match: no error, yet nothing proven
+        assert not layout_checked(experts.get_symm_buffer())
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=32, masked=0.0)
+    ids[5, 2] = -1  # a token with an invalid slot tells the readings apart
+    with pytest.raises(RuntimeError, match="layout check failed"):
+        experts(x, w, ids)
+
+
+def test_a_padding_token_proves_the_shared_row(monkeypatch):
+    experts = combine_on(converted(Model(n=1, fused=1)))
+    buf = experts.get_symm_buffer()
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=31, masked=0.0)
+    experts(x, w, ids)
+    assert not layout_checked(buf)  # every slot valid: the right reading is not proven yet
+    pad = torch.zeros(T, dtype=torch.bool)
+    pad[3] = True  # a padding token gets the shared row only
+    with forward_context(is_padding=pad):
+        experts(x, w, ids)
+    assert layout_checked(buf)
+    monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _shared_stored_first(deep_gemm.bf16_mega_moe))
+    wrapper.reset_layout_checks()
+    with forward_context(is_padding=pad), pytest.raises(RuntimeError, match="layout check"):
+        experts(x, w, ids)
+
+
+def _shared_summed_last(real):
+    """Token 0 gets rows whose FP32 sum order survives the BF16 rounding (routed 2^16, 1,
+    1, 0 and the shared row 2^24 at slot k), and ``y`` as a build adding it last."""
+
+    def kernel(y, l1, l2, buf, **kwargs):
+        real(y, l1, l2, buf, **kwargs)
+        rows = region(buf)
+        rows[:, 0, 0] = torch.tensor([2.0**16, 1.0, 1.0, 0.0, 2.0**24], dtype=torch.bfloat16)
+        y[0, 0] = 2.0**24 + 2.0**17  # shared first would give 2^24
+
+    return kernel
+
+
+@pytest.mark.parametrize(
+    "flavour,raises", [("vllm-0.32", False), ("vllm-0.33", True)], ids=["last", "first"]
+)
+def test_check_sees_where_the_shared_row_is_added(flavour, raises, monkeypatch):
+    with deep_gemm.use_flavour(flavour):
+        experts = combine_on(converted(Model(n=1, fused=1)))
+        monkeypatch.setattr(
+            deep_gemm, "bf16_mega_moe", _shared_summed_last(deep_gemm.bf16_mega_moe)
+        )
+        x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=33)
+        ids[0] = torch.arange(4)
+        if raises:
+            with pytest.raises(RuntimeError, match=r"added first\) does not reproduce"):
+                experts(x, w, ids)
+        else:
+            experts(x, w, ids)

@@ -191,6 +191,9 @@ class _BufferCheck:
     flat: weakref.ref  # the checked flat tensor; a dead reference means "check again"
     graph_warned: bool = False
     checked: bool = False
+    # Stored slots a fused shared row could also be read from, that no batch has yet ruled
+    # out (None: not started). The buffer is checked once this is empty.
+    unrefuted: set[int] | None = None
 
 
 _CHECKS: dict[tuple[str, int], _BufferCheck] = {}
@@ -422,10 +425,22 @@ class QuantExperts:
         flavour: _flavours.Flavour,
         kernel: str,
     ) -> None:
-        """Unquantized re-sum == ``y`` bit for bit over the tokens with a routed row."""
+        """Unquantized re-sum == ``y`` bit for bit, and proof of which row is which.
+
+        Compared tokens: those with a routed row, and with a fused shared expert every
+        token (the kernel gives every token its shared row: ``impls/sm100_*_mega_moe.cuh``,
+        lane ``kNumTopk`` is always valid). With a fused shared expert, sums that match
+        do not yet say which stored row is the shared one: with every slot valid, reading
+        the shared row from another slot adds the same rows. So the buffer is marked
+        checked only once, over one or more batches, every other reading (shared row at
+        slot ``j < k``, routed slots shifted past it) has failed to reproduce ``y`` on some
+        token (a token with an invalid slot, or a padding token with the shared row only);
+        until then every eager batch is checked again.
+        """
         expected = resum(rows, topk_idx, num_tokens, shared_position=shared)
         routed = (topk_idx[:num_tokens] >= 0).any(dim=1)
-        differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & routed
+        compared = routed | (shared is not None)
+        differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & compared
         where = (
             f"{self._moewire_name}: the Mega-MoE layout check failed: the unquantized re-sum "
             f"of the combine rows of {kernel} read with kernel flavour {flavour.name!r} (combine "
@@ -457,14 +472,28 @@ class QuantExperts:
             torch._assert_async(~differs.any(), short[:254])
             return
         has_routed, bad, total = torch.stack(
-            [routed.any().long(), differs.sum(), routed.sum()]
+            [routed.any().long(), differs.sum(), compared.sum()]
         ).tolist()
         if not has_routed:
             return
         if bad:
             raise RuntimeError(
-                f"{where} ({bad} of {total} routed tokens differ).{_debug_env_hint()} {causes}"
+                f"{where} ({bad} of {total} compared tokens differ).{_debug_env_hint()} "
+                f"{causes}"
             )
+        if shared is not None:
+            k = topk_idx.shape[1]
+            if state.unrefuted is None:
+                state.unrefuted = set(range(k))
+            for j in sorted(state.unrefuted):
+                # Shared row read from slot j, routed slots j.. shifted up by one.
+                order = [*range(j), *range(j + 1, k + 1), j]
+                alternative = resum(rows[order], topk_idx, num_tokens, shared_position=shared)
+                if bool(((alternative.view(torch.int16) != y.view(torch.int16)).any(1)
+                         & compared).any()):
+                    state.unrefuted.discard(j)
+            if state.unrefuted:
+                return
         state.checked = True
 
 
