@@ -280,6 +280,7 @@ def prepare_megamoe_inputs_reference(
     shared_x_sf: torch.Tensor | None = None,
     shared_block_m: int | None = None,
     hidden_quant: Any = "mxfp8",
+    eplb_state: Any = None,
 ) -> None:
     """vLLM's ``prepare_megamoe_inputs`` (a Triton kernel) in plain torch, for CPU tests.
 
@@ -298,7 +299,14 @@ def prepare_megamoe_inputs_reference(
         x_fp8, x_sf, topk_idx_out, topk_weights_out: the buffer's ``[:T]`` views.
         is_padding: bool ``[T]`` or ``None``.
         hidden_quant: vLLM's ``kMxfp8Dynamic`` (or anything but ``None``) or ``None``.
+        eplb_state: vLLM 0.34's ``EplbLayerState`` (the staging kernel maps logical ids to
+            physical replicas there); only a state without a mapping is accepted here.
     """
+    if getattr(eplb_state, "logical_to_physical_map", None) is not None:
+        raise ValueError(
+            "prepare_megamoe_inputs_reference: EPLB id mapping (eplb_state with a "
+            "logical_to_physical_map) is not implemented in the CPU stand-in; run without EPLB"
+        )
     num_tokens, hidden = hidden_states.shape
     if num_tokens == 0:
         return
