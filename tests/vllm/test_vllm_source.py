@@ -362,3 +362,36 @@ def test_fused_shared_combine_on_order_visible_rows(vllm_config, v033, kernel_ad
     assert y[0, 0].item() == 0.5
     wrong = setup.oracle_resum(quantized, buffer.topk_idx, 6, shared="last")
     assert not torch.equal(wrong.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("skip", ["0", "1"], ids=["skip-padding-0", "skip-padding-1"])
+def test_padding_stays_out_of_calibrated_amaxes(vllm_config, v033, skip, monkeypatch):
+    """VLLM_MOE_SKIP_PADDING=1: the forward passes is_padding and staging writes id -1;
+    =0: it passes none, and the padding rows reach staging with the router's ids, -1 for
+    padding. Either way the padding tokens (here 1000x larger) stay out of both amaxes."""
+    monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", skip)
+    vllm_mod.register_vllm_experts()
+    seen = []
+    real = vllm_mod.prepare_megamoe_inputs_reference
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("is_padding"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vllm_mod, "prepare_megamoe_inputs_reference", recording)
+    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+        experts, _ = _make_033(v033, vllm_config, v033.layer(96 + int(skip)))
+        model = torch.nn.ModuleDict({"experts": experts})
+        x, ids, w, pad = _batch(97)
+        ids = torch.where(pad[:, None], -1, ids)
+
+        def loop(m):
+            _forward_033(vllm_config, m["experts"], x, ids, w, pad)
+
+        api.quantize(model, "moe_fp8_dispatch_nvfp4_combine", forward_loop=loop)
+        buffer = experts.get_symm_buffer()
+    assert (seen[-1] is None) == (skip == "0")
+    assert float(experts.dispatch_quantizer.amax) == float(x[~pad].float().abs().max())
+    rows = setup.oracle_rows(buffer, K, "vllm-0.33")[:, :6]
+    valid = (buffer.topk_idx[:6] >= 0).T
+    assert float(experts.combine_quantizer.amax) == float(rows[valid].float().abs().max())
