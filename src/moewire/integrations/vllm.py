@@ -1,8 +1,9 @@
 """moewire in vLLM's native Mega-MoE path (``--moe-backend deep_gemm_mega_moe``).
 
-What vLLM runs (read from the 0.32.0 and 0.33.0 sources; docs/vllm.md has the table):
+What vLLM runs (read from the 0.32.0, 0.33.0 and 0.34.0 sources; docs/vllm.md has the
+table). Classes are recognised by structure (:func:`recognise`), not by version:
 
-- 0.33: ``vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe.DeepGemmMegaMoEExperts``,
+- 0.33, 0.34: ``vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe.DeepGemmMegaMoEExperts``,
   ``forward(hidden_states, topk_weights, topk_ids, shared_experts=None)``; an unfused shared
   expert is added inside the forward after the kernel (``y += shared_experts(x)``).
 - 0.32: ``vllm.models.deepseek_v4.nvidia.model.DeepseekV4MegaMoEExperts`` and its subclass
