@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _vllm_world import H, K
+from _vllm_world import E, H, K
 
 pytestmark = pytest.mark.vllm
 
@@ -224,30 +224,45 @@ def test_two_rank_gloo_ep_group():
             assert result["remote"] > 0
 
 
-def test_kimi_k3_experts_are_registered_and_converted(vllm_config):
-    """Kimi-K3 (a DeepseekV4MegaMoEExperts subclass, SiTU): converted by moewire.quantize.
-
-    Its forward cannot run here: the stand-in kernel implements SwiGLU only.
-    """
+def test_kimi_k3_situ_forward_is_quantized(vllm_config):
+    """Kimi-K3 (a DeepseekV4MegaMoEExperts subclass, SiTU): its real forward runs on the
+    stand-in's SiTU kernel; the combine is re-summed from reference-quantized rows."""
     api = pytest.importorskip("moewire.megamoe.api")
     from vllm.models.kimi_k3.nvidia.model import KimiK3MegaMoEExperts
 
     from moewire.megamoe.registry import adapter_for
 
     vllm_mod.register_vllm_experts()
+    prefix = _prefix()
     experts = KimiK3MegaMoEExperts(
-        vllm_config, num_experts=4, num_local_experts=4, experts_start_idx=0, top_k=K,
-        hidden_size=H, intermediate_size=512, prefix=_prefix(), activation="situ",
-        activation_beta=1.0, activation_linear_beta=None,
+        vllm_config, num_experts=E, num_local_experts=E, experts_start_idx=0, top_k=K,
+        hidden_size=H, intermediate_size=_setup.INTER, prefix=prefix, activation="situ",
+        activation_beta=2.5, activation_linear_beta=1.5,
     )
+    reference = _setup.make_experts(vllm_config, prefix=prefix + ".ckpt")
+    for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
+        getattr(experts, name).data.copy_(getattr(reference, name).data)
     assert adapter_for(experts).name == "vllm-KimiK3MegaMoEExperts"
     model = torch.nn.ModuleDict({"experts": experts})
+    x, ids, w = _setup.routing(6, seed=41)
     with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
-        api.quantize(model, "moe_fp8_dispatch_nvfp4_combine")
-        assert isinstance(experts, KimiK3MegaMoEExperts)
-        assert experts.dispatch_quantizer.mode == "quantize"
-        with pytest.raises(ValueError, match="swiglu"):
-            experts.get_symm_buffer()
+        plain = experts(x, w, ids, activation_clamp=None)
+        buffer = experts.get_symm_buffer()
+        assert buffer.activation == "situ"
+        rows = _setup.oracle_rows(buffer, K).clone()
+        assert torch.equal(
+            plain.view(torch.int16), _setup.oracle_resum(rows, buffer.topk_idx, 6).view(
+                torch.int16)
+        )
+        api.quantize(model, "moe_combine_mxfp8")
+        y = experts(x, w, ids, activation_clamp=None)
+    mxfp8 = pytest.importorskip("moewire.formats").get("mxfp8")
+    rows = _setup.oracle_rows(buffer, K)[:, :6]
+    expected = _setup.oracle_resum(
+        torch.stack([mxfp8.reference(r, None) for r in rows]), buffer.topk_idx, 6
+    )
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+    assert not torch.equal(y.view(torch.int16), plain.view(torch.int16))
 
 
 def test_quantize_without_deep_gemm_is_refused(vllm_config):
