@@ -655,3 +655,19 @@ def test_check_sees_where_the_shared_row_is_added(flavour, raises, monkeypatch):
                 experts(x, w, ids)
         else:
             experts(x, w, ids)
+
+
+def test_a_weighted_combine_layout_is_refused(monkeypatch):
+    # A build whose combine multiplies unweighted rows by the router weights (the NVFP4
+    # kernel's): re-summing them as weighted rows would be wrong, so it is refused.
+    from moewire.megamoe import flavours
+
+    weighted = flavours.Flavour(
+        "test-weighted", {"bf16_mega_moe": flavours.KernelLayout("last_region", None, True)}
+    )
+    monkeypatch.setitem(flavours._REGISTRY, weighted.name, weighted)
+    experts = combine_on(converted(Model(n=1)))
+    monkeypatch.setenv(flavours.ENV_FLAVOUR, "test-weighted")  # the reference adapter detects
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=34)
+    with pytest.raises(RuntimeError, match="applies the router weights in its combine"):
+        experts(x, w, ids)

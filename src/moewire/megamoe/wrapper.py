@@ -399,8 +399,15 @@ class QuantExperts:
         flavour = _flavours.get(adapter.flavour(self))
         fused = bool(adapter.fused_shared(self))
         symm_buffer = adapter.get_symm_buffer(self)
+        layout = flavour.layout(kernel)
+        if layout.weighted:
+            raise RuntimeError(
+                f"{name}: kernel {kernel} of build {flavour.name!r} applies the router weights "
+                "in its combine (its rows are unweighted), and this moewire re-sums weighted "
+                "rows only; disable the combine quantizer for this kernel"
+            )
         rows = combine_rows(symm_buffer, flavour, kernel, fused_shared=fused)
-        shared = flavour.layout(kernel).shared_position if fused else None
+        shared = layout.shared_position if fused else None
         num_tokens = y.shape[0]
         _on_device(quantizer, y.device, name, "combine_quantizer")
         state = _buffer_state(symm_buffer)
