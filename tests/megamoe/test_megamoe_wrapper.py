@@ -671,3 +671,30 @@ def test_a_weighted_combine_layout_is_refused(monkeypatch):
     x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=34)
     with pytest.raises(RuntimeError, match="applies the router weights in its combine"):
         experts(x, w, ids)
+
+
+class _LocalImport(MegaMoEExperts):
+    """Imports DeepGEMM inside the forward (vLLM main's ``DeepGemmMegaExperts`` shape): no
+    module global of the forward is involved in the kernel call."""
+
+    def forward(self, hidden_states, topk_weights, topk_ids, shared_experts=None):
+        import importlib
+
+        from moewire.reference import experts as experts_module
+
+        dg = importlib.import_module("moewire.reference.deep_gemm")
+        buf, t = self.get_symm_buffer(), hidden_states.shape[0]
+        experts_module.stage_mega_moe_inputs(hidden_states, topk_ids, topk_weights, buf)
+        y = torch.empty((t, self.hidden), dtype=torch.bfloat16)
+        dg.bf16_mega_moe(y, self.l1_weights, self.l2_weights, buf)
+        return y
+
+
+def test_a_local_deep_gemm_import_is_hooked_on_the_module_object():
+    experts = _bypassing(_LocalImport, "combine")
+    assert isinstance(deep_gemm, wrapper._HookedModule)
+    y = _run(experts)
+    rows, topk = valid_rows_np(experts.get_symm_buffer(), T)
+    want = oracles.resum(rows, topk, T, quant=lambda r: oracles.mxfp8(r[None])[0])
+    np.testing.assert_array_equal(oracles.torch_bits(y), want)
+    assert (oracles.resum(rows, topk, T) != want).any()  # the combine did quantize

@@ -323,11 +323,12 @@ def _register_classes(classes: list[type]) -> None:
         key = _key(cls)
         # ModelOpt asserts on a second registration of a class; one it registers itself
         # (PR #2767 registers vLLM's Mega-MoE classes) is refused here with what to do.
-        if cls in QuantModuleRegistry._registry and QuantModuleRegistry.get_key(cls) != key:
+        existing = QuantModuleRegistry._key_registry.get(cls)  # this exact class
+        if existing is not None and existing != key:
             raise RuntimeError(
                 f"moewire.integrations.modelopt.register: ModelOpt already registers "
-                f"{cls.__module__}.{cls.__qualname__} (key "
-                f"{QuantModuleRegistry.get_key(cls)!r}), so it quantizes this class its own way "
+                f"{cls.__module__}.{cls.__qualname__} (key {existing!r}), so it quantizes "
+                "this class its own way "
                 "and moewire cannot add its quantizers to it. Use ModelOpt's own Mega-MoE "
                 "support for it, or call QuantModuleRegistry.unregister(cls) before "
                 "moewire.integrations.modelopt.register()"

@@ -32,6 +32,7 @@ import contextvars
 import importlib
 import inspect
 import os
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -112,6 +113,8 @@ class _KernelNamespace:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._moewire_namespace, name)
+        if isinstance(self._moewire_namespace, _HookedModule):
+            return attr  # the module object hooks its kernels itself
         if name not in _flavours.kernel_functions() or not callable(attr):
             return attr
         cached = self._moewire_wrapped.get(name)
@@ -159,8 +162,52 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
     return kernel
 
 
+class _HookedModule(types.ModuleType):
+    """The class a DeepGEMM module object gets once hooked: reading one of its Mega-MoE
+    kernel functions while a quantized forward runs gives the wrapped kernel.
+
+    A hook on DeepGEMM's own module object reaches every caller that looks the kernel up
+    on it at call time, however it got the module (a global, ``_import_deep_gemm()``, or
+    ``import deep_gemm`` inside the forward, as vLLM main's ``DeepGemmMegaExperts``
+    does); a caller that bound the function earlier is caught by the fail-closed check.
+    """
+
+    def __getattribute__(self, name: str) -> Any:
+        attr = super().__getattribute__(name)
+        if (
+            name.endswith("mega_moe")
+            and _ACTIVE.get() is not None
+            and callable(attr)
+            and name in _flavours.kernel_functions()
+        ):
+            cached = _MODULE_WRAPPED.get((id(self), name))
+            if cached is None or cached[0] is not attr:
+                cached = (attr, _wrap_kernel(attr, name))
+                _MODULE_WRAPPED[(id(self), name)] = cached
+            return cached[1]
+        return attr
+
+
+_MODULE_WRAPPED: dict[tuple[int, str], tuple[Callable, Callable]] = {}
+
+
+def hook_module(namespace: Any) -> bool:
+    """Hook a DeepGEMM module object's kernel functions in place; True if it is hooked.
+
+    Only a plain module is hooked (its class becomes :class:`_HookedModule`); anything
+    else (a test's namespace object) keeps the global proxy alone.
+    """
+    if isinstance(namespace, _HookedModule):
+        return True
+    if type(namespace) is not types.ModuleType:
+        return False
+    namespace.__class__ = _HookedModule
+    return True
+
+
 def install_proxies(adapter: ExpertsAdapter) -> None:
-    """Replace the adapter's two globals by proxies (once: a proxy is never wrapped again)."""
+    """Replace the adapter's two globals by proxies (once: a proxy is never wrapped again),
+    and hook the DeepGEMM module object itself where the namespace is a module."""
     try:
         module = importlib.import_module(adapter.forward_module)
     except ImportError as exc:
@@ -180,7 +227,10 @@ def install_proxies(adapter: ExpertsAdapter) -> None:
         setattr(module, adapter.stage_fn, _StagingProxy(stage))
     namespace = getattr(module, adapter.kernel_ns)
     if not isinstance(namespace, _KernelNamespace):
+        hook_module(namespace)
         setattr(module, adapter.kernel_ns, _KernelNamespace(namespace))
+    else:
+        hook_module(namespace._moewire_namespace)
 
 
 # -- the layout check registry ------------------------------------------------------------------
