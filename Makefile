@@ -42,7 +42,8 @@ test-vllm:
 	test -x .venv-vllm/bin/python || python3.11 -m venv .venv-vllm
 	.venv-vllm/bin/pip install -q --no-deps -r tests/vllm/requirements.txt
 	.venv-vllm/bin/pip install -q --no-deps -e .
-	.venv-vllm/bin/python tests/vllm/fetch_vllm033.py .venv-vllm/vllm-0.33.0-src
+	.venv-vllm/bin/python tests/vllm/fetch_vllm_src.py 0.33.0 .venv-vllm/vllm-0.33.0-src
+	.venv-vllm/bin/python tests/vllm/fetch_vllm_src.py 0.34.0 .venv-vllm/vllm-0.34.0-src
 	.venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
 
 clean:

@@ -113,3 +113,27 @@ def test_resum_fused_kernel_equals_the_torch_path(fmt, amax, shared_slot, monkey
     plain = resum(rows, topk, t, shared_position=shared_slot, row_quantizer=quantizer)
     assert calls == [1]
     np.testing.assert_array_equal(bits(fused), bits(plain))
+
+
+def test_resum_shared_added_first_takes_the_torch_path(monkeypatch):
+    # The current kernel reads a "first" shared row from slot 0; every build stores it at k.
+    from moewire import kernels
+    from moewire.megamoe.resum import resum
+    from moewire.quantizer import WireQuantizer
+
+    if not kernels.available():
+        pytest.skip("moewire.kernels unavailable (no Triton)")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    k, tmax, hidden, t = 4, 48, 256, 40
+    rows = torch.randn(k + 1, tmax, hidden, device="cuda", generator=g).bfloat16()
+    topk = torch.randint(0, 16, (tmax, k), device="cuda", generator=g)
+    calls = []
+    real = kernels.fused_combine
+    monkeypatch.setattr(
+        kernels, "fused_combine", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    quantizer = WireQuantizer("mxfp8").cuda()
+    got = resum(rows, topk, t, shared_position="first", row_quantizer=quantizer)
+    assert calls == []
+    want = resum(rows.cpu(), topk.cpu(), t, shared_position="first", row_quantizer=quantizer.cpu())
+    np.testing.assert_array_equal(bits(got), bits(want))

@@ -234,7 +234,7 @@ def test_check_raises_on_a_corrupted_row(monkeypatch):
 
     monkeypatch.setattr(deep_gemm, "bf16_mega_moe", corrupting)
     x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=13)
-    with pytest.raises(RuntimeError, match=r"\(1 of \d+ routed tokens differ\)"):
+    with pytest.raises(RuntimeError, match=r"\(1 of \d+ compared tokens differ\)"):
         experts(x, w, ids)
 
 
@@ -496,3 +496,206 @@ def test_capture_branch_records_an_assert_instead_of_syncing(corrupt, monkeypatc
         else:
             experts(x, w, ids)
     assert not layout_checked(experts.get_symm_buffer())  # eager still checks later
+
+
+# -- fail closed: a forward that bypasses a hook ---------------------------------------------
+
+
+class _InlineStaging(MegaMoEExperts):
+    """Stages inline (no staging call, as vLLM main's DeepGemmMegaExperts), kernel through
+    the namespace."""
+
+    def forward(self, hidden_states, topk_weights, topk_ids, shared_experts=None):
+        from moewire.reference import experts as experts_module
+
+        buf, t = self.get_symm_buffer(), hidden_states.shape[0]
+        buf.x[:t].copy_(hidden_states)
+        buf.topk_idx[:t].copy_(topk_ids)
+        buf.topk_weights[:t].copy_(topk_weights)
+        y = torch.empty((t, self.hidden), dtype=torch.bfloat16)
+        kernel = getattr(experts_module.deep_gemm, self.kernel_name)
+        kernel(y, self.l1_weights, self.l2_weights, buf)
+        return y
+
+
+class _BoundKernel(MegaMoEExperts):
+    """Stages through the hooked global, but calls a kernel function bound before moewire
+    hooked anything (``from deep_gemm import bf16_mega_moe``)."""
+
+    _kernel = staticmethod(deep_gemm.bf16_mega_moe)
+
+    def forward(self, hidden_states, topk_weights, topk_ids, shared_experts=None):
+        from moewire.reference import experts as experts_module
+
+        buf, t = self.get_symm_buffer(), hidden_states.shape[0]
+        experts_module.stage_mega_moe_inputs(hidden_states, topk_ids, topk_weights, buf)
+        y = torch.empty((t, self.hidden), dtype=torch.bfloat16)
+        self._kernel(y, self.l1_weights, self.l2_weights, buf)
+        return y
+
+
+def _bypassing(cls, which):
+    h, i = SHAPES["bf16xbf16"]
+    experts = convert(cls(8, 4, h, i, 24, mma_type="bf16xbf16", device="cpu"), "layers.7.experts")
+    if which == "dispatch":
+        experts.dispatch_quantizer = WireQuantizer("mxfp8")
+    else:
+        experts.combine_quantizer = WireQuantizer("mxfp8")
+    return experts
+
+
+@pytest.mark.parametrize(
+    "cls,which,hook",
+    [(_InlineStaging, "dispatch", "staging"), (_BoundKernel, "combine", "kernel")],
+    ids=["inline-staging-dispatch", "bound-kernel-combine"],
+)
+def test_a_forward_that_bypasses_a_hook_raises(cls, which, hook):
+    experts = _bypassing(cls, which)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"layers\.7\.experts: the forward of {cls.__name__} \(moewire's stand-in "
+        rf"experts\) finished without reaching moewire's {hook} hook .*{which}_quantizer did "
+        "not run",
+    ):
+        _run(experts)
+
+
+@pytest.mark.parametrize(
+    "cls,which",
+    [(_InlineStaging, "combine"), (_BoundKernel, "dispatch")],
+    ids=["inline-staging-combine", "bound-kernel-dispatch"],
+)
+def test_the_hook_a_quantizer_needs_is_the_one_checked(cls, which):
+    # Inline staging with only a combine quantizer, or a bound kernel with only a dispatch
+    # quantizer: the hook each enabled quantizer acts in was reached, so nothing is refused.
+    _run(_bypassing(cls, which))
+
+
+def test_calibration_fails_closed_too():
+    experts = _bypassing(_BoundKernel, "combine")
+    experts.combine_quantizer = WireQuantizer("nvfp4")
+    with experts.combine_quantizer.calibrating(), pytest.raises(RuntimeError, match="kernel hook"):
+        _run(experts)
+
+
+# -- the blind spot: which stored row is the shared one ----------------------------------------
+
+
+def _shared_stored_first(real):
+    """A kernel build that stores the fused shared row at slot 0 (routed slot s at s + 1)
+    and sums it first: the old ``sgl`` picture. With every slot valid, reading it as a
+    build that stores the shared row at k adds the same rows and matches ``y``."""
+
+    def kernel(y, l1, l2, buf, **kwargs):
+        real(y, l1, l2, buf, **kwargs)
+        rows = region(buf)
+        rows.copy_(torch.cat([rows[-1:], rows[:-1]]))
+
+    return kernel
+
+
+def test_all_valid_batches_do_not_prove_which_row_is_shared(monkeypatch):
+    # The repro of issue 12 (item 5): the wrong storage slot passes the sum check when every
+    # slot is valid and no token is padding, so such batches must not mark the buffer.
+    experts = combine_on(converted(Model(n=1, fused=1)))
+    monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _shared_stored_first(deep_gemm.bf16_mega_moe))
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=30, masked=0.0)
+    for _ in range(2):
+        experts(x, w, ids)  # the sums match: no error, yet nothing proven
+        assert not layout_checked(experts.get_symm_buffer())
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=32, masked=0.0)
+    ids[5, 2] = -1  # a token with an invalid slot tells the readings apart
+    with pytest.raises(RuntimeError, match="layout check failed"):
+        experts(x, w, ids)
+
+
+def test_a_padding_token_proves_the_shared_row(monkeypatch):
+    experts = combine_on(converted(Model(n=1, fused=1)))
+    buf = experts.get_symm_buffer()
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=31, masked=0.0)
+    experts(x, w, ids)
+    assert not layout_checked(buf)  # every slot valid: the right reading is not proven yet
+    pad = torch.zeros(T, dtype=torch.bool)
+    pad[3] = True  # a padding token gets the shared row only
+    with forward_context(is_padding=pad):
+        experts(x, w, ids)
+    assert layout_checked(buf)
+    monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _shared_stored_first(deep_gemm.bf16_mega_moe))
+    wrapper.reset_layout_checks()
+    with forward_context(is_padding=pad), pytest.raises(RuntimeError, match="layout check"):
+        experts(x, w, ids)
+
+
+def _shared_summed_last(real):
+    """Token 0 gets rows whose FP32 sum order survives the BF16 rounding (routed 2^16, 1,
+    1, 0 and the shared row 2^24 at slot k), and ``y`` as a build adding it last."""
+
+    def kernel(y, l1, l2, buf, **kwargs):
+        real(y, l1, l2, buf, **kwargs)
+        rows = region(buf)
+        rows[:, 0, 0] = torch.tensor([2.0**16, 1.0, 1.0, 0.0, 2.0**24], dtype=torch.bfloat16)
+        y[0, 0] = 2.0**24 + 2.0**17  # shared first would give 2^24
+
+    return kernel
+
+
+@pytest.mark.parametrize(
+    "flavour,raises", [("vllm-0.32", False), ("vllm-0.33", True)], ids=["last", "first"]
+)
+def test_check_sees_where_the_shared_row_is_added(flavour, raises, monkeypatch):
+    with deep_gemm.use_flavour(flavour):
+        experts = combine_on(converted(Model(n=1, fused=1)))
+        monkeypatch.setattr(
+            deep_gemm, "bf16_mega_moe", _shared_summed_last(deep_gemm.bf16_mega_moe)
+        )
+        x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=33)
+        ids[0] = torch.arange(4)
+        if raises:
+            with pytest.raises(RuntimeError, match=r"added first\) does not reproduce"):
+                experts(x, w, ids)
+        else:
+            experts(x, w, ids)
+
+
+def test_a_weighted_layout_on_a_kernel_with_weighted_rows_fails_the_layout_check(monkeypatch):
+    # A flavour that says the combine multiplies unweighted rows by the router weights (the
+    # NVFP4 kernel's) on a kernel whose rows are already weighted: the FMA re-sum weights
+    # them twice, and the layout check must catch it before anything is quantized.
+    from moewire.megamoe import flavours
+
+    weighted = flavours.Flavour(
+        "test-weighted", {"bf16_mega_moe": flavours.KernelLayout("last_region", None, True)}
+    )
+    monkeypatch.setitem(flavours._REGISTRY, weighted.name, weighted)
+    experts = combine_on(converted(Model(n=1)))
+    monkeypatch.setenv(flavours.ENV_FLAVOUR, "test-weighted")  # the reference adapter detects
+    x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=34)
+    with pytest.raises(RuntimeError, match="layout check failed"):
+        experts(x, w, ids)
+
+
+class _LocalImport(MegaMoEExperts):
+    """Imports DeepGEMM inside the forward (vLLM main's ``DeepGemmMegaExperts`` shape): no
+    module global of the forward is involved in the kernel call."""
+
+    def forward(self, hidden_states, topk_weights, topk_ids, shared_experts=None):
+        import importlib
+
+        from moewire.reference import experts as experts_module
+
+        dg = importlib.import_module("moewire.reference.deep_gemm")
+        buf, t = self.get_symm_buffer(), hidden_states.shape[0]
+        experts_module.stage_mega_moe_inputs(hidden_states, topk_ids, topk_weights, buf)
+        y = torch.empty((t, self.hidden), dtype=torch.bfloat16)
+        dg.bf16_mega_moe(y, self.l1_weights, self.l2_weights, buf)
+        return y
+
+
+def test_a_local_deep_gemm_import_is_hooked_on_the_module_object():
+    experts = _bypassing(_LocalImport, "combine")
+    assert isinstance(deep_gemm, wrapper._HookedModule)
+    y = _run(experts)
+    rows, topk = valid_rows_np(experts.get_symm_buffer(), T)
+    want = oracles.resum(rows, topk, T, quant=lambda r: oracles.mxfp8(r[None])[0])
+    np.testing.assert_array_equal(oracles.torch_bits(y), want)
+    assert (oracles.resum(rows, topk, T) != want).any()  # the combine did quantize

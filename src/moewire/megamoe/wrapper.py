@@ -32,6 +32,7 @@ import contextvars
 import importlib
 import inspect
 import os
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -72,6 +73,16 @@ QUANTIZER_NAMES = ("dispatch_quantizer", "combine_quantizer")
 _ACTIVE: contextvars.ContextVar[QuantExperts | None] = contextvars.ContextVar(
     "moewire_active_experts", default=None
 )
+# The hooks the running quantized forward has reached ("staging", "kernel").
+_REACHED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "moewire_reached_hooks", default=None
+)
+
+
+def _reached(hook: str) -> None:
+    reached = _REACHED.get()
+    if reached is not None:
+        reached.add(hook)
 
 
 # -- proxies on the forward module's globals ------------------------------------------------
@@ -90,6 +101,7 @@ class _StagingProxy:
         module = _ACTIVE.get()
         if module is None:
             return self._moewire_original(*args, **kwargs)
+        _reached("staging")
         return module._moewire_stage(self._moewire_original, args, kwargs)
 
     def __repr__(self) -> str:
@@ -111,6 +123,8 @@ class _KernelNamespace:
         attr = getattr(self._moewire_namespace, name)
         if name in _flavours.UNSUPPORTED_KERNELS and callable(attr):
             return _refuse_kernel(attr, name)
+        if isinstance(self._moewire_namespace, _HookedModule):
+            return attr  # the module object hooks its kernels itself
         if name not in _flavours.kernel_functions() or not callable(attr):
             return attr
         cached = self._moewire_wrapped.get(name)
@@ -159,6 +173,7 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
         module = _ACTIVE.get()
         if module is None:
             return fn(*args, **kwargs)
+        _reached("kernel")
         y = args[0] if args else kwargs.get("y")
         if not isinstance(y, torch.Tensor):
             raise RuntimeError(
@@ -178,8 +193,51 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
     return kernel
 
 
+class _HookedModule(types.ModuleType):
+    """The class a DeepGEMM module object gets once hooked: reading one of its Mega-MoE
+    kernel functions while a quantized forward runs gives the wrapped kernel.
+
+    A hook on DeepGEMM's own module object reaches every caller that looks the kernel up
+    on it at call time, however it got the module (a global, ``_import_deep_gemm()``, or
+    ``import deep_gemm`` inside the forward, as vLLM main's ``DeepGemmMegaExperts``
+    does); a caller that bound the function earlier is caught by the fail-closed check.
+    """
+
+    def __getattribute__(self, name: str) -> Any:
+        attr = super().__getattribute__(name)
+        if not name.endswith("mega_moe") or _ACTIVE.get() is None or not callable(attr):
+            return attr
+        if name in _flavours.UNSUPPORTED_KERNELS:
+            return _refuse_kernel(attr, name)
+        if name in _flavours.kernel_functions():
+            cached = _MODULE_WRAPPED.get((id(self), name))
+            if cached is None or cached[0] is not attr:
+                cached = (attr, _wrap_kernel(attr, name))
+                _MODULE_WRAPPED[(id(self), name)] = cached
+            return cached[1]
+        return attr
+
+
+_MODULE_WRAPPED: dict[tuple[int, str], tuple[Callable, Callable]] = {}
+
+
+def hook_module(namespace: Any) -> bool:
+    """Hook a DeepGEMM module object's kernel functions in place; True if it is hooked.
+
+    Only a plain module is hooked (its class becomes :class:`_HookedModule`); anything
+    else (a test's namespace object) keeps the global proxy alone.
+    """
+    if isinstance(namespace, _HookedModule):
+        return True
+    if type(namespace) is not types.ModuleType:
+        return False
+    namespace.__class__ = _HookedModule
+    return True
+
+
 def install_proxies(adapter: ExpertsAdapter) -> None:
-    """Replace the adapter's two globals by proxies (once: a proxy is never wrapped again)."""
+    """Replace the adapter's two globals by proxies (once: a proxy is never wrapped again),
+    and hook the DeepGEMM module object itself where the namespace is a module."""
     try:
         module = importlib.import_module(adapter.forward_module)
     except ImportError as exc:
@@ -201,7 +259,10 @@ def install_proxies(adapter: ExpertsAdapter) -> None:
             setattr(module, stage_fn, _StagingProxy(stage))
     namespace = getattr(module, adapter.kernel_ns)
     if not isinstance(namespace, _KernelNamespace):
+        hook_module(namespace)
         setattr(module, adapter.kernel_ns, _KernelNamespace(namespace))
+    else:
+        hook_module(namespace._moewire_namespace)
 
 
 # -- the layout check registry ------------------------------------------------------------------
@@ -212,6 +273,9 @@ class _BufferCheck:
     flat: weakref.ref  # the checked flat tensor; a dead reference means "check again"
     graph_warned: bool = False
     checked: bool = False
+    # Stored slots a fused shared row could also be read from, that no batch has yet ruled
+    # out (None: not started). The buffer is checked once this is empty.
+    unrefuted: set[int] | None = None
 
 
 _CHECKS: dict[tuple[str, int], _BufferCheck] = {}
@@ -323,11 +387,47 @@ class QuantExperts:
         return _rebuild_quant, (_original_class(type(self)),), state
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        token = _ACTIVE.set(self)
+        reached: set[str] = set()
+        token, reached_token = _ACTIVE.set(self), _REACHED.set(reached)
         try:
-            return super().forward(*args, **kwargs)
+            result = super().forward(*args, **kwargs)
         finally:
             _ACTIVE.reset(token)
+            _REACHED.reset(reached_token)
+        self._moewire_require_hooks(reached)
+        return result
+
+    def _moewire_require_hooks(self, reached: set[str]) -> None:
+        """Fail closed: an enabled quantizer whose hook the forward never reached.
+
+        The dispatch quantizer acts in the staging call, the combine quantizer right after
+        the kernel call; a forward that stages inline, imports ``deep_gemm`` under another
+        name or calls a kernel function no flavour describes would otherwise run
+        unquantized without a word.
+        """
+        needed = (
+            ("dispatch_quantizer", "staging", "the staging call"),
+            ("combine_quantizer", "kernel", "the Mega-MoE kernel call"),
+        )
+        for quantizer_name, hook, what in needed:
+            if getattr(self, quantizer_name).mode == "disabled" or hook in reached:
+                continue
+            adapter = self._moewire_adapter
+            if hook == "staging":
+                looked = f"{adapter.forward_module}.{adapter.stage_fn}"
+            else:
+                looked = (
+                    f"{adapter.forward_module}.{adapter.kernel_ns}.<"
+                    f"{'|'.join(sorted(_flavours.kernel_functions()))}>"
+                )
+            raise RuntimeError(
+                f"{self._moewire_name}: the forward of {_original_class(type(self)).__qualname__} "
+                f"({adapter.runtime()}) finished without reaching moewire's {hook} hook "
+                f"({what}, through {looked}), so {quantizer_name} did not run and the output "
+                "is unquantized. This forward stages or calls the kernel some other way "
+                "(inline staging, a local import of deep_gemm, a kernel function no flavour "
+                f"describes); register an experts adapter for it, or disable {quantizer_name}"
+            )
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -395,8 +495,8 @@ class QuantExperts:
         flavour = _flavours.get(adapter.flavour(self))
         fused = bool(adapter.fused_shared(self))
         symm_buffer = adapter.get_symm_buffer(self)
-        rows = combine_rows(symm_buffer, flavour, kernel, fused_shared=fused)
         layout = flavour.layout(kernel)
+        rows = combine_rows(symm_buffer, flavour, kernel, fused_shared=fused)
         kind = _flavours.rows_kind(layout)
         self.__dict__["_moewire_kernel_rows_"] = kind
         described = amax_rows(self)
@@ -440,10 +540,22 @@ class QuantExperts:
         kernel: str,
         weights: torch.Tensor | None = None,
     ) -> None:
-        """Unquantized re-sum == ``y`` bit for bit over the tokens with a routed row."""
+        """Unquantized re-sum == ``y`` bit for bit, and proof of which row is which.
+
+        Compared tokens: those with a routed row, and with a fused shared expert every
+        token (the kernel gives every token its shared row: ``impls/sm100_*_mega_moe.cuh``,
+        lane ``kNumTopk`` is always valid). With a fused shared expert, sums that match
+        do not yet say which stored row is the shared one: with every slot valid, reading
+        the shared row from another slot adds the same rows. So the buffer is marked
+        checked only once, over one or more batches, every other reading (shared row at
+        slot ``j < k``, routed slots shifted past it) has failed to reproduce ``y`` on some
+        token (a token with an invalid slot, or a padding token with the shared row only);
+        until then every eager batch is checked again.
+        """
         expected = resum(rows, topk_idx, num_tokens, shared_position=shared, weights=weights)
         routed = (topk_idx[:num_tokens] >= 0).any(dim=1)
-        differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & routed
+        compared = routed | (shared is not None)
+        differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & compared
         where = (
             f"{self._moewire_name}: the Mega-MoE layout check failed: the unquantized re-sum "
             f"of the combine rows of {kernel} read with kernel flavour {flavour.name!r} (combine "
@@ -475,14 +587,30 @@ class QuantExperts:
             torch._assert_async(~differs.any(), short[:254])
             return
         has_routed, bad, total = torch.stack(
-            [routed.any().long(), differs.sum(), routed.sum()]
+            [routed.any().long(), differs.sum(), compared.sum()]
         ).tolist()
         if not has_routed:
             return
         if bad:
             raise RuntimeError(
-                f"{where} ({bad} of {total} routed tokens differ).{_debug_env_hint()} {causes}"
+                f"{where} ({bad} of {total} compared tokens differ).{_debug_env_hint()} "
+                f"{causes}"
             )
+        if shared is not None:
+            k = topk_idx.shape[1]
+            if state.unrefuted is None:
+                state.unrefuted = set(range(k))
+            for j in sorted(state.unrefuted):
+                # Shared row read from slot j, routed slots j.. shifted up by one.
+                order = [*range(j), *range(j + 1, k + 1), j]
+                alternative = resum(
+                    rows[order], topk_idx, num_tokens, shared_position=shared, weights=weights
+                )
+                if bool(((alternative.view(torch.int16) != y.view(torch.int16)).any(1)
+                         & compared).any()):
+                    state.unrefuted.discard(j)
+            if state.unrefuted:
+                return
         state.checked = True
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -194,7 +195,38 @@ def _check_weights(kernel, name, weights, fp8, n, k, lead, device) -> None:
         _check_tensor(kernel, name, weights, torch.bfloat16, (*lead, n, k), device)
 
 
-def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, activation, clamp):
+@dataclass(frozen=True)
+class Activation:
+    """The gated activation of L1's epilogue (SPEC 1.1), then the router weight.
+
+    ``swiglu``: ``gate = min(gate, c)``, ``up = clamp(up, -c, c)`` with a clamp ``c``, then
+    ``silu(gate) * up``. ``situ`` (Kimi-K3, ``impls/sm100_fp8_fp4_mega_moe_situ.cuh``
+    l.1076-1101): ``alpha * tanh(gate / alpha) * sigmoid(gate) * up'`` with ``up' = beta *
+    tanh(up / beta)`` when ``beta > 0`` else ``up``, ``tanh(x) = 2 * sigmoid(2x) - 1``; no
+    clamp. FP32 throughout.
+    """
+
+    name: str = "swiglu"
+    clamp: float | None = None
+    alpha: float = 1.0
+    beta: float = 0.0
+
+    def apply(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.name == "situ":
+            def tanh(v: torch.Tensor) -> torch.Tensor:
+                return 2.0 * torch.sigmoid(2.0 * v) - 1.0
+
+            gated = tanh(gate * (1.0 / self.alpha)) * self.alpha * torch.sigmoid(gate)
+            if self.beta > 0:
+                up = tanh(up * (1.0 / self.beta)) * self.beta
+            return gated * up
+        if self.clamp is not None:
+            gate = gate.clamp(max=self.clamp)
+            up = up.clamp(min=-self.clamp, max=self.clamp)
+        return F.silu(gate) * up
+
+
+def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, act):
     from moewire.reference.deep_gemm import SymmBuffer
 
     if not isinstance(buf, SymmBuffer):
@@ -216,10 +248,29 @@ def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, activation, 
         )
     if fp8 and tuple(recipe) != (1, 1, 32):
         _fail(kernel, f"recipe must be (1, 1, 32), got {recipe!r}")
-    if activation != "swiglu":
-        _fail(kernel, f"activation must be 'swiglu', got {activation!r}")
+    if act.name not in ("swiglu", "situ"):
+        _fail(kernel, f"activation must be 'swiglu' or 'situ', got {act.name!r}")
+    if act.name != buf.activation:
+        _fail(
+            kernel,
+            f"activation={act.name!r} but sym_buffer was built for activation="
+            f"{buf.activation!r}; build the buffer with the kernel's activation",
+        )
+    clamp = act.clamp
     if clamp is not None and not (isinstance(clamp, (int, float)) and clamp > 0):
         _fail(kernel, f"activation_clamp must be a positive float or None, got {clamp!r}")
+    if act.name == "situ" and (clamp is not None or not act.alpha > 0 or not act.beta >= 0):
+        _fail(
+            kernel,
+            f"situ takes no activation_clamp, activation_alpha > 0 and activation_beta >= 0; "
+            f"got clamp={clamp!r}, alpha={act.alpha!r}, beta={act.beta!r}",
+        )
+    if act.name == "swiglu" and (act.alpha != 1.0 or act.beta != 0.0):
+        _fail(
+            kernel,
+            "swiglu with activation_alpha/activation_beta (GPT-OSS style) is not in the "
+            f"stand-in; got alpha={act.alpha!r}, beta={act.beta!r}",
+        )
     device = buf.buffer.device
     h, i, e = buf.hidden, buf.intermediate_hidden, buf.num_experts_per_rank
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
@@ -301,7 +352,7 @@ def _expert_mlp(
     l1: _Experts,
     l2: _Experts,
     weight: torch.Tensor,
-    clamp: float | None,
+    act: Activation,
     fp8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """SPEC 1.1 for rows grouped by expert.
@@ -316,10 +367,7 @@ def _expert_mlp(
         buffer (FP8 ``[N, I]`` and packed int32 scales, or BF16 and ``None``).
     """
     gate, up = _grouped_matmul(x, l1, ends).bfloat16().float().chunk(2, dim=1)
-    if clamp is not None:
-        gate = gate.clamp(max=clamp)
-        up = up.clamp(min=-clamp, max=clamp)
-    h = F.silu(gate) * up
+    h = act.apply(gate, up)
     h = h * weight.unsqueeze(1)
     if fp8:
         h_q, h_sf = cast_to_fp8_ue8m0(h, 32, amax_floor=None)
@@ -374,12 +422,12 @@ def mega_moe(
     activation: str,
     activation_clamp: float | None,
     stats: torch.Tensor | None,
+    activation_alpha: float = 1.0,
+    activation_beta: float = 0.0,
 ) -> None:
     """Run one Mega-MoE call (see ``deep_gemm.fp8_fp4_mega_moe`` for the math)."""
-    t = _validate(
-        kernel, y, l1_weights, l2_weights, buf, shared_l1, shared_l2, recipe, activation,
-        activation_clamp,
-    )
+    act = Activation(activation, activation_clamp, activation_alpha, activation_beta)
+    t = _validate(kernel, y, l1_weights, l2_weights, buf, shared_l1, shared_l2, recipe, act)
     fp8 = kernel == "fp8_fp4_mega_moe"
     device = buf.buffer.device
     e_local, h, i, k = buf.num_experts_per_rank, buf.hidden, buf.intermediate_hidden, buf.num_topk
@@ -405,7 +453,7 @@ def mega_moe(
     l1 = _Experts(l1_weights, True, e_local, 2 * i, h)
     l2 = _Experts(l2_weights, False, e_local, h, i)
     routed = _routed_one_rank if buf.num_ranks == 1 else _routed_expert_parallel
-    counts = routed(buf, t, fp8, l1, l2, activation_clamp, region)
+    counts = routed(buf, t, fp8, l1, l2, act, region)
     if stats is not None:
         stats += counts.to(torch.int32)
     valid = buf.topk_idx[:t] >= 0
@@ -423,7 +471,7 @@ def mega_moe(
             ones = torch.ones(t, dtype=torch.float32, device=device)
             ends = torch.full((1,), t, dtype=torch.int32, device=device)
             shared_rows, _, _ = _expert_mlp(
-                x_all, ends, s1, s2, ones, activation_clamp, fp8
+                x_all, ends, s1, s2, ones, act, fp8
             )
             region[k, :t].copy_(shared_rows)
 
@@ -459,7 +507,7 @@ def _write_combine_norms(buf, region: torch.Tensor, valid: torch.Tensor, t: int)
     norms[:, :t] = torch.where(valid.T.unsqueeze(-1), partial, norms[:, :t])
 
 
-def _routed_one_rank(buf, t, fp8, l1, l2, clamp, region) -> torch.Tensor:
+def _routed_one_rank(buf, t, fp8, l1, l2, act, region) -> torch.Tensor:
     """All routed rows of a one-rank buffer, with static shapes and no host sync.
 
     Every (token, slot) pair is processed in expert order; invalid slots get a sentinel
@@ -486,7 +534,7 @@ def _routed_one_rank(buf, t, fp8, l1, l2, clamp, region) -> torch.Tensor:
         buf.l1_acts_sf[:n].copy_(x_sf)
     weight = buf.topk_weights[:t].flatten()[order]
     x_in = _dequantized_tokens(x_q, x_sf)
-    rows, h_q, h_sf = _expert_mlp(x_in, ends, l1, l2, weight, clamp, fp8)
+    rows, h_q, h_sf = _expert_mlp(x_in, ends, l1, l2, weight, act, fp8)
     buf.l2_acts[:n].copy_(h_q)
     if fp8:
         buf.l2_acts_sf[:n].copy_(h_sf)
@@ -497,7 +545,7 @@ def _routed_one_rank(buf, t, fp8, l1, l2, clamp, region) -> torch.Tensor:
     return torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int32, device=device))
 
 
-def _routed_expert_parallel(buf, t, fp8, l1, l2, clamp, region) -> torch.Tensor:
+def _routed_expert_parallel(buf, t, fp8, l1, l2, act, region) -> torch.Tensor:
     """Routed rows over several ranks: all-to-all out, expert MLPs, all-to-all back.
 
     Only valid (token, slot) pairs travel: one payload row each (FP8 row, packed scales,
@@ -537,7 +585,7 @@ def _routed_expert_parallel(buf, t, fp8, l1, l2, clamp, region) -> torch.Tensor:
         buf.l1_acts_sf[:n].copy_(x_sf)
     ends = torch.cumsum(counts, 0).to(torch.int32)
     rows, h_q, h_sf = _expert_mlp(
-        _dequantized_tokens(x_q, x_sf), ends, l1, l2, weight[by_expert], clamp, fp8
+        _dequantized_tokens(x_q, x_sf), ends, l1, l2, weight[by_expert], act, fp8
     )
     buf.l2_acts[:n].copy_(h_q)
     if fp8:

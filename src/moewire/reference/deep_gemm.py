@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 TOKEN_ALIGNMENT = 384
+ACTIVATIONS = ("swiglu", "situ")
 MMA_TYPES = ("fp8xfp4", "bf16xbf16")
 # fp8xfp4 tiles K by 512 (FP4 weights, 128-byte rows); bf16 by 128.
 HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128}
@@ -377,7 +378,7 @@ def get_symm_buffer_for_mega_moe(
         intermediate_hidden: I per expert, same rule as ``hidden``.
         num_shared_experts: shared experts fused into the kernel (one combine slot).
         mma_type: ``"fp8xfp4"`` or ``"bf16xbf16"``.
-        activation: ``"swiglu"``.
+        activation: ``"swiglu"`` or ``"situ"``.
         device: moewire extension; default CUDA when available and the group is NCCL (or
             ``None``), else CPU.
 
@@ -400,8 +401,8 @@ def get_symm_buffer_for_mega_moe(
         raise ValueError(f"{where}: num_topk={num_topk} exceeds num_experts={num_experts}")
     if mma_type not in MMA_TYPES:
         raise ValueError(f"{where}: unknown mma_type {mma_type!r}; use one of {MMA_TYPES}")
-    if activation != "swiglu":
-        raise ValueError(f"{where}: activation must be 'swiglu', got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{where}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     multiple = HIDDEN_MULTIPLE[mma_type]
     for name, value in (("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
         _positive_int(value, name, where)
@@ -529,14 +530,15 @@ def transform_weights_for_mega_moe(
             or BF16 ``[E, 2I, H]``.
         l2_weights: ``(int8 [E, H, I/2] or FP8 [E, H, I], int32 [E, H, I/128])`` or BF16
             ``[E, H, I]``.
-        activation: ``"swiglu"``.
+        activation: ``"swiglu"`` or ``"situ"`` (the same permutation).
 
     Returns:
         ``(l1, l2)`` in the same structure, new contiguous tensors.
     """
-    if activation != "swiglu":
+    if activation not in ACTIVATIONS:
         raise ValueError(
-            f"transform_weights_for_mega_moe: activation must be 'swiglu', got {activation!r}"
+            f"transform_weights_for_mega_moe: activation must be one of {ACTIVATIONS}, got "
+            f"{activation!r}"
         )
 
     def as3d(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -584,6 +586,8 @@ def fp8_fp4_mega_moe(
     activation: str = "swiglu",
     activation_clamp: float | None = None,
     fast_math: bool = True,
+    activation_alpha: float = 1.0,
+    activation_beta: float = 0.0,
     *,
     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
 ) -> None:
@@ -616,9 +620,11 @@ def fp8_fp4_mega_moe(
             int32 [2Is, H/128])`` transformed, with ``Is = num_shared_experts * I``.
         shared_l2_weights: ``(int8 [H, Is/2] or FP8 [H, Is], int32 [H, Is/128])``.
         recipe: ``(1, 1, 32)`` only.
-        activation: ``"swiglu"``.
-        activation_clamp: SwiGLU clamp ``c`` or ``None``.
+        activation: ``"swiglu"`` or ``"situ"`` (Kimi-K3; the buffer's activation).
+        activation_clamp: SwiGLU clamp ``c`` or ``None`` (SiTU takes none).
         fast_math: accepted; the reference always uses exact ``silu`` (see the docs).
+        activation_alpha, activation_beta: SiTU's gate and up tanh scales (``alpha > 0``;
+            ``beta = 0`` leaves ``up`` as is), as the bundled DeepGEMM names them.
         cumulative_local_expert_recv_stats: optional int32 ``[E_local]``, incremented by the
             number of (token, slot) rows each local expert received.
     """
@@ -634,6 +640,8 @@ def fp8_fp4_mega_moe(
         activation=activation,
         activation_clamp=activation_clamp,
         stats=cumulative_local_expert_recv_stats,
+        activation_alpha=activation_alpha,
+        activation_beta=activation_beta,
     )
 
 
@@ -647,6 +655,8 @@ def bf16_mega_moe(
     activation: str = "swiglu",
     activation_clamp: float | None = None,
     fast_math: bool = True,
+    activation_alpha: float = 1.0,
+    activation_beta: float = 0.0,
     *,
     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
 ) -> None:
@@ -676,6 +686,8 @@ def bf16_mega_moe(
         activation=activation,
         activation_clamp=activation_clamp,
         stats=cumulative_local_expert_recv_stats,
+        activation_alpha=activation_alpha,
+        activation_beta=activation_beta,
     )
 
 

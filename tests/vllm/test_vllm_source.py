@@ -1,8 +1,10 @@
-"""vLLM 0.33's ``DeepGemmMegaMoEExperts`` loaded from its source file on the 0.32 install.
+"""vLLM 0.33's and 0.34's ``DeepGemmMegaMoEExperts`` loaded from their released source files
+on the 0.32 install, against the stand-in build their bundled DeepGEMM matches (vllm-0.33).
 
-``make test-vllm`` fetches the two files (tests/vllm/fetch_vllm033.py) into
-``.venv-vllm/vllm-0.33.0-src``; the rest of 0.33 is not needed: the module imports only
-names 0.32 also has, plus 0.33's ``prepare_megamoe`` (loaded from its file too).
+``make test-vllm`` fetches the files (tests/vllm/fetch_vllm_src.py) into
+``.venv-vllm/vllm-<version>-src``; the rest of each release is not needed: the module imports
+only names 0.32 also has, plus the release's ``prepare_megamoe`` (and 0.34's
+``eplb_triton``), loaded from their files too.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from _vllm_world import INTER, E, H, K
 pytestmark = pytest.mark.vllm
 
 vllm_mod = pytest.importorskip("moewire.integrations.vllm")
-SRC = Path(os.environ.get("MOEWIRE_VLLM033_SRC", ".venv-vllm/vllm-0.33.0-src"))
-NAME = "vllm033_deep_gemm_mega_moe"
+SRC_DIR = Path(os.environ.get("MOEWIRE_VLLM_SRC_DIR", ".venv-vllm"))
+# Released versions and a layer-number offset each (vLLM refuses duplicate layer names).
+VERSIONS = {"0.33.0": 100, "0.34.0": 200}
+FUSED = "vllm.model_executor.layers.fused_moe."
 
 
 def _load(name: str, path: Path):
@@ -32,14 +36,24 @@ def _load(name: str, path: Path):
     return module
 
 
-@pytest.fixture(scope="module")
-def v033():
-    if not (SRC / "deep_gemm_mega_moe.py").is_file():
-        pytest.fail(f"vLLM 0.33 sources missing in {SRC}: run `make test-vllm` (it fetches them)")
-    _load("vllm.model_executor.layers.fused_moe.prepare_megamoe", SRC / "prepare_megamoe.py")
-    module = _load(NAME, SRC / "deep_gemm_mega_moe.py")
-    site = vllm_mod.ExpertsSite("0.33", NAME, "DeepGemmMegaMoEExperts")
+@pytest.fixture(scope="module", params=list(VERSIONS), ids=[f"vllm-{v}" for v in VERSIONS])
+def v033(request):
+    """The release's deep_gemm_mega_moe module, registered with moewire; ``.layer(n)`` gives
+    a layer prefix unique to the release."""
+    version = request.param
+    src = SRC_DIR / f"vllm-{version}-src"
+    if not (src / "deep_gemm_mega_moe.py").is_file():
+        pytest.fail(f"vLLM {version} sources missing in {src}: run `make test-vllm`")
+    if (src / "eplb_triton.py").is_file():
+        _load(FUSED + "eplb_triton", src / "eplb_triton.py")
+    _load(FUSED + "prepare_megamoe", src / "prepare_megamoe.py")
+    name = f"vllm{version.replace('.', '')}_deep_gemm_mega_moe"
+    module = _load(name, src / "deep_gemm_mega_moe.py")
+    site = vllm_mod.ExpertsSite(name, "DeepGemmMegaMoEExperts", read_from=version)
+    assert vllm_mod.recognise(module.DeepGemmMegaMoEExperts, site) is None
     vllm_mod.register_site(module.DeepGemmMegaMoEExperts, site)
+    offset = VERSIONS[version]
+    module.layer = lambda n: f"model.layers.{offset + n}.ffn.experts"
     return module
 
 
@@ -80,7 +94,7 @@ def test_033_class_equals_032_class_bit_for_bit(vllm_config, v033):
     pad = torch.zeros(8, dtype=torch.bool)
     pad[2] = True
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts, old = _make_033(v033, vllm_config, "model.layers.40.ffn.experts")
+        experts, old = _make_033(v033, vllm_config, v033.layer(40))
         old.finalize_weights()
         context = create_forward_context(None, vllm_config, is_padding=pad)
         with override_forward_context(context):
@@ -99,7 +113,7 @@ def test_033_unfused_shared_expert_is_added_after_the_kernel(vllm_config, v033):
     """0.33's forward adds an unfused shared expert itself; moewire needs nothing more."""
     vllm_mod.register_vllm_experts()
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts, _ = _make_033(v033, vllm_config, "model.layers.41.ffn.experts")
+        experts, _ = _make_033(v033, vllm_config, v033.layer(41))
         x, ids, w = setup.routing(4, seed=6)
         shared = torch.nn.Linear(H, H, bias=False).bfloat16()
         y = experts(x, w, ids, shared_experts=shared)
@@ -167,7 +181,7 @@ def test_033_fused_shared_expert_in_flavour_order(vllm_config, v033, flavour, sh
     pad[4] = True
     x, ids, w = setup.routing(6, seed=7)
     with vllm_mod.use_reference_deep_gemm(flavour):
-        prefix = f"model.layers.{50 + flavour.endswith('0.33')}.ffn.experts"
+        prefix = v033.layer(50 + flavour.endswith("0.33"))
         experts = _make_033_bf16_fused(v033, vllm_config, prefix, seed=8)
         assert experts.has_fused_shared_experts
         with override_forward_context(create_forward_context(None, vllm_config, is_padding=pad)):
@@ -228,7 +242,7 @@ class _RecordingShared(torch.nn.Module):
 def test_033_unfused_shared_gets_unquantized_tokens_after_combine(vllm_config, v033):
     vllm_mod.register_vllm_experts()
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts, _ = _make_033(v033, vllm_config, "model.layers.60.ffn.experts")
+        experts, _ = _make_033(v033, vllm_config, v033.layer(60))
         model = torch.nn.ModuleDict({"experts": experts})
 
         def loop(m):
@@ -262,7 +276,7 @@ def test_033_fused_shared_combine_quantized_in_flavour_order(
     vllm_mod.register_vllm_experts()
     v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
     with vllm_mod.use_reference_deep_gemm(flavour):
-        prefix = f"model.layers.{70 + flavour.endswith('0.33')}.ffn.experts"
+        prefix = v033.layer(70 + flavour.endswith("0.33"))
         experts = _make_033_bf16_fused(v033, vllm_config, prefix, seed=9)
         model = torch.nn.ModuleDict({"experts": experts})
 
@@ -281,10 +295,103 @@ def test_033_fused_shared_refuses_dispatch_quantization(vllm_config, v033):
     vllm_mod.register_vllm_experts()
     v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
     with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
-        experts = _make_033_bf16_fused(v033, vllm_config, "model.layers.80.ffn.experts", seed=10)
+        experts = _make_033_bf16_fused(v033, vllm_config, v033.layer(80), seed=10)
         model = torch.nn.ModuleDict({"experts": experts})
         with pytest.raises(RuntimeError, match="VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION"):
             api.quantize(
                 model, "moe_dispatch_fp8",
                 forward_loop=lambda m: _forward_033(vllm_config, m["experts"], *_batch(94)),
             )
+
+
+def _order_visible_kernel(real, k, shared_first):
+    """The stand-in kernel, then token 0's rows rewritten so that the FP32 sum order survives
+    the BF16 rounding (routed -2^24, 0.5, 0.. and the shared row 2^24, stored at slot k)
+    and ``y`` as the build would sum them (shared first: 2^24 - 2^24 + 0.5 = 0.5; last:
+    -2^24 + 0.5 rounds to -2^24 in FP32, + 2^24 = 0)."""
+
+    def kernel(y, l1, l2, buf, **kwargs):
+        real(y, l1, l2, buf, **kwargs)
+        tmax, h = buf.num_max_tokens_per_rank, buf.hidden
+        rows = setup.oracle_rows(buf, k + 1, "vllm-0.33")
+        assert rows.shape == (k + 1, tmax, h)
+        rows[:, 0, 0] = 0.0
+        rows[:2, 0, 0] = torch.tensor([-(2.0**24), 0.5], dtype=torch.bfloat16)
+        rows[k, 0, 0] = 2.0**24
+        y[0, 0] = 0.5 if shared_first else 0.0
+
+    return kernel
+
+
+@pytest.mark.parametrize("kernel_adds", ["first", "last"], ids=["right-end", "wrong-end"])
+def test_fused_shared_combine_on_order_visible_rows(vllm_config, v033, kernel_adds, monkeypatch):
+    """Combine-only with the fused shared expert on the build this release bundles (shared
+    row added first): bit-exact to the re-sum where the order shows; a kernel adding it at
+    the other end fails the layout check."""
+    from moewire.quantizer import WireQuantizer
+    from moewire.reference import deep_gemm as reference
+
+    vllm_mod.register_vllm_experts()
+    v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
+    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+        experts = _make_033_bf16_fused(
+            v033, vllm_config, v033.layer(90 + (kernel_adds == "last")), seed=11
+        )
+        # After construction: vLLM reads the kernel's signature to decide on fusion.
+        monkeypatch.setattr(
+            reference, "bf16_mega_moe",
+            _order_visible_kernel(reference.bf16_mega_moe, K, kernel_adds == "first"),
+        )
+        assert vllm_mod.kernel_flavour(experts) == "vllm-0.33"
+        model = torch.nn.ModuleDict({"experts": experts})
+        api.quantize(model, "moe_combine_nvfp4")
+        experts.combine_quantizer = WireQuantizer("mxfp8")  # keeps -2^24 and 0.5 exact
+        x, ids, w, pad = _batch(95)
+        ids[0] = torch.arange(K)
+        if kernel_adds == "last":
+            with pytest.raises(RuntimeError, match=r"added first\) does not reproduce"):
+                _forward_033(vllm_config, experts, x, ids, w, pad)
+            return
+        y = _forward_033(vllm_config, experts, x, ids, w, pad)
+        buffer = experts.get_symm_buffer()
+    mxfp8 = formats.get("mxfp8")
+    rows = setup.oracle_rows(buffer, K + 1, "vllm-0.33")[:, :6]
+    quantized = torch.stack([mxfp8.reference(r, None) for r in rows[:K]] + [rows[K]])
+    expected = setup.oracle_resum(quantized, buffer.topk_idx, 6, shared="first")
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+    assert y[0, 0].item() == 0.5
+    wrong = setup.oracle_resum(quantized, buffer.topk_idx, 6, shared="last")
+    assert not torch.equal(wrong.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("skip", ["0", "1"], ids=["skip-padding-0", "skip-padding-1"])
+def test_padding_stays_out_of_calibrated_amaxes(vllm_config, v033, skip, monkeypatch):
+    """VLLM_MOE_SKIP_PADDING=1: the forward passes is_padding and staging writes id -1;
+    =0: it passes none, and the padding rows reach staging with the router's ids, -1 for
+    padding. Either way the padding tokens (here 1000x larger) stay out of both amaxes."""
+    monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", skip)
+    vllm_mod.register_vllm_experts()
+    seen = []
+    real = vllm_mod.prepare_megamoe_inputs_reference
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("is_padding"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vllm_mod, "prepare_megamoe_inputs_reference", recording)
+    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+        experts, _ = _make_033(v033, vllm_config, v033.layer(96 + int(skip)))
+        model = torch.nn.ModuleDict({"experts": experts})
+        x, ids, w, pad = _batch(97)
+        ids = torch.where(pad[:, None], -1, ids)
+
+        def loop(m):
+            _forward_033(vllm_config, m["experts"], x, ids, w, pad)
+
+        api.quantize(model, "moe_fp8_dispatch_nvfp4_combine", forward_loop=loop)
+        buffer = experts.get_symm_buffer()
+    assert (seen[-1] is None) == (skip == "0")
+    assert float(experts.dispatch_quantizer.amax) == float(x[~pad].float().abs().max())
+    rows = setup.oracle_rows(buffer, K, "vllm-0.33")[:, :6]
+    valid = (buffer.topk_idx[:6] >= 0).T
+    assert float(experts.combine_quantizer.amax) == float(rows[valid].float().abs().max())
