@@ -51,9 +51,10 @@ def test_layout_rows_resum_to_y_and_check_passes(kernel, shape, ep_group):
     x, w, ids, single = rk.batch(shape, "layout")
     y = module(x, w, ids)
     rows = rk.rows_of(buf, shape.tokens)
-    assert combine_rows(buf, sm90.FLAVOUR).data_ptr() == rows.data_ptr()
+    assert combine_rows(buf, sm90.FLAVOUR, kernel).data_ptr() == rows.data_ptr()
     assert rk.mismatches(rk.oracle(rows, ids), y) == 0
-    assert rk.mismatches(resum(combine_rows(buf, sm90.FLAVOUR), ids, shape.tokens), y) == 0
+    ours = resum(combine_rows(buf, sm90.FLAVOUR, kernel), ids, shape.tokens)
+    assert rk.mismatches(ours, y) == 0
     for tok, slot in enumerate(single):
         assert torch.equal(rows[slot, tok].view(torch.int16), y[tok].view(torch.int16))
     assert not y[-shape.padding :].view(torch.int16).any()
@@ -77,7 +78,8 @@ def _off_by_one(symm_buffer, nbytes, flavour):
 def test_layout_check_refuses_a_wrong_base(kernel, ep_group):
     if "rk-off-by-one" not in flavours.names():
         flavours.register_base_rule("rk_off_by_one_row", _off_by_one)
-        flavours.register(flavours.Flavour("rk-off-by-one", "rk_off_by_one_row", None))
+        wrong = flavours.KernelLayout("rk_off_by_one_row", None)
+        flavours.register(flavours.Flavour("rk-off-by-one", dict.fromkeys(rk.KERNELS, wrong)))
     register_experts_class(_OffByOneRow, ExpertsAdapter(
         name="rk-off-by-one", forward_module=sm90.__name__, stage_fn="stage_sm90_inputs",
         stage_hidden_arg=0, kernel_ns="deep_gemm", get_symm_buffer=lambda m: m.symm_buffer,
@@ -110,7 +112,8 @@ def test_order_is_ascending_on_crafted_rows(kernel, ep_group):
     assert torch.equal(rows[1, :42].view(torch.int16), (-rows[0, :42]).view(torch.int16))
     assert rk.mismatches(rk.oracle(rows, ids), y) == 0
     assert rk.mismatches(rk.oracle(rows, ids, descending=True), y) > 0
-    assert rk.mismatches(resum(combine_rows(module.symm_buffer, sm90.FLAVOUR), ids, 48), y) == 0
+    ours = resum(combine_rows(module.symm_buffer, sm90.FLAVOUR, kernel), ids, 48)
+    assert rk.mismatches(ours, y) == 0
 
 
 # -- the combine formats through the fused kernel ---------------------------------------------

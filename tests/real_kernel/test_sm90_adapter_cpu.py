@@ -106,7 +106,7 @@ def _fresh():
 def test_flavour_locates_rows_by_data_ptr_on_views_without_shared_storage():
     buf = make_buffer()
     assert buf.l2_acts_sf.untyped_storage().data_ptr() != buf.buffer.untyped_storage().data_ptr()
-    rows = combine_rows(buf, sm90.FLAVOUR)
+    rows = combine_rows(buf, sm90.FLAVOUR, "fp8_mega_moe")
     assert rows.data_ptr() - buf.buffer.data_ptr() == buf.buffer.numel() - K * TMAX * H * 2
     assert rows.shape == (K, TMAX, H)
 
@@ -122,7 +122,7 @@ def test_quantize_a_user_module_calling_the_sm90_api():
     moewire.quantize(module, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]})
     y = module(x, w, ids)
-    rows = combine_rows(module.buf, sm90.FLAVOUR)[:, :T]
+    rows = combine_rows(module.buf, sm90.FLAVOUR, "fp8_mega_moe")[:, :T]
     q = moewire.formats.fake_quant(rows, "mxfp8").float()
     acc = torch.zeros(T, H)
     for s in range(K):
@@ -135,14 +135,14 @@ def test_debug_env_refuses_the_combine_before_the_kernel(monkeypatch):
     module = UserExperts(make_buffer())
     x, w, ids = batch("debug")
     module(x, w, ids)
-    rows_before = combine_rows(module.buf, sm90.FLAVOUR).clone()
+    rows_before = combine_rows(module.buf, sm90.FLAVOUR, "fp8_mega_moe").clone()
     moewire.quantize(module, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]})
     monkeypatch.setenv("DG_COMM_KERNEL_DEBUG", "1")
     with pytest.raises(RuntimeError, match="DG_COMM_KERNEL_DEBUG=1 is set.*unset"):
         module(x, w, ids)
-    assert torch.equal(combine_rows(module.buf, sm90.FLAVOUR).view(torch.int16),
-                       rows_before.view(torch.int16))
+    rows_after = combine_rows(module.buf, sm90.FLAVOUR, "fp8_mega_moe")
+    assert torch.equal(rows_after.view(torch.int16), rows_before.view(torch.int16))
     assert not wrapper.layout_checked(module.buf)
     module.combine_quantizer.disable()
     module(x, w, ids)  # the combine off: the kernel runs (and zeroes the buffer)
@@ -206,5 +206,5 @@ def test_flavour_refuses_a_buffer_without_l2_acts_sf():
     buf = make_buffer()
     del buf.l2_acts_sf
     with pytest.raises(ValueError, match="l2_acts_sf"):
-        combine_rows(buf, sm90.FLAVOUR)
+        combine_rows(buf, sm90.FLAVOUR, "fp8_mega_moe")
     assert sm90.FLAVOUR in flavours.names()

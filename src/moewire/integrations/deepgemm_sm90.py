@@ -9,7 +9,8 @@ kernels) runs on H100/H200: ``deep_gemm.fp8_mega_moe`` (FP8 activations x FP8 we
 - the combine rows are BF16 ``[k][Tmax][H]``, router-weighted, in the buffer's last region,
   which starts where the ``l2_acts_sf`` view ends; no fused shared expert;
 - the buffer's views are DLPack tensors that share no storage with ``.buffer``, so the
-  region is located by ``data_ptr()`` differences (flavour ``deepgemm-sm90``);
+  region is located by ``data_ptr()`` differences (flavour ``deepgemm-sm90`` of
+  ``moewire.megamoe.flavours``, rule ``after_l2_scales``);
 - ``fp8_fp4_mega_moe`` on SM90 is not deterministic across calls (each call's rows still
   re-sum to that call's ``y`` bit for bit), which the layout check allows for: it compares a
   call's rows with the same call's ``y``;
@@ -38,7 +39,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from moewire.megamoe import flavours as _flavours
 from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
 
 __all__ = [
@@ -61,36 +61,6 @@ KERNELS: dict[str, tuple[tuple[int, int, int], str]] = {
     "fp8_fp4_mega_moe": ((1, 1, 32), "transform_weights_for_mega_moe_sm90_fp4"),
 }
 _BLOCK = 128  # FP8 weights: one FP32 scale per 128x128 block; staging: per 128 columns
-
-
-# -- the flavour ------------------------------------------------------------------------------
-
-
-def _base_l2_acts_sf_end(symm_buffer: Any, combine_bytes: int, flavour: str) -> int:
-    """The combine region starts where the ``l2_acts_sf`` view ends, by ``data_ptr()``."""
-    flat = _flavours._flat_buffer(symm_buffer, flavour)
-    view = getattr(symm_buffer, "l2_acts_sf", None)
-    if not isinstance(view, torch.Tensor) or view.numel() == 0:
-        raise ValueError(
-            f"flavour {flavour!r}: its combine base is the end of the buffer's `l2_acts_sf` "
-            "view, and the buffer has none; pass the buffer from "
-            "deep_gemm.get_symm_buffer_for_sm90_mega_moe"
-        )
-    span = sum((n - 1) * s for n, s in zip(view.shape, view.stride(), strict=True)) + 1
-    return view.data_ptr() - flat.data_ptr() + span * view.element_size()
-
-
-def _register_flavour() -> None:
-    # The flavour registry owns the SM90 build's entry once it has one; until then this
-    # module registers it (same name, same rule), so the name is stable for callers.
-    if FLAVOUR in _flavours.names():
-        return
-    if "sm90_l2_acts_sf_end" not in _flavours.BASE_RULES:
-        _flavours.register_base_rule("sm90_l2_acts_sf_end", _base_l2_acts_sf_end)
-    _flavours.register(_flavours.Flavour(FLAVOUR, "sm90_l2_acts_sf_end", None))
-
-
-_register_flavour()
 
 
 # -- the DeepGEMM package ---------------------------------------------------------------------
