@@ -29,7 +29,13 @@ def _int_at_least(minimum: int):
 
 
 def _study_parser(sub) -> argparse.ArgumentParser:
-    from moewire.study.config import DEFAULT_COMBINE, DEFAULT_DISPATCH, MMA_TYPES, StudyConfig
+    from moewire.study.config import (
+        DEFAULT_COMBINE,
+        DEFAULT_DISPATCH,
+        KERNELS,
+        MMA_TYPES,
+        StudyConfig,
+    )
     from moewire.study.presets import PRESETS
 
     d = StudyConfig()
@@ -71,6 +77,10 @@ def _study_parser(sub) -> argparse.ArgumentParser:
                    help="captured hidden states [N, H] (.pt or .safetensors)")
     p.add_argument("--mma", choices=MMA_TYPES, default=d.mma,
                    help="stand-in kernel MMA type (default fp8xfp4, as DeepSeek-V4 serves)")
+    p.add_argument("--kernel", choices=KERNELS, default=d.kernel,
+                   help="reference: the stand-in kernel (default); deepgemm-sm90: DeepGEMM's "
+                   "real SM90 Mega-MoE kernel (needs a Hopper GPU, the package and --device "
+                   "cuda; docs/real-kernel.md)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
     p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
     p.add_argument("--out", default=d.out, metavar="DIR",
@@ -85,7 +95,7 @@ def _config_from_args(args: argparse.Namespace):
         model=args.model, experts=args.experts, tokens=args.tokens, ranks=args.ranks,
         calib_batches=args.calib_batches, eval_batches=args.eval_batches,
         weights=args.weights, layer=args.layer, activations=args.activations,
-        mma=args.mma, device=args.device, seed=args.seed, out=args.out,
+        mma=args.mma, device=args.device, seed=args.seed, out=args.out, kernel=args.kernel,
     )
     return with_formats(cfg, args.dispatch, args.combine)
 

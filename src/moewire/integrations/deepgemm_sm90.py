@@ -371,14 +371,20 @@ class SM90MegaMoEExperts(nn.Module):
         return self.symm_buffer.num_max_tokens_per_rank
 
     def forward(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: nn.Module | None = None,
     ) -> torch.Tensor:
-        """Run the fused kernel.
+        """Run the fused kernel, then add an unfused shared expert (as vLLM does).
 
         Args:
             hidden_states: BF16 ``[T, H]``, ``T <= max_num_tokens``.
             topk_weights: FP32 ``[T, k]``.
             topk_ids: int ``[T, k]``; ``-1`` marks an invalid slot.
+            shared_experts: ``hidden_states -> BF16 [T, H]``, added after the combine (it
+                sees the unquantized tokens), or ``None``.
 
         Returns:
             BF16 ``[T, H]``.
@@ -394,6 +400,8 @@ class SM90MegaMoEExperts(nn.Module):
         getattr(deep_gemm, self.kernel)(
             y, self.l1_weights, self.l2_weights, self.symm_buffer, **self.kernel_kwargs
         )
+        if shared_experts is not None:
+            y += shared_experts(hidden_states)
         return y
 
 

@@ -21,6 +21,8 @@ _NONE_ALIASES = {"bf16", "none"}
 DEFAULT_DISPATCH = ("fp8", "mxfp8", "nvfp4", "mxfp4")
 DEFAULT_COMBINE = ("fp8", "mxfp8", "nvfp4", "logfmt10")
 MMA_TYPES = ("fp8xfp4", "bf16xbf16")
+#: ``--kernel``: the stand-in (any device) or a real build (moewire.study.real_kernel).
+KERNELS = ("reference", "deepgemm-sm90")
 # The stand-in kernel tiles K by 512 for FP8 x FP4 and by 128 for BF16 (deep_gemm).
 _HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128}
 
@@ -43,6 +45,8 @@ class StudyConfig:
         device: ``cpu`` or ``cuda``.
         seed: seeds weights, router and synthetic tokens.
         out: output directory.
+        kernel: ``reference`` (the stand-in kernel) or ``deepgemm-sm90`` (DeepGEMM's real
+            SM90 Mega-MoE kernel on a Hopper GPU, :mod:`moewire.study.real_kernel`).
     """
 
     model: str = DEFAULT_MODEL
@@ -60,6 +64,7 @@ class StudyConfig:
     device: str = "cpu"
     seed: int = 0
     out: str = "moewire-study"
+    kernel: str = "reference"
 
     @property
     def preset(self) -> ModelPreset:
@@ -130,6 +135,10 @@ def validate(cfg: StudyConfig) -> StudyConfig:
     if cfg.mma not in MMA_TYPES:
         raise StudyArgumentError(
             "--mma", f"unknown MMA type {cfg.mma!r}; pick one of {', '.join(MMA_TYPES)}"
+        )
+    if cfg.kernel not in KERNELS:
+        raise StudyArgumentError(
+            "--kernel", f"unknown kernel {cfg.kernel!r}; pick one of {', '.join(KERNELS)}"
         )
     if cfg.device not in ("cpu", "cuda"):
         raise StudyArgumentError("--device", f"must be cpu or cuda, got {cfg.device!r}")

@@ -102,7 +102,12 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
     started = time.perf_counter()
 
     progress.phase("building the layer")
-    layer = build_layer(cfg, generator)
+    if cfg.kernel == "deepgemm-sm90":
+        from moewire.study import real_kernel
+
+        layer = real_kernel.build_layer(cfg, generator)
+    else:
+        layer = build_layer(cfg, generator)
     calib, evals = _batches(cfg, layer, generator)
     pairs = _pairs(cfg)
     total = len(evals) + sum(
