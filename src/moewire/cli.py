@@ -48,6 +48,7 @@ def _study_parser(sub) -> argparse.ArgumentParser:
         DEFAULT_COMBINE,
         DEFAULT_DISPATCH,
         DEFAULT_ROUTER_IMBALANCE,
+        KERNELS,
         MMA_TYPES,
         StudyConfig,
     )
@@ -93,6 +94,10 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--mma", choices=MMA_TYPES, default=d.mma,
                    help="stand-in kernel MMA type (default fp8xfp4, as DeepSeek-V4 serves; "
                    "nvfp4: the NVFP4 Mega-MoE of vLLM 0.33/0.34, unweighted combine rows)")
+    p.add_argument("--kernel", choices=KERNELS, default=d.kernel,
+                   help="reference: the stand-in kernel (default); deepgemm-sm90: DeepGEMM's "
+                   "real SM90 Mega-MoE kernel (needs a Hopper GPU, the package and --device "
+                   "cuda; docs/real-kernel.md)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
     p.add_argument("--router-imbalance", type=_float_at_least(1.0), default=None,
                    metavar="X",
@@ -114,6 +119,7 @@ def _config_from_args(args: argparse.Namespace):
         weights=args.weights, layer=args.layer, activations=args.activations,
         mma=args.mma, device=args.device, seed=args.seed, out=args.out,
         router_imbalance=args.router_imbalance,
+        kernel=args.kernel,
     )
     return with_formats(cfg, args.dispatch, args.combine)
 

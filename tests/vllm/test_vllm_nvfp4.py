@@ -1,9 +1,9 @@
 """vLLM 0.33's and 0.34's ``DeepGemmMegaMoEExperts`` NVFP4 path (``MEGA_MOE_NVFP4``) on the
 stand-in.
 
-vLLM's own module source (0.33: fetched by ``make test-vllm`` into
-``.venv-vllm/vllm-0.33.0-src``, as ``test_vllm033_source.py`` does; 0.34: its files in
-``MOEWIRE_VLLM034_SRC``; 0.34's NVFP4 branch also passes ``eplb_state`` to the staging)
+vLLM's own module source (fetched by ``make test-vllm`` into ``.venv-vllm/vllm-<v>-src``
+with ``tests/vllm/fetch_vllm_src.py``; 0.34's NVFP4 branch also passes ``eplb_state`` to the
+staging)
 builds the experts, loads an NVFP4 checkpoint through its own
 weight loader (``weight``, ``weight_scale``, ``weight_scale_2``, ``input_scale``), stages
 with ``prepare_megamoe_nvfp4_inputs`` (the stand-in's torch version) and calls
@@ -56,9 +56,7 @@ def vllm_module(request):
     version = request.param
     src = SOURCES[version]
     if not (src / "deep_gemm_mega_moe.py").is_file():
-        if version == "0.33":
-            pytest.fail(f"vLLM 0.33 sources missing in {src}: run `make test-vllm`")
-        pytest.skip(f"vLLM {version} sources missing in {src} (set MOEWIRE_VLLM034_SRC)")
+        pytest.fail(f"vLLM {version} sources missing in {src}: run `make test-vllm`")
     saved = {}
     for helper in FILES[version]:
         name = f"vllm.model_executor.layers.fused_moe.{helper}"
@@ -66,7 +64,7 @@ def vllm_module(request):
         _load(name, src / f"{helper}.py")
     name = f"vllm{version.replace('.', '')}_nvfp4_deep_gemm_mega_moe"
     module = _load(name, src / "deep_gemm_mega_moe.py")
-    site = vllm_mod.ExpertsSite(version, name, "DeepGemmMegaMoEExperts",
+    site = vllm_mod.ExpertsSite(name, "DeepGemmMegaMoEExperts", read_from=version,
                                 extra_stage_fns=(vllm_mod.NVFP4_STAGE_FN,))
     vllm_mod.register_site(module.DeepGemmMegaMoEExperts, site)
     yield module

@@ -23,6 +23,8 @@ MMA_TYPES = ("fp8xfp4", "bf16xbf16", "nvfp4")
 #: The synthetic router's default hottest-expert load over the mean (DeepSeek's
 #: bias-balanced routing keeps it at a few x).
 DEFAULT_ROUTER_IMBALANCE = 2.5
+#: ``--kernel``: the stand-in (any device) or a real build (moewire.study.real_kernel).
+KERNELS = ("reference", "deepgemm-sm90")
 # The stand-in kernel tiles K by 512 for FP8 x FP4 and by 128 for BF16 (deep_gemm).
 _HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128, "nvfp4": 128}
 
@@ -50,6 +52,8 @@ class StudyConfig:
             mean (its selection bias is fitted to it); ``None``:
             :data:`DEFAULT_ROUTER_IMBALANCE`, or ``E / k`` when fewer experts cannot carry
             it. A checkpoint's router is used as is.
+        kernel: ``reference`` (the stand-in kernel) or ``deepgemm-sm90`` (DeepGEMM's real
+            SM90 Mega-MoE kernel on a Hopper GPU, :mod:`moewire.study.real_kernel`).
     """
 
     model: str = DEFAULT_MODEL
@@ -68,6 +72,7 @@ class StudyConfig:
     seed: int = 0
     out: str = "moewire-study"
     router_imbalance: float | None = None
+    kernel: str = "reference"
 
     @property
     def preset(self) -> ModelPreset:
@@ -153,6 +158,10 @@ def validate(cfg: StudyConfig) -> StudyConfig:
         raise StudyArgumentError(
             "--router-imbalance", f"must be a number >= 1 (1 = every expert equally loaded; "
             f"DeepSeek-like routing is 2-3), got {imbalance!r}"
+        )
+    if cfg.kernel not in KERNELS:
+        raise StudyArgumentError(
+            "--kernel", f"unknown kernel {cfg.kernel!r}; pick one of {', '.join(KERNELS)}"
         )
     if cfg.device not in ("cpu", "cuda"):
         raise StudyArgumentError("--device", f"must be cpu or cuda, got {cfg.device!r}")

@@ -104,7 +104,12 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
 
     plan = check_resources(cfg)
     progress.phase(f"building the layer ({plan})")
-    layer = build_layer(cfg, generator)
+    if cfg.kernel == "deepgemm-sm90":
+        from moewire.study import real_kernel
+
+        layer = real_kernel.build_layer(cfg, generator)
+    else:
+        layer = build_layer(cfg, generator)
     calib, evals = _batches(cfg, layer, generator)
     pairs = _pairs(cfg)
     total = len(evals) + sum(

@@ -1,0 +1,412 @@
+"""DeepGEMM's SM90 Mega-MoE kernels (pull request #323) as a moewire experts target.
+
+DeepGEMM's PR #323 (``refs/pull/323/head`` = 8ddf7f9, the SM90 port of sgl-project's
+kernels) runs on H100/H200: ``deep_gemm.fp8_mega_moe`` (FP8 activations x FP8 weights,
+128x128 block scales, recipe ``(128, 128, 128)``) and, on SM90, ``deep_gemm.fp8_fp4_mega_moe``
+(FP8 activations x FP4 weights, UE8M0 per 32, recipe ``(1, 1, 32)``), with the buffer from
+``deep_gemm.get_symm_buffer_for_sm90_mega_moe`` (SPEC 1, verified on an H200):
+
+- the combine rows are BF16 ``[k][Tmax][H]``, router-weighted, in the buffer's last region,
+  which starts where the ``l2_acts_sf`` view ends; no fused shared expert;
+- the buffer's views are DLPack tensors that share no storage with ``.buffer``, so the
+  region is located by ``data_ptr()`` differences (flavour ``deepgemm-sm90`` of
+  ``moewire.megamoe.flavours``, rule ``after_l2_scales``);
+- ``fp8_fp4_mega_moe`` on SM90 is not deterministic across calls (each call's rows still
+  re-sum to that call's ``y`` bit for bit), which the layout check allows for: it compares a
+  call's rows with the same call's ``y``;
+- ``DG_COMM_KERNEL_DEBUG=1`` zeroes the whole buffer after every call: the combine rows are
+  gone, so moewire refuses a combine quantizer while it is set (:func:`symm_buffer_of`).
+
+Two ways in:
+
+- :class:`SM90MegaMoEExperts`, a registered experts module that owns its buffer and
+  weights (``SM90MegaMoEExperts.from_bf16`` quantizes BF16 weights for either kernel);
+- :func:`register_sm90_experts` for a user's own module whose forward stages the inputs
+  through a module-level function and calls ``<namespace>.fp8_mega_moe`` /
+  ``fp8_fp4_mega_moe`` through a module-level ``deep_gemm`` namespace.
+
+Then ``moewire.quantize(model, recipe, forward_loop)`` works as on any Mega-MoE module.
+Build the package with ``scripts/real_kernel/build_kit.sh``; see docs/real-kernel.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
+
+__all__ = [
+    "FLAVOUR",
+    "KERNELS",
+    "SM90MegaMoEExperts",
+    "available",
+    "deep_gemm",
+    "quantize_weights",
+    "register_sm90_experts",
+    "stage_sm90_inputs",
+    "symm_buffer_of",
+]
+
+FLAVOUR = "deepgemm-sm90"
+DEBUG_ENV = "DG_COMM_KERNEL_DEBUG"
+# kernel function -> (weight recipe, weight transform); one home for the per-kernel facts.
+KERNELS: dict[str, tuple[tuple[int, int, int], str]] = {
+    "fp8_mega_moe": ((128, 128, 128), "transform_weights_for_mega_moe_sm90"),
+    "fp8_fp4_mega_moe": ((1, 1, 32), "transform_weights_for_mega_moe_sm90_fp4"),
+}
+_BLOCK = 128  # FP8 weights: one FP32 scale per 128x128 block; staging: per 128 columns
+
+
+# -- the DeepGEMM package ---------------------------------------------------------------------
+
+
+class _DeepGEMM:
+    """The ``deep_gemm`` package, imported at first use (this module imports without it)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_import_deep_gemm(), name)
+
+    def __repr__(self) -> str:
+        return "<deep_gemm (imported at first use)>"
+
+
+def _import_deep_gemm() -> Any:
+    try:
+        module = importlib.import_module("deep_gemm")
+    except Exception as exc:  # ImportError, or an ABI error from its _C.so
+        raise RuntimeError(
+            f"moewire.integrations.deepgemm_sm90: cannot import deep_gemm ({exc}); build "
+            "DeepGEMM's SM90 Mega-MoE package (scripts/real_kernel/build_kit.sh) and put it "
+            "on PYTHONPATH (docs/real-kernel.md)"
+        ) from exc
+    missing = [name for name in KERNELS if not hasattr(module, name)]
+    if missing:
+        where = getattr(module, "__file__", None)
+        raise RuntimeError(
+            f"moewire.integrations.deepgemm_sm90: deep_gemm at {where} has no "
+            f"{', '.join(missing)}: it is not the SM90 Mega-MoE build (DeepGEMM PR #323); "
+            "build it with scripts/real_kernel/build_kit.sh"
+        )
+    return module
+
+
+#: What :class:`SM90MegaMoEExperts` calls; moewire replaces this global by its proxy.
+deep_gemm = _DeepGEMM()
+
+
+def available() -> tuple[bool, str]:
+    """Whether the real SM90 kernels can run here, and if not, what is missing."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return False, f"the GPU is sm_{major}{minor}, the SM90 kernels need a Hopper (sm_90)"
+    try:
+        _import_deep_gemm()
+    except RuntimeError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+# -- staging and the buffer accessor ----------------------------------------------------------
+
+
+def stage_sm90_inputs(
+    hidden_states: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    symm_buffer: Any,
+) -> None:
+    """Stage ``T`` tokens into the SM90 buffer as both kernels read them.
+
+    ``x`` gets FP8 E4M3 with one FP32 scale per 128 columns (``sf = max(amax, 1e-4) / 448``,
+    DeepGEMM's ``per_token_cast_to_fp8(use_ue8m0=False, gran_k=128)``), ``topk_idx`` int64
+    and ``topk_weights`` FP32. No host synchronisation (CUDA-graph safe).
+
+    Args:
+        hidden_states: BF16 ``[T, H]``.
+        topk_idx: int ``[T, k]``; ``-1`` marks an invalid slot (a padding token has no
+            valid slot).
+        topk_weights: FP32 ``[T, k]``.
+        symm_buffer: the buffer from ``get_symm_buffer_for_sm90_mega_moe``.
+    """
+    num_tokens = hidden_states.shape[0]
+    x, x_sf = deep_gemm.utils.per_token_cast_to_fp8(
+        hidden_states, use_ue8m0=False, gran_k=_BLOCK, use_packed_ue8m0=False
+    )
+    symm_buffer.x[:num_tokens].copy_(x)
+    symm_buffer.x_sf[:num_tokens].copy_(x_sf)
+    symm_buffer.topk_idx[:num_tokens].copy_(topk_idx)
+    symm_buffer.topk_weights[:num_tokens].copy_(topk_weights)
+
+
+def symm_buffer_of(get: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+    """Wrap a ``module -> SymmBuffer`` accessor so that it refuses ``DG_COMM_KERNEL_DEBUG``.
+
+    With ``DG_COMM_KERNEL_DEBUG`` set (not ``0``), DeepGEMM zeroes the whole buffer after
+    every call: the combine rows are gone, and a re-sum would silently write zeros into
+    ``y`` once the layout check has passed. moewire asks for the buffer before the kernel
+    runs when the combine quantizer is on, so the refusal comes before the kernel (the
+    call changes nothing). A dispatch-only module is unaffected (it never reads rows).
+    """
+
+    def symm_buffer(module: nn.Module) -> Any:
+        value = os.environ.get(DEBUG_ENV, "").strip()
+        combine = getattr(module, "combine_quantizer", None)
+        if value not in ("", "0") and getattr(combine, "mode", "disabled") != "disabled":
+            name = module.__dict__.get("_moewire_name_") or type(module).__name__
+            raise RuntimeError(
+                f"{name}: {DEBUG_ENV}={value} is set; DeepGEMM then zeroes the whole Mega-MoE "
+                "buffer after every call, so the combine rows moewire re-sums are gone; unset "
+                f"{DEBUG_ENV} or disable the combine quantizer"
+            )
+        return get(module)
+
+    return symm_buffer
+
+
+def _ep_group(symm_buffer: Any) -> Any:
+    group = getattr(symm_buffer, "group", None)
+    return group if group is not None and group.size() > 1 else None
+
+
+def register_sm90_experts(
+    cls: type,
+    *,
+    forward_module: str,
+    get_symm_buffer: Callable[[nn.Module], Any],
+    stage_fn: str = "stage_sm90_inputs",
+    stage_hidden_arg: int | str = 0,
+    kernel_ns: str = "deep_gemm",
+    ep_group: Callable[[nn.Module], Any] | None = None,
+) -> None:
+    """Register a user's experts class that calls DeepGEMM's SM90 Mega-MoE kernels.
+
+    Its forward must read two globals of ``forward_module`` at call time: the staging
+    function ``stage_fn`` (``hidden_states`` at ``stage_hidden_arg``) and the namespace
+    ``kernel_ns`` through which it calls ``fp8_mega_moe`` or ``fp8_fp4_mega_moe`` with
+    ``y`` first. The flavour is ``deepgemm-sm90`` (no fused shared expert).
+
+    Args:
+        cls: the ``nn.Module`` subclass.
+        forward_module: dotted name of the module holding the two globals.
+        get_symm_buffer: ``module -> SymmBuffer``.
+        stage_fn: global name of the staging function.
+        stage_hidden_arg: position or keyword of ``hidden_states`` in the staging call.
+        kernel_ns: global name of the DeepGEMM namespace.
+        ep_group: ``module -> group or None``; default: the buffer's group when it has more
+            than one rank.
+
+    Raises:
+        TypeError: ``cls`` is not an ``nn.Module`` subclass.
+    """
+    register_experts_class(
+        cls,
+        ExpertsAdapter(
+            name=f"deepgemm-sm90:{cls.__qualname__}",
+            forward_module=forward_module,
+            stage_fn=stage_fn,
+            stage_hidden_arg=stage_hidden_arg,
+            kernel_ns=kernel_ns,
+            get_symm_buffer=symm_buffer_of(get_symm_buffer),
+            flavour=lambda m: FLAVOUR,
+            fused_shared=lambda m: False,
+            ep_group=ep_group or (lambda m: _ep_group(get_symm_buffer(m))),
+        ),
+    )
+
+
+# -- weights ----------------------------------------------------------------------------------
+
+
+def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 with one FP32 scale per 128x128 block: ``sf = max(amax, 1e-4) / 448``."""
+    e, n, k = w.shape
+    blocks = w.view(e, n // _BLOCK, _BLOCK, k // _BLOCK, _BLOCK).float()
+    sf = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-4) / 448.0
+    q = (blocks / sf[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(e, n, k).contiguous(), sf.contiguous()
+
+
+def _fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 packed two per byte, one UE8M0 (as FP32) scale per 32 along the last dim."""
+    e, n, k = w.shape
+    q, sf = deep_gemm.utils.per_token_cast_to_fp4(w.reshape(e * n, k), use_ue8m0=True, gran_k=32)
+    return q.view(e, n, k // 2), sf.view(e, n, k // 32)
+
+
+def _check_shapes(l1: torch.Tensor, l2: torch.Tensor) -> tuple[int, int, int]:
+    if l1.dim() != 3 or l2.dim() != 3 or l1.dtype != torch.bfloat16 or l2.dtype != torch.bfloat16:
+        raise ValueError(
+            "quantize_weights: l1 must be BF16 [E, 2I, H] and l2 BF16 [E, H, I], got "
+            f"{l1.dtype} {list(l1.shape)} and {l2.dtype} {list(l2.shape)}"
+        )
+    e, two_i, h = l1.shape
+    if tuple(l2.shape) != (e, h, two_i // 2) or two_i % 2:
+        raise ValueError(
+            f"quantize_weights: l2 must be [E, H, I] = [{e}, {h}, {two_i // 2}] for l1 "
+            f"{list(l1.shape)}, got {list(l2.shape)}"
+        )
+    if h % _BLOCK or (two_i // 2) % _BLOCK:
+        raise ValueError(
+            f"quantize_weights: H={h} and I={two_i // 2} must be multiples of {_BLOCK} (the "
+            "kernels' K block and scale block); pad the model's dimensions"
+        )
+    return e, h, two_i // 2
+
+
+def _check_kernel(kernel: str, where: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"{where}: kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+
+
+def quantize_weights(
+    l1: torch.Tensor, l2: torch.Tensor, kernel: str, *, chunk: int = 32
+) -> tuple[Any, Any]:
+    """Quantize and lay out BF16 expert weights for one SM90 kernel.
+
+    ``fp8_mega_moe``: FP8 E4M3 with FP32 scales per 128x128 block; ``fp8_fp4_mega_moe``:
+    E2M1 with UE8M0 scales per 32. Then DeepGEMM's own transform (gate/up interleave,
+    scale packing). Experts are processed ``chunk`` at a time to bound the FP32 temporaries.
+
+    Args:
+        l1: BF16 ``[E, 2I, H]`` (gate rows then up rows), on the GPU.
+        l2: BF16 ``[E, H, I]``.
+        kernel: ``"fp8_mega_moe"`` or ``"fp8_fp4_mega_moe"``.
+
+    Returns:
+        ``(l1_weights, l2_weights)`` as the kernel takes them.
+    """
+    _check_kernel(kernel, "quantize_weights")
+    num_experts = _check_shapes(l1, l2)[0]
+    cast = _fp8_blocks if kernel == "fp8_mega_moe" else _fp4_rows
+    parts1, parts2 = [], []
+    for start in range(0, num_experts, chunk):
+        parts1.append(cast(l1[start : start + chunk]))
+        parts2.append(cast(l2[start : start + chunk]))
+    w1 = tuple(torch.cat([p[i] for p in parts1]) for i in (0, 1))
+    w2 = tuple(torch.cat([p[i] for p in parts2]) for i in (0, 1))
+    return getattr(deep_gemm, KERNELS[kernel][1])(w1, w2)
+
+
+# -- the experts module -----------------------------------------------------------------------
+
+
+class SM90MegaMoEExperts(nn.Module):
+    """Routed experts on DeepGEMM's SM90 Mega-MoE kernel (one launch: dispatch, L1, SwiGLU,
+    L2, combine), shaped like vLLM's Mega-MoE experts.
+
+    Args:
+        l1_weights, l2_weights: prepared weights (:func:`quantize_weights`).
+        symm_buffer: from ``deep_gemm.get_symm_buffer_for_sm90_mega_moe``; its
+            ``num_max_tokens_per_rank`` bounds ``T``.
+        kernel: ``"fp8_mega_moe"`` or ``"fp8_fp4_mega_moe"``.
+        activation_clamp: SwiGLU clamp (``None``: none).
+        fast_math: the kernel's fast SiLU.
+    """
+
+    def __init__(
+        self,
+        l1_weights: Any,
+        l2_weights: Any,
+        symm_buffer: Any,
+        kernel: str = "fp8_mega_moe",
+        *,
+        activation_clamp: float | None = 10.0,
+        fast_math: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_kernel(kernel, "SM90MegaMoEExperts")
+        self.l1_weights, self.l2_weights = l1_weights, l2_weights
+        self.symm_buffer = symm_buffer
+        self.kernel = kernel
+        self.kernel_kwargs = dict(
+            recipe=KERNELS[kernel][0],
+            activation="swiglu",
+            activation_clamp=activation_clamp,
+            fast_math=fast_math,
+        )
+        # Anchors the module's device for moewire (its quantizers follow it).
+        self.register_buffer("anchor", torch.zeros((), device=symm_buffer.buffer.device))
+
+    @classmethod
+    def from_bf16(
+        cls,
+        l1: torch.Tensor,
+        l2: torch.Tensor,
+        *,
+        kernel: str,
+        group: Any,
+        max_num_tokens: int,
+        top_k: int,
+        **kwargs: Any,
+    ) -> SM90MegaMoEExperts:
+        """Quantize BF16 weights, allocate the buffer, build the module.
+
+        Args:
+            l1: BF16 ``[E, 2I, H]``; l2: BF16 ``[E, H, I]`` (this rank's experts times the
+                group size is the global expert count).
+            kernel: ``"fp8_mega_moe"`` or ``"fp8_fp4_mega_moe"``.
+            group: the expert-parallel process group (NCCL; one rank works).
+            max_num_tokens: tokens per call on this rank (rounded up to 384 by DeepGEMM).
+            top_k: slots per token.
+            **kwargs: ``activation_clamp``, ``fast_math``.
+        """
+        _check_kernel(kernel, "SM90MegaMoEExperts.from_bf16")
+        num_local, hidden, inter = _check_shapes(l1, l2)
+        weights = quantize_weights(l1, l2, kernel)
+        buffer = deep_gemm.get_symm_buffer_for_sm90_mega_moe(
+            group, num_local * group.size(), max_num_tokens, top_k, hidden, inter
+        )
+        return cls(*weights, buffer, kernel, **kwargs)
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.symm_buffer.num_max_tokens_per_rank
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """Run the fused kernel, then add an unfused shared expert (as vLLM does).
+
+        Args:
+            hidden_states: BF16 ``[T, H]``, ``T <= max_num_tokens``.
+            topk_weights: FP32 ``[T, k]``.
+            topk_ids: int ``[T, k]``; ``-1`` marks an invalid slot.
+            shared_experts: ``hidden_states -> BF16 [T, H]``, added after the combine (it
+                sees the unquantized tokens), or ``None``.
+
+        Returns:
+            BF16 ``[T, H]``.
+        """
+        num_tokens = hidden_states.shape[0]
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"{type(self).__name__}: {num_tokens} tokens exceed the buffer's capacity "
+                f"{self.max_num_tokens}; build the module with a larger max_num_tokens"
+            )
+        stage_sm90_inputs(hidden_states, topk_ids, topk_weights, self.symm_buffer)
+        y = torch.empty_like(hidden_states, dtype=torch.bfloat16)
+        getattr(deep_gemm, self.kernel)(
+            y, self.l1_weights, self.l2_weights, self.symm_buffer, **self.kernel_kwargs
+        )
+        if shared_experts is not None:
+            y += shared_experts(hidden_states)
+        return y
+
+
+register_sm90_experts(
+    SM90MegaMoEExperts,
+    forward_module=__name__,
+    get_symm_buffer=lambda m: m.symm_buffer,
+)

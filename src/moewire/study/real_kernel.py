@@ -1,0 +1,140 @@
+"""The study's layer on the real SM90 Mega-MoE kernel (``moewire study --kernel deepgemm-sm90``).
+
+Same layer as :mod:`moewire.study.layer` (router and unfused shared expert on the
+unquantized tokens, ``moewire.quantize`` on the experts), but the routed experts run on
+DeepGEMM's SM90 ``fp8_fp4_mega_moe`` (PR #323) through
+:class:`moewire.integrations.deepgemm_sm90.SM90MegaMoEExperts`: the real kernel's own
+numerics (its FP8 staging, FP4 weights with UE8M0 scales per 32, its SwiGLU and combine
+order), at full size on one H100/H200. The buffer is allocated on a one-rank NCCL group
+(set up here when no process group exists).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moewire.study.config import StudyConfig, check_layer_shapes
+from moewire.study.data import Router, load_weights
+from moewire.study.errors import StudyArgumentError
+from moewire.study.layer import MoELayer, StudyLayer, _shared_from_dense, _synthetic_router
+
+__all__ = ["RealKernelLayer", "build_layer", "check"]
+
+# The stand-in's --mma name -> the SM90 kernel function with those operand types.
+_SM90_KERNEL = {"fp8xfp4": "fp8_fp4_mega_moe"}
+
+
+def check(cfg: StudyConfig) -> None:
+    """Refuse ``--kernel deepgemm-sm90`` where it cannot run, saying what is missing."""
+    from moewire.integrations import deepgemm_sm90
+
+    if cfg.mma not in _SM90_KERNEL:
+        raise StudyArgumentError(
+            "--mma", f"--kernel deepgemm-sm90 runs FP8 x FP4 (fp8_fp4_mega_moe); {cfg.mma} "
+            "has no SM90 Mega-MoE kernel: use --mma fp8xfp4"
+        )
+    if cfg.device != "cuda":
+        raise StudyArgumentError("--device", "--kernel deepgemm-sm90 runs on the GPU: pass "
+                                 "--device cuda")
+    ok, why = deepgemm_sm90.available()
+    if not ok:
+        raise StudyArgumentError(
+            "--kernel", f"the real SM90 Mega-MoE kernel cannot run here: {why}. It needs a "
+            "Hopper GPU and DeepGEMM's SM90 package (scripts/real_kernel/build_kit.sh, "
+            "docs/real-kernel.md); without them use --kernel reference"
+        )
+
+
+def _one_rank_group() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=1,
+                                rank=0, device_id=torch.device("cuda", torch.cuda.current_device()))
+    return dist.new_group([dist.get_rank()])
+
+
+@dataclass
+class RealKernelLayer(StudyLayer):
+    """A :class:`StudyLayer` whose experts are the real SM90 kernel.
+
+    Attributes:
+        kernel: the DeepGEMM function (``"fp8_fp4_mega_moe"``).
+        kernel_weights: ``(l1, l2)`` as the kernel takes them (shared by every copy).
+        symm_buffer: the one SM90 buffer every copy uses.
+    """
+
+    kernel: str = ""
+    kernel_weights: tuple = ()
+    symm_buffer: Any = None
+
+    def fresh(self) -> MoELayer:
+        from moewire.integrations.deepgemm_sm90 import SM90MegaMoEExperts
+
+        experts = SM90MegaMoEExperts(*self.kernel_weights, self.symm_buffer, self.kernel)
+        return MoELayer(experts, self.shared)
+
+    def shapes(self) -> dict[str, Any]:
+        return {**super().shapes(), "kernel": f"deepgemm-sm90 {self.kernel}"}
+
+
+def _synthetic_dense(e: int, h: int, i: int, seed: int, device: torch.device):
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(f"study-sm90/{seed}".encode()))
+    bf16 = dict(generator=g, device=device, dtype=torch.bfloat16)
+    return torch.randn(e, 2 * i, h, **bf16).mul_(h**-0.5), torch.randn(e, h, i, **bf16).mul_(
+        i**-0.5)
+
+
+def build_layer(cfg: StudyConfig, generator: torch.Generator) -> RealKernelLayer:
+    """The layer of ``cfg`` on the real kernel: ``--weights``/``--layer`` or synthetic BF16
+    weights ``N(0, 1/fan_in)`` (seeded from ``--seed``), quantized by the kernel's own
+    weight recipe (:func:`moewire.integrations.deepgemm_sm90.quantize_weights`)."""
+    from moewire.integrations import deepgemm_sm90
+    from moewire.reference import SharedExpert
+
+    check(cfg)
+    preset, device = cfg.preset, torch.device("cuda")
+    kernel = _SM90_KERNEL[cfg.mma]
+    if cfg.weights is not None:
+        dense = load_weights(cfg.weights, cfg.layer, preset.top_k)
+        e, h, i = dense.num_experts, dense.hidden, dense.intermediate
+        check_layer_shapes(cfg, e, preset.top_k, h, i)
+        w1, w2 = dense.w1.to(device, torch.bfloat16), dense.w2.to(device, torch.bfloat16)
+        shared = None
+        if dense.shared_w1 is not None:
+            shared = _shared_from_dense(dense.shared_w1, dense.shared_w2, device)
+        if dense.router.numel():
+            router_w, router_b = dense.router, dense.router_bias
+        else:
+            router_w, router_b = _synthetic_router(e, h, generator)
+        shared_inter, source = dense.num_shared_intermediate, dense.source
+    else:
+        e, h, i = cfg.experts or preset.num_experts, preset.hidden, preset.intermediate
+        check_layer_shapes(cfg, e, preset.top_k, h, i)
+        w1, w2 = _synthetic_dense(e, h, i, cfg.seed, device)
+        shared_inter = preset.num_shared * i
+        shared = SharedExpert(h, shared_inter, seed=cfg.seed, device=device) if shared_inter \
+            else None
+        router_w, router_b = _synthetic_router(e, h, generator)
+        source = f"synthetic-bf16(seed={cfg.seed})"
+    weights = deepgemm_sm90.quantize_weights(w1, w2, kernel)
+    del w1, w2
+    buffer = deepgemm_sm90.deep_gemm.get_symm_buffer_for_sm90_mega_moe(
+        _one_rank_group(), e, cfg.tokens, preset.top_k, h, i)
+    router = Router(router_w.to(device), None if router_b is None else router_b.to(device),
+                    preset.top_k, preset.gating)
+    return RealKernelLayer(
+        e, preset.top_k, h, i, shared_inter, None, shared, router, source, cfg.tokens,
+        cfg.mma, device, kernel=kernel, kernel_weights=weights, symm_buffer=buffer,
+    )
