@@ -1,0 +1,58 @@
+"""The fused Triton combine at its DEFAULT block size, on rows where order shows (issue 19).
+
+Under Triton's interpreter on CPU (CI), against the independent NumPy oracle of
+``tests/order_cases.py``: routed slots ascending, the shared row first or last, one BF16
+rounding. Formats with per-block scales keep the crafted values exact, so the order still
+shows after quantization; both the unrolled (``bf16``, ``mxfp8``) and the rolled loop
+(``mxfp4``, ``fp8_b*_ue8m0``) are covered.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitexact import assert_same_bits, seed_of
+from order_cases import (
+    CRAFTED,
+    POSITION_IDS,
+    POSITIONS,
+    expected_crafted,
+    make_case,
+    oracle,
+    stored_rows,
+    wrong_variants,
+)
+
+pytest.importorskip("triton")
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: the GPU tier runs the compiled kernels", allow_module_level=True)
+
+from moewire import formats, kernels  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+ORDER_FORMATS = ("bf16", "mxfp8", "mxfp4", "fp8_b32_ue8m0", "fp8_b128_ue8m0")
+
+
+def _fused(rows, topk_idx, t, out, fmt, position):
+    return kernels.fused_combine(rows, topk_idx, t, out, fmt, None, position)
+
+
+@pytest.mark.parametrize("position", POSITIONS, ids=POSITION_IDS)
+@pytest.mark.parametrize("fmt", ORDER_FORMATS)
+def test_fused_combine_sums_in_the_kernel_order(fmt, position):
+    seed = seed_of("kernel-order", fmt, position)
+    routed, shared, idx, t = make_case(seed)
+    rows = stored_rows(routed, shared, position)
+    out = torch.full((t, rows.shape[2]), float("nan"), dtype=torch.bfloat16)
+    _fused(rows, idx, t, out, fmt, position)
+    q = formats.get(fmt).reference(routed, None).float().numpy()
+    args = (q, shared.float().numpy(), idx.numpy(), t)
+    want = oracle(*args, position)
+    assert_same_bits(out, want, seed=seed, what=f"fused {fmt} vs oracle, shared {position}")
+    for col in CRAFTED:
+        assert_same_bits(out[:, col], expected_crafted(position), seed=seed, what=f"col {col}")
+    for name, variant in wrong_variants(position).items():
+        wrong = oracle(*args, **{"position": position, **variant})
+        assert (wrong != want).any(), f"the data does not separate the kernel order from {name}"
