@@ -56,3 +56,32 @@ def test_fused_combine_sums_in_the_kernel_order(fmt, position):
     for name, variant in wrong_variants(position).items():
         wrong = oracle(*args, **{"position": position, **variant})
         assert (wrong != want).any(), f"the data does not separate the kernel order from {name}"
+
+
+def _check_count(rows, idx, t, y, fmt="bf16"):
+    """The fused kernel's layout check against ``y``: mismatching elements counted."""
+    flag = torch.zeros(1, dtype=torch.int32)
+    out = torch.empty_like(y)
+    kernels.fused_combine(rows, idx, t, out, fmt, None, None, y, flag)
+    return int(flag)
+
+
+def test_fused_check_counts_a_one_ulp_difference():
+    seed = seed_of("kernel-check-ulp")
+    routed, shared, idx, t = make_case(seed)
+    rows = stored_rows(routed, shared, None)
+    y = torch.from_numpy(oracle(routed.float().numpy(), None, idx.numpy(), t, None).view("int16"))
+    y = y.view(torch.bfloat16)
+    assert _check_count(rows, idx, t, y) == 0
+    off = y.clone()
+    off[0, 1500] = (off[0, 1500].view(torch.int16) + 1).view(torch.bfloat16)  # one ulp
+    assert _check_count(rows, idx, t, off) == 1
+
+
+def test_fused_check_fails_a_y_summed_in_another_order():
+    seed = seed_of("kernel-check-order")
+    routed, shared, idx, t = make_case(seed)
+    rows = stored_rows(routed, shared, None)
+    args = (routed.float().numpy(), None, idx.numpy(), t, None)
+    descending = torch.from_numpy(oracle(*args, descending=True).view("int16"))
+    assert _check_count(rows, idx, t, descending.view(torch.bfloat16)) >= len(CRAFTED)
