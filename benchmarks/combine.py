@@ -84,12 +84,12 @@ def bench_shape(name, k, h, t, fmts, peer_fmts=PEER_FORMATS, reps_peer=3):
             lambda i, amax=amax, fmt=fmt: kernels.fused_combine(
                 rows[i % n], idx, t, out[i % n], fmt, amax, None), reps)
         quant = reference_quant(fmt, amax)
-        want = resum(rows[0], idx, t, None, row_quantizer=quant)
+        want = resum(rows[0], idx, t, row_quantizer=quant)
         kernels.fused_combine(rows[0], idx, t, out[0], fmt, amax, None)
         r["exact"] = bool(torch.equal(out[0].view(torch.int16), want.view(torch.int16)))
         if fmt in peer_fmts:
             r["eager_us"] = time_loop(
-                lambda i, quant=quant: resum(rows[i % n], idx, t, None, row_quantizer=quant,
+                lambda i, quant=quant: resum(rows[i % n], idx, t, row_quantizer=quant,
                                              out=out[i % n]), reps_peer)
             try:
                 comp = compiled_resum(fmt)
@@ -105,11 +105,11 @@ def bench_shape(name, k, h, t, fmts, peer_fmts=PEER_FORMATS, reps_peer=3):
             if tq is not None:
                 try:
                     with torch.no_grad():
-                        mo = resum(rows[0], idx, t, None, row_quantizer=tq)
+                        mo = resum(rows[0], idx, t, row_quantizer=tq)
                         r["modelopt_equal_frac"] = float(
                             (mo.view(torch.int16) == want.view(torch.int16)).float().mean())
                         r["modelopt_us"] = time_loop(
-                            lambda i, tq=tq: resum(rows[i % n], idx, t, None, row_quantizer=tq,
+                            lambda i, tq=tq: resum(rows[i % n], idx, t, row_quantizer=tq,
                                                    out=out[i % n]), reps_peer)
                 except Exception as exc:
                     r["modelopt"] = f"modelopt run failed: {type(exc).__name__}: {exc}"[:300]

@@ -81,7 +81,7 @@ def corrupting(real):
     def kernel(y, l1, l2, buf, **kwargs):
         real(y, l1, l2, buf, **kwargs)
         t, s = torch.nonzero(buf.topk_idx[: y.shape[0]] >= 0)[0].tolist()
-        combine_rows(buf, deep_gemm.current_flavour())[s, t, 3] += 1.0
+        combine_rows(buf, deep_gemm.current_flavour(), "fp8_fp4_mega_moe")[s, t, 3] += 1.0
 
     return kernel
 

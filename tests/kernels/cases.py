@@ -87,13 +87,19 @@ def combine_case(
 
 
 def reference_combine(rows, topk_idx, num_tokens, fmt, amax, shared_slot):
-    """The torch definition: ``megamoe.resum`` with the format's reference as quantizer."""
+    """The torch definition: ``megamoe.resum`` with the format's reference as quantizer.
+
+    The kernel's ``"first"`` reads the shared row from slot 0; ``resum`` reads it from slot
+    ``k`` (where every build stores it), so the rows are rotated for that case.
+    """
     ref_fmt = formats.get(fmt)
+    if shared_slot == "first":
+        rows = torch.cat([rows[1:], rows[:1]])
     return resum(
         rows,
         topk_idx,
         num_tokens,
-        shared_slot=shared_slot,
+        shared_position=shared_slot,
         row_quantizer=lambda r: ref_fmt.reference(r, amax),
     )
 

@@ -32,7 +32,8 @@ def to_np(t: torch.Tensor) -> np.ndarray:
 
 def resum(rows, topk_idx, t, shared_slot=None, quant=None):
     """The kernel's combine per token: valid slots in ascending order, FP32 accumulation
-    from +0 with float32 scalars, shared row unquantized (first or last), one BF16 rounding.
+    from +0 with float32 scalars, shared row (stored at index k) unquantized, added first or
+    last, one BF16 rounding.
 
     Args:
         rows: float32 ``[num_slots, Tmax, H]`` (BF16 values).
@@ -43,11 +44,11 @@ def resum(rows, topk_idx, t, shared_slot=None, quant=None):
         uint16 BF16 bits ``[t, H]``.
     """
     k = topk_idx.shape[1]
-    routed = rows[1:] if shared_slot == "first" else rows[:k]
+    routed = rows[:k]
     out = np.zeros((t, rows.shape[2]), dtype=np.uint16)
     for tok in range(t):
         acc = np.zeros(rows.shape[2], dtype=F32)
-        terms = [rows[0, tok]] if shared_slot == "first" else []
+        terms = [rows[k, tok]] if shared_slot == "first" else []
         for s in range(k):
             if topk_idx[tok, s] >= 0:
                 r = routed[s, tok]

@@ -22,7 +22,7 @@ def adapter(name: str) -> ExpertsAdapter:
         stage_hidden_arg=0,
         kernel_ns="deep_gemm",
         get_symm_buffer=lambda m: m.get_symm_buffer(),
-        flavour=lambda m: "vllm",
+        flavour=lambda m: "vllm-0.33",
         fused_shared=lambda m: m.fused_shared,
         ep_group=lambda m: None,
     )

@@ -68,7 +68,7 @@ def run_kernel(buf, weights, t: int, clamp: float | None = None) -> torch.Tensor
 
 
 def build(
-    *, t: int = 37, flavour: str = "vllm", mma: str = "fp8xfp4", shared: int = 0,
+    *, t: int = 37, flavour: str = "vllm-0.33", mma: str = "fp8xfp4", shared: int = 0,
     seed: int = 0, weights_seed: int = 0, mask_ratio: float = 0.2,
     clamp: float | None = None, tmax: int | None = None,
     run: bool = True, cache_weights: bool = True, **shapes: int,

@@ -115,10 +115,11 @@ def dense_moe(
 
 
 def combine_base(buf) -> int:
-    """Byte offset of the combine region by SPEC 1.2's rule for the buffer's flavour."""
+    """Byte offset of the combine region by SPEC 1.2's rule for the buffer's flavour: the
+    buffer's tail where the region is last, else the end of the L2 scale region."""
     num_slots = buf.num_topk + (1 if buf.num_shared_experts else 0)
     size = num_slots * buf.num_max_tokens_per_rank * buf.hidden * 2
-    if buf._moewire_flavour == "sgl":
+    if buf._moewire_flavour in ("vllm-0.33", "deepgemm-sm90"):
         view = buf.l2_acts_sf if buf.mma_type == "fp8xfp4" else buf.l2_acts
         return view.data_ptr() + view.numel() * view.element_size() - buf.buffer.data_ptr()
     return buf.buffer.numel() - size
@@ -136,16 +137,17 @@ def combine_rows(buf) -> np.ndarray:
 def resum(buf, topk_idx: np.ndarray, t: int) -> np.ndarray:
     """BF16 bits (uint16 ``[T, H]``) of the kernel's combine, redone in numpy float32.
 
-    Valid routed slots in ascending order; a fused shared slot first (``sgl``) or last
-    (``vllm``); FP32 accumulator from +0.0, one BF16 rounding at the end.
+    Valid routed slots in ascending order; a fused shared row (stored at slot ``k``) added
+    first (``vllm-0.33``) or last (``vllm-0.32``); FP32 accumulator from +0.0, one BF16
+    rounding at the end.
     """
     rows = combine_rows(buf)
     k = buf.num_topk
     shared = buf.num_shared_experts > 0
-    first = shared and buf._moewire_flavour == "sgl"
-    order = [("routed", s, s + (1 if first else 0)) for s in range(k)]
+    first = shared and buf._moewire_flavour == "vllm-0.33"
+    order = [("routed", s, s) for s in range(k)]
     if shared:
-        entry = ("shared", None, 0 if first else k)
+        entry = ("shared", None, k)
         order = [entry, *order] if first else [*order, entry]
     acc = np.zeros((t, buf.hidden), dtype=np.float32)
     for kind, s, pos in order:

@@ -97,10 +97,10 @@ def test_layers_of_the_same_shapes_share_one_buffer():
     c = _layer(seed=1, max_num_tokens=400)
     assert a.get_symm_buffer() is b.get_symm_buffer()
     assert c.get_symm_buffer() is not a.get_symm_buffer()
-    with deep_gemm.use_flavour("sgl"):
+    with deep_gemm.use_flavour("vllm-0.32"):
         d = _layer(seed=1)
     assert d.get_symm_buffer() is not a.get_symm_buffer()
-    assert d.get_symm_buffer()._moewire_flavour == "sgl"
+    assert d.get_symm_buffer()._moewire_flavour == "vllm-0.32"
 
 
 def test_staging_and_kernel_are_looked_up_at_call_time(monkeypatch):

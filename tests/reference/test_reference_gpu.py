@@ -32,9 +32,13 @@ def _to(weights, device):
     )
 
 
-@pytest.mark.parametrize("mma", ["fp8xfp4", "bf16xbf16"])
-@pytest.mark.parametrize("flavour,shared", [("upstream", 0), ("vllm", 1), ("sgl", 1)],
-                         ids=["upstream", "vllm-shared", "sgl-shared"])
+@pytest.mark.parametrize(
+    "flavour,shared,mma",
+    [("deepgemm-main", 0, "fp8xfp4"), ("vllm-0.32", 1, "fp8xfp4"), ("vllm-0.32", 1, "bf16xbf16"),
+     ("vllm-0.33", 1, "fp8xfp4"), ("vllm-0.33", 1, "bf16xbf16"), ("deepgemm-sm90", 0, "fp8xfp4")],
+    ids=["main", "0.32-shared-fp8", "0.32-shared-bf16", "0.33-shared-fp8", "0.33-shared-bf16",
+         "sm90"],
+)
 def test_cuda_matches_cpu_and_resums_bit_for_bit(flavour, shared, mma):
     cpu = build(flavour=flavour, shared=shared, mma=mma, t=33, seed=21)
     with deep_gemm.use_flavour(flavour):

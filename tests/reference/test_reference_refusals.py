@@ -39,9 +39,22 @@ def test_buffer_refusals(overrides, exc, match):
         _buffer(**overrides)
 
 
-def test_upstream_flavour_refuses_a_fused_shared_expert():
-    with deep_gemm.use_flavour("upstream"), pytest.raises(ValueError, match="'vllm' or 'sgl'"):
+@pytest.mark.parametrize("flavour", ["deepgemm-main", "deepgemm-sm90"])
+def test_build_without_fusion_refuses_a_fused_shared_expert(flavour):
+    with deep_gemm.use_flavour(flavour), pytest.raises(ValueError, match="no fused shared"):
         _buffer(num_shared_experts=1)
+
+
+@pytest.mark.parametrize("flavour", ["deepgemm-main", "deepgemm-sm90"])
+def test_build_without_a_bf16_kernel_refuses_a_bf16_buffer(flavour):
+    with deep_gemm.use_flavour(flavour), pytest.raises(ValueError, match="has no mma_type"):
+        _buffer(mma_type="bf16xbf16")
+
+
+@pytest.mark.parametrize("old", ["upstream", "vllm", "sgl"])
+def test_old_flavour_names_are_refused_with_the_new_name(old):
+    with pytest.raises(ValueError, match="was renamed"):
+        deep_gemm.use_flavour(old)
 
 
 @pytest.mark.parametrize("how", ["setter", "env"])

@@ -89,16 +89,17 @@ def routing(num_tokens: int, seed: int):
     return x, ids, weights
 
 
-def oracle_rows(buffer, num_slots: int, flavour: str = "vllm") -> torch.Tensor:
+def oracle_rows(buffer, num_slots: int, flavour: str = "vllm-0.32") -> torch.Tensor:
     """BF16 ``[num_slots, Tmax, H]`` view of the combine region (SPEC 1.2).
 
-    ``vllm``/``upstream``: the last region of the buffer; ``sgl``: it starts where the
-    ``l2_acts_sf`` view ends (``l2_acts`` without scales).
+    ``vllm-0.32``/``deepgemm-main``: the last region of the buffer; ``vllm-0.33`` and
+    ``deepgemm-sm90``: it starts where the ``l2_acts_sf`` view ends (``l2_acts`` without
+    scales).
     """
     tmax, hidden = buffer.num_max_tokens_per_rank, buffer.hidden
     nbytes = num_slots * tmax * hidden * 2
     flat = buffer.buffer.view(torch.int8).reshape(-1)
-    if flavour == "sgl":
+    if flavour in ("vllm-0.33", "deepgemm-sm90"):
         sf = buffer.l2_acts_sf if buffer.l2_acts_sf is not None else buffer.l2_acts
         base = sf.data_ptr() + sf.numel() * sf.element_size() - flat.data_ptr()
     else:
@@ -111,17 +112,16 @@ def oracle_resum(
 ) -> torch.Tensor:
     """FP32 sum from +0.0 over valid slots in ascending order, one BF16 rounding (SPEC 1.1).
 
-    ``shared="last"``: slot ``k`` (always valid) is added after the routed slots;
-    ``"first"``: slot 0 is added first and routed slot ``s`` lives at ``s + 1``.
+    A fused shared row is stored at slot ``k`` (always valid); ``shared="last"`` adds it
+    after the routed slots, ``"first"`` before them.
     """
     k = topk_idx.shape[1]
-    offset = 1 if shared == "first" else 0
     out = torch.zeros(num_tokens, rows.shape[-1], dtype=torch.float32)
     if shared == "first":
-        out = out + rows[0, :num_tokens].float()
+        out = out + rows[k, :num_tokens].float()
     for s in range(k):
         valid = (topk_idx[:num_tokens, s] >= 0)[:, None]
-        out = torch.where(valid, out + rows[s + offset, :num_tokens].float(), out)
+        out = torch.where(valid, out + rows[s, :num_tokens].float(), out)
     if shared == "last":
         out = out + rows[k, :num_tokens].float()
     return out.bfloat16()

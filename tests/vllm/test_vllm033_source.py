@@ -79,7 +79,7 @@ def test_033_class_equals_032_class_bit_for_bit(vllm_config, v033):
     x, ids, w = setup.routing(8, seed=5)
     pad = torch.zeros(8, dtype=torch.bool)
     pad[2] = True
-    with vllm_mod.use_reference_deep_gemm("vllm"):
+    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
         experts, old = _make_033(v033, vllm_config, "model.layers.40.ffn.experts")
         old.finalize_weights()
         context = create_forward_context(None, vllm_config, is_padding=pad)
@@ -89,7 +89,7 @@ def test_033_class_equals_032_class_bit_for_bit(vllm_config, v033):
             rows = setup.oracle_rows(buffer, K)
             expected = setup.oracle_resum(rows, buffer.topk_idx, 8)
             y_old = old(x, w, ids, activation_clamp=10.0)
-        assert vllm_mod.kernel_flavour(experts) == "vllm"
+        assert vllm_mod.kernel_flavour(experts) == "vllm-0.33"
     assert torch.equal(y_new.view(torch.int16), expected.view(torch.int16))
     assert torch.equal(y_new.view(torch.int16), y_old.view(torch.int16))
     assert torch.equal(y_new[2], torch.zeros_like(y_new[2]))
@@ -98,7 +98,7 @@ def test_033_class_equals_032_class_bit_for_bit(vllm_config, v033):
 def test_033_unfused_shared_expert_is_added_after_the_kernel(vllm_config, v033):
     """0.33's forward adds an unfused shared expert itself; moewire needs nothing more."""
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm"):
+    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
         experts, _ = _make_033(v033, vllm_config, "model.layers.41.ffn.experts")
         x, ids, w = setup.routing(4, seed=6)
         shared = torch.nn.Linear(H, H, bias=False).bfloat16()
@@ -154,7 +154,8 @@ def _make_033_bf16_fused(module, config, prefix: str, seed: int):
 
 
 @pytest.mark.parametrize(
-    ("flavour", "shared_slot"), [("vllm", "last"), ("sgl", "first")], ids=["vllm", "sgl"]
+    ("flavour", "shared_slot"), [("vllm-0.32", "last"), ("vllm-0.33", "first")],
+    ids=["vllm-0.32", "vllm-0.33"]
 )
 def test_033_fused_shared_expert_in_flavour_order(vllm_config, v033, flavour, shared_slot):
     from vllm.forward_context import create_forward_context, override_forward_context
@@ -166,7 +167,7 @@ def test_033_fused_shared_expert_in_flavour_order(vllm_config, v033, flavour, sh
     pad[4] = True
     x, ids, w = setup.routing(6, seed=7)
     with vllm_mod.use_reference_deep_gemm(flavour):
-        prefix = f"model.layers.{50 + len(flavour)}.ffn.experts"
+        prefix = f"model.layers.{50 + flavour.endswith('0.33')}.ffn.experts"
         experts = _make_033_bf16_fused(v033, vllm_config, prefix, seed=8)
         assert experts.has_fused_shared_experts
         with override_forward_context(create_forward_context(None, vllm_config, is_padding=pad)):
@@ -177,7 +178,7 @@ def test_033_fused_shared_expert_in_flavour_order(vllm_config, v033, flavour, sh
     expected = setup.oracle_resum(rows, buffer.topk_idx, 6, shared=shared_slot)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
     # A padding token still gets the shared expert: its row is always valid.
-    shared_row = rows[K if shared_slot == "last" else 0, 4]
+    shared_row = rows[K, 4]
     assert torch.equal(y[4].view(torch.int16), shared_row.view(torch.int16))
 
 
@@ -204,7 +205,7 @@ def _quantized_resum(buffer, num_tokens, amax, shared_slot):
     nvfp4 = formats.get("nvfp4")
     slots = K + (shared_slot is not None)
     rows = setup.oracle_rows(buffer, slots, buffer._moewire_flavour)[:, :num_tokens]
-    shared_index = {None: None, "last": K, "first": 0}[shared_slot]
+    shared_index = None if shared_slot is None else K
     quantized = torch.stack(
         [rows[s] if s == shared_index else nvfp4.reference(rows[s], amax) for s in range(slots)]
     )
@@ -226,7 +227,7 @@ class _RecordingShared(torch.nn.Module):
 
 def test_033_unfused_shared_gets_unquantized_tokens_after_combine(vllm_config, v033):
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm"):
+    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
         experts, _ = _make_033(v033, vllm_config, "model.layers.60.ffn.experts")
         model = torch.nn.ModuleDict({"experts": experts})
 
@@ -252,7 +253,8 @@ def test_033_unfused_shared_gets_unquantized_tokens_after_combine(vllm_config, v
 
 
 @pytest.mark.parametrize(
-    ("flavour", "shared_slot"), [("vllm", "last"), ("sgl", "first")], ids=["vllm", "sgl"]
+    ("flavour", "shared_slot"), [("vllm-0.32", "last"), ("vllm-0.33", "first")],
+    ids=["vllm-0.32", "vllm-0.33"]
 )
 def test_033_fused_shared_combine_quantized_in_flavour_order(
     vllm_config, v033, flavour, shared_slot
@@ -260,7 +262,7 @@ def test_033_fused_shared_combine_quantized_in_flavour_order(
     vllm_mod.register_vllm_experts()
     v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
     with vllm_mod.use_reference_deep_gemm(flavour):
-        prefix = f"model.layers.{70 + len(flavour)}.ffn.experts"
+        prefix = f"model.layers.{70 + flavour.endswith('0.33')}.ffn.experts"
         experts = _make_033_bf16_fused(v033, vllm_config, prefix, seed=9)
         model = torch.nn.ModuleDict({"experts": experts})
 
@@ -278,7 +280,7 @@ def test_033_fused_shared_combine_quantized_in_flavour_order(
 def test_033_fused_shared_refuses_dispatch_quantization(vllm_config, v033):
     vllm_mod.register_vllm_experts()
     v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
-    with vllm_mod.use_reference_deep_gemm("vllm"):
+    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
         experts = _make_033_bf16_fused(v033, vllm_config, "model.layers.80.ffn.experts", seed=10)
         model = torch.nn.ModuleDict({"experts": experts})
         with pytest.raises(RuntimeError, match="VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION"):

@@ -108,11 +108,11 @@ def test_real_dsv4_forward_reaches_reference_kernel(vllm_config, padding):
     pad = torch.zeros(t, dtype=torch.bool)
     if padding:
         pad[[1, 4, 8]] = True
-    with vllm_mod.use_reference_deep_gemm("vllm"):
+    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
         experts.finalize_weights()
         y = _forward(experts, x, ids, w, pad if padding else None)
         buffer = experts.get_symm_buffer()
-        assert vllm_mod.kernel_flavour(experts) == "vllm"
+        assert vllm_mod.kernel_flavour(experts) == "vllm-0.32"
     assert buffer.__class__.__module__ == "moewire.reference.deep_gemm"
     assert torch.equal(buffer.topk_idx[:t], torch.where(pad[:, None], -1, ids.long()))
     rows = _setup.oracle_rows(buffer, K)
@@ -156,7 +156,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
         x, ids, w = _setup.routing(t, seed=20 + rank)
         pad = torch.zeros(t, dtype=torch.bool)
         pad[0] = True
-        with vllm_mod.use_reference_deep_gemm("vllm"):
+        with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
             experts.finalize_weights()
             y = _forward(experts, x, ids, w, pad)
             buffer = experts.get_symm_buffer()
@@ -202,7 +202,7 @@ def test_kimi_k3_experts_are_registered_and_converted(vllm_config):
     )
     assert adapter_for(experts).name == "vllm-0.32-KimiK3MegaMoEExperts"
     model = torch.nn.ModuleDict({"experts": experts})
-    with vllm_mod.use_reference_deep_gemm("vllm"):
+    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
         api.quantize(model, "moe_fp8_dispatch_nvfp4_combine")
         assert isinstance(experts, KimiK3MegaMoEExperts)
         assert experts.dispatch_quantizer.mode == "quantize"

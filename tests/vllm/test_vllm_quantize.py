@@ -103,7 +103,7 @@ def _check_quantized_forward(config, experts, seen, seed: int):
 
 def test_calibrate_then_quantize_real_dsv4(vllm_config):
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm"):
+    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
         experts = setup.make_experts(vllm_config, prefix=_prefix())
         experts.finalize_weights()
         _, seen = _calibrate(vllm_config, experts, seeds=(31, 32, 33))
@@ -114,7 +114,7 @@ def test_calibrate_then_quantize_real_dsv4(vllm_config):
 
 def test_scales_round_trip_into_a_fresh_model(vllm_config, tmp_path):
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm"):
+    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
         experts = setup.make_experts(vllm_config, prefix=_prefix())
         experts.finalize_weights()
         model, seen = _calibrate(vllm_config, experts, seeds=(41,))
@@ -132,7 +132,7 @@ def test_scales_round_trip_into_a_fresh_model(vllm_config, tmp_path):
 def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
     with setup.vllm_world(rank, 2, init_file) as config:
         vllm_mod.register_vllm_experts()
-        with vllm_mod.use_reference_deep_gemm("vllm"):
+        with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
             experts = setup.make_experts(config, rank=rank, world_size=2)
             experts.finalize_weights()
             # Different data per rank: the synced amax is the max of both ranks' amaxes.

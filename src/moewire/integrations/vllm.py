@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -57,9 +56,6 @@ logger = logging.getLogger(__name__)
 ENV_RECIPE = "MOEWIRE_RECIPE"
 ENV_SCALES = "MOEWIRE_SCALES"
 STAGE_FN = "prepare_megamoe_inputs"
-# DeepGEMM distributions that install the top-level module ``deep_gemm``, and the layout
-# flavour each one's build has (SPEC section 1.2/1.3; the layout check proves it per build).
-DISTRIBUTION_FLAVOURS = {"sgl-deep-gemm": "sgl", "deep-gemm": "vllm", "deep_gemm": "vllm"}
 
 
 @dataclass(frozen=True)
@@ -155,13 +151,11 @@ def _ep_group(module: nn.Module) -> Any:
 
 
 def kernel_flavour(module: nn.Module) -> str:
-    """The layout flavour of the DeepGEMM build that vLLM calls for ``module``.
+    """The flavour of the DeepGEMM build that vLLM calls for ``module``.
 
-    ``vllm.third_party.deep_gemm`` (vLLM's vendored copy) -> ``"vllm"``; a top-level
-    ``deep_gemm`` -> by its distribution (``sgl-deep-gemm`` -> ``"sgl"``, upstream
-    ``deep-gemm`` -> ``"vllm"``, the same layout with no fused shared expert);
-    ``moewire.reference.deep_gemm`` -> the flavour its buffer was built with. The layout
-    check of the first routed batch is what proves the choice on a given build.
+    Read from the module object vLLM imports (``moewire.megamoe.flavours.detect``: which
+    Mega-MoE functions it has and their parameters; ``MOEWIRE_FLAVOUR`` overrides). The
+    layout check of the first routed batch is what proves the choice on a given build.
 
     Raises:
         RuntimeError: vLLM finds no DeepGEMM, or one moewire cannot place.
@@ -173,27 +167,9 @@ def kernel_flavour(module: nn.Module) -> str:
             "(neither `deep_gemm` nor `vllm.third_party.deep_gemm`); install DeepGEMM, or in "
             "tests use moewire.integrations.vllm.use_reference_deep_gemm()"
         )
-    name = getattr(namespace, "__name__", type(namespace).__name__)
-    if name.startswith("moewire.reference"):
-        return module.get_symm_buffer()._moewire_flavour
-    if name.startswith("vllm.third_party.deep_gemm"):
-        return "vllm"
-    if name.split(".")[0] == "deep_gemm":
-        distributions = importlib.metadata.packages_distributions().get("deep_gemm", [])
-        for distribution in distributions:
-            flavour = DISTRIBUTION_FLAVOURS.get(distribution.lower())
-            if flavour is not None:
-                return flavour
-        raise RuntimeError(
-            f"{getattr(module, 'prefix', '')}: top-level deep_gemm from distributions "
-            f"{distributions or 'unknown'} has no known layout flavour "
-            f"(known: {sorted(DISTRIBUTION_FLAVOURS)}); add it to DISTRIBUTION_FLAVOURS once "
-            "the layout check passes on it"
-        )
-    raise RuntimeError(
-        f"{getattr(module, 'prefix', '')}: vLLM's DeepGEMM namespace {name!r} has no known "
-        "layout flavour"
-    )
+    from moewire.megamoe.flavours import detect
+
+    return detect(namespace, getattr(module, "prefix", type(module).__name__)).name
 
 
 def _fused_shared(module: nn.Module) -> bool:

@@ -1,7 +1,8 @@
 """Where the combine rows are and in what order they add up; the experts wrapper.
 
-- ``flavours``: kernel build flavours (``upstream``, ``vllm``, ``sgl``), a registry.
-- ``combine_rows(symm_buffer, flavour)``: the BF16 ``[num_slots, Tmax, H]`` combine view.
+- ``flavours``: one flavour per DeepGEMM build (``deepgemm-main``, ``vllm-0.32``,
+  ``vllm-0.33``, ``deepgemm-sm90``), each kernel function's combine layout, a registry.
+- ``combine_rows(symm_buffer, flavour, kernel)``: the BF16 ``[num_slots, Tmax, H]`` view.
 - ``resum(rows, topk_idx, num_tokens, ...)``: the kernel's combine sum, with fake-quantized
   rows.
 - ``ExpertsAdapter`` / ``register_experts_class`` / ``adapter_for``: how an experts class
@@ -15,10 +16,15 @@ from __future__ import annotations
 
 import importlib
 
+# Eager, and bound after the import: importing the submodule ``moewire.megamoe.resum`` sets
+# the package attribute ``resum`` to the submodule; this rebinding makes
+# ``from moewire.megamoe import resum`` the function in every import order (issue 14).
+from moewire.megamoe.resum import resum as resum
+
 _LAZY = {
     "Flavour": ("moewire.megamoe.flavours", "Flavour"),
     "combine_rows": ("moewire.megamoe.layout", "combine_rows"),
-    "resum": ("moewire.megamoe.resum", "resum"),
+    "KernelLayout": ("moewire.megamoe.flavours", "KernelLayout"),
     "ExpertsAdapter": ("moewire.megamoe.registry", "ExpertsAdapter"),
     "register_experts_class": ("moewire.megamoe.registry", "register_experts_class"),
     "adapter_for": ("moewire.megamoe.registry", "adapter_for"),
@@ -34,7 +40,7 @@ _LAZY = {
     "summary": ("moewire.megamoe.api", "summary"),
 }
 
-__all__ = sorted(_LAZY) + ["flavours"]
+__all__ = sorted([*_LAZY, "resum", "flavours"])
 
 
 def __getattr__(name: str):

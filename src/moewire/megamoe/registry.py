@@ -96,6 +96,7 @@ def registered_classes() -> dict[type, ExpertsAdapter]:
 
 
 def _register_reference() -> None:
+    from moewire.megamoe.flavours import detect
     from moewire.reference import deep_gemm
     from moewire.reference.experts import MegaMoEExperts
 
@@ -108,8 +109,9 @@ def _register_reference() -> None:
             stage_hidden_arg=0,
             kernel_ns="deep_gemm",
             get_symm_buffer=lambda m: m.get_symm_buffer(),
-            # The stand-in's "build" is the flavour selected now (use_flavour / env var).
-            flavour=lambda m: deep_gemm.current_flavour(),
+            # The stand-in's "build" is the flavour selected now (use_flavour / env var),
+            # read from the module as from any DeepGEMM.
+            flavour=lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name,
             fused_shared=lambda m: m.fused_shared,
             ep_group=lambda m: m.ep_group,
         ),

@@ -2,12 +2,13 @@
 
 Exact order of the Mega-MoE combine (SPEC 1.1): per token, ``acc`` starts at +0.0 in FP32;
 the valid routed slots (``topk_idx >= 0``) are added in ascending slot order,
-``acc += float(row)``; a fused shared slot is added first or last (its flavour's place);
-then **one** round to BF16 (nearest even). A token with no valid row gets +0 (or its
-shared row). Invalid slots are *selected away* (``torch.where``), never multiplied by a
-mask: their rows are stale and may hold NaN. ``acc + (+0)`` never changes ``acc`` here
-(``acc`` starts at +0 and a sum of finite values is never -0), so selecting the sum is
-bitwise the kernel's ``acc += row`` over valid rows.
+``acc += float(row)``; a fused shared row (stored at slot ``k`` in every build) is added
+first or last (its kernel's ``shared_position``, ``moewire.megamoe.flavours``); then
+**one** round to BF16 (nearest even). A token with no valid row gets +0 (or its shared
+row). Invalid slots are *selected away* (``torch.where``), never multiplied by a mask:
+their rows are stale and may hold NaN. ``acc + (+0)`` never changes ``acc`` here (``acc``
+starts at +0 and a sum of finite values is never -0), so selecting the sum is bitwise the
+kernel's ``acc += row`` over valid rows.
 """
 
 from __future__ import annotations
@@ -18,26 +19,16 @@ import torch
 
 from moewire import kernels
 
-__all__ = ["resum", "routed_rows", "SHARED_SLOTS"]
+__all__ = ["SHARED_POSITIONS", "resum"]
 
-SHARED_SLOTS = (None, "first", "last")
-
-
-def routed_rows(rows: torch.Tensor, shared_slot: str | None) -> torch.Tensor:
-    """The routed slots of ``rows`` in slot order: ``rows[1:]`` when the shared slot is
-    first, ``rows[:-1]`` when it is last, else ``rows`` (views)."""
-    if shared_slot == "first":
-        return rows[1:]
-    if shared_slot == "last":
-        return rows[:-1]
-    return rows
+SHARED_POSITIONS = (None, "first", "last")
 
 
 def _check(
     rows: torch.Tensor,
     topk_idx: torch.Tensor,
     num_tokens: int,
-    shared_slot: str | None,
+    shared_position: str | None,
     out: torch.Tensor | None,
 ) -> None:
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bfloat16 or rows.dim() != 3:
@@ -53,15 +44,17 @@ def _check(
         raise ValueError(
             f"resum: topk_idx must be an integer tensor [T, k], got {_describe(topk_idx)}"
         )
-    if shared_slot not in SHARED_SLOTS:
-        raise ValueError(f"resum: shared_slot must be None, 'first' or 'last', got {shared_slot!r}")
+    if shared_position not in SHARED_POSITIONS:
+        raise ValueError(
+            f"resum: shared_position must be None, 'first' or 'last', got {shared_position!r}"
+        )
     k = topk_idx.shape[1]
-    expected = k + (shared_slot is not None)
+    expected = k + (shared_position is not None)
     if rows.shape[0] != expected:
         raise ValueError(
             f"resum: rows has {rows.shape[0]} slots but topk_idx has k={k} and "
-            f"shared_slot={shared_slot!r}, which needs {expected}; pass fused_shared to "
-            "combine_rows exactly when the kernel fuses a shared expert"
+            f"shared_position={shared_position!r}, which needs {expected}; pass fused_shared "
+            "to combine_rows exactly when the kernel fuses a shared expert"
         )
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise TypeError(f"resum: num_tokens must be an int, got {type(num_tokens).__name__}")
@@ -97,7 +90,7 @@ def _fused_combine(
     rows: torch.Tensor,
     topk_idx: torch.Tensor,
     num_tokens: int,
-    shared_slot: str | None,
+    shared_position: str | None,
     row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None,
     out: torch.Tensor,
 ) -> bool:
@@ -106,10 +99,14 @@ def _fused_combine(
     The Triton kernel takes a format name and an FP32 device amax (or ``None``); it runs
     for a quantizer in quantize mode (``row_quantizer.mode == "quantize"``, its format in
     ``row_quantizer.fmt``, its amax in ``row_quantizer.static_amax``) on CUDA, when
-    ``kernels.available()`` and ``kernels.supports(fmt.name)``. Everything
-    else (CPU, plain callables, unsupported formats) takes the torch path below, which is
-    the definition the kernel is tested against.
+    ``kernels.available()`` and ``kernels.supports(fmt.name)``. Everything else (CPU, plain
+    callables, unsupported formats) takes the torch path below, which is the definition the
+    kernel is tested against. The kernel's ``"first"`` reads the shared row from slot 0,
+    while every build stores it at slot ``k``: a shared row added first takes the torch
+    path until the kernel learns the storage slot.
     """
+    if shared_position == "first":
+        return False
     if not rows.is_cuda or getattr(row_quantizer, "mode", None) != "quantize":
         return False
     fmt = getattr(row_quantizer, "fmt", None)
@@ -119,7 +116,7 @@ def _fused_combine(
         return False
     # The kernel takes an amax for global-scale formats only (fp8, nvfp4).
     amax = row_quantizer.static_amax if fmt.needs_amax else None
-    kernels.fused_combine(rows, topk_idx, num_tokens, out, fmt.name, amax, shared_slot)
+    kernels.fused_combine(rows, topk_idx, num_tokens, out, fmt.name, amax, shared_position)
     return True
 
 
@@ -127,26 +124,27 @@ def resum(
     rows: torch.Tensor,
     topk_idx: torch.Tensor,
     num_tokens: int,
-    shared_slot: str | None = None,
+    *,
+    shared_position: str | None = None,
     row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Re-sum the combine rows in the kernel's order, optionally fake-quantizing each row.
 
-    ``y[t] = bf16(sum_{s ascending, topk_idx[t, s] >= 0} float(q(rows[routed s, t])))`` with
-    the FP32 sum starting at +0.0, a fused shared row (never quantized) added first or last,
-    and one BF16 rounding (RNE). ``q`` is ``row_quantizer`` (identity when ``None``); it sees
-    the routed rows ``[k, T, H]`` of the first ``T`` tokens and must be row-local (its
-    result for a row depends on that row only: the stale rows it also sees are then
-    selected away without effect).
+    ``y[t] = bf16(sum_{s ascending, topk_idx[t, s] >= 0} float(q(rows[s, t])))`` with the
+    FP32 sum starting at +0.0, a fused shared row ``rows[k, t]`` (never quantized) added
+    first or last, and one BF16 rounding (RNE). ``q`` is ``row_quantizer`` (identity when
+    ``None``); it sees the routed rows ``[k, T, H]`` of the first ``T`` tokens and must be
+    row-local (its result for a row depends on that row only: the stale rows it also sees
+    are then selected away without effect).
 
     Args:
         rows: BF16 ``[num_slots, Tmax, H]``, the combine region (``combine_rows``);
-            ``num_slots = k`` or ``k + 1`` with a fused shared slot (slot 0 when
-            ``shared_slot == "first"``, slot ``k`` when ``"last"``).
+            ``num_slots = k``, or ``k + 1`` with a fused shared row at index ``k``.
         topk_idx: int ``[>= T, k]``, the staged expert ids; ``-1`` marks an invalid slot.
         num_tokens: ``T``, the tokens of this call (``y.shape[0]``).
-        shared_slot: ``None`` (no fused shared expert), ``"first"`` or ``"last"``.
+        shared_position: ``None`` (no fused shared expert), ``"first"`` or ``"last"``: where
+            the shared row is added in the sum.
         row_quantizer: callable BF16 ``[k, T, H]`` -> BF16 ``[k, T, H]``, or ``None``.
         out: BF16 ``[T, H]`` written in place (its address is kept), or ``None`` for a new
             tensor.
@@ -154,20 +152,21 @@ def resum(
     Returns:
         ``out`` (or the new BF16 ``[T, H]`` tensor).
     """
-    _check(rows, topk_idx, num_tokens, shared_slot, out)
+    _check(rows, topk_idx, num_tokens, shared_position, out)
     if out is None:
         out = torch.empty((num_tokens, rows.shape[2]), dtype=torch.bfloat16, device=rows.device)
-    if _fused_combine(rows, topk_idx, num_tokens, shared_slot, row_quantizer, out):
+    if _fused_combine(rows, topk_idx, num_tokens, shared_position, row_quantizer, out):
         return out
-    routed = routed_rows(rows, shared_slot)[:, :num_tokens]
+    k = topk_idx.shape[1]
+    routed = rows[:k, :num_tokens]
     if row_quantizer is not None:
         routed = row_quantizer(routed)
     valid = (topk_idx[:num_tokens] >= 0).unsqueeze(-1)
     acc = torch.zeros((num_tokens, rows.shape[2]), dtype=torch.float32, device=rows.device)
-    if shared_slot == "first":
-        acc = acc + rows[0, :num_tokens].float()
-    for s in range(routed.shape[0]):
+    if shared_position == "first":
+        acc = acc + rows[k, :num_tokens].float()
+    for s in range(k):
         acc = torch.where(valid[:, s], acc + routed[s].float(), acc)
-    if shared_slot == "last":
-        acc = acc + rows[-1, :num_tokens].float()
+    if shared_position == "last":
+        acc = acc + rows[k, :num_tokens].float()
     return out.copy_(acc.to(torch.bfloat16))

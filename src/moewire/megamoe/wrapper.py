@@ -13,9 +13,10 @@ running (a context variable set by ``Quant<Cls>.forward``):
 - the staging function: the ``hidden_states`` argument is replaced by
   ``dispatch_quantizer(hidden_states)``, out of place, so the router and an unfused shared
   expert (added after the kernel) see the original tokens;
-- the DeepGEMM namespace: ``fp8_fp4_mega_moe``, ``bf16_mega_moe`` and ``fp8_mega_moe`` are
-  wrapped; right after the kernel returns (before ``y += shared_experts(...)``) the combine
-  rows are read from the buffer, fake-quantized, re-summed in the kernel's order
+- the DeepGEMM namespace: every kernel function some flavour describes
+  (``flavours.kernel_functions()``) is wrapped; right after the kernel returns (before
+  ``y += shared_experts(...)``) the combine rows are read from the buffer (at the place the
+  flavour gives for that kernel), fake-quantized, re-summed in the kernel's order
   (:func:`~moewire.megamoe.resum.resum`) and written into ``y`` in place.
 
 Layout check: before the first use of a buffer's rows (buffers are shared by layers, so
@@ -43,12 +44,11 @@ from torch import nn
 from moewire.megamoe import flavours as _flavours
 from moewire.megamoe.layout import combine_rows
 from moewire.megamoe.registry import ExpertsAdapter, adapter_for
-from moewire.megamoe.resum import resum, routed_rows
+from moewire.megamoe.resum import resum
 from moewire.quantizer import WireQuantizer
 
 __all__ = [
     "FUSION_SWITCH",
-    "KERNEL_FUNCTIONS",
     "QuantExperts",
     "convert",
     "install_proxies",
@@ -58,7 +58,6 @@ __all__ = [
     "set_module_name",
 ]
 
-KERNEL_FUNCTIONS = frozenset({"fp8_fp4_mega_moe", "bf16_mega_moe", "fp8_mega_moe"})
 FUSION_SWITCH = "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=1"
 QUANTIZER_NAMES = ("dispatch_quantizer", "combine_quantizer")
 
@@ -102,12 +101,12 @@ class _KernelNamespace:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._moewire_namespace, name)
-        if name not in KERNEL_FUNCTIONS or not callable(attr):
+        if name not in _flavours.kernel_functions() or not callable(attr):
             return attr
         cached = self._moewire_wrapped.get(name)
         if cached is not None and cached[0] is attr:
             return cached[1]
-        wrapped = _wrap_kernel(attr)
+        wrapped = _wrap_kernel(attr, name)
         self._moewire_wrapped[name] = (attr, wrapped)
         return wrapped
 
@@ -124,7 +123,7 @@ class _KernelNamespace:
         return f"<moewire kernel proxy of {self._moewire_namespace!r}>"
 
 
-def _wrap_kernel(fn: Callable) -> Callable:
+def _wrap_kernel(fn: Callable, name: str) -> Callable:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         module = _ACTIVE.get()
         if module is None:
@@ -132,17 +131,17 @@ def _wrap_kernel(fn: Callable) -> Callable:
         y = args[0] if args else kwargs.get("y")
         if not isinstance(y, torch.Tensor):
             raise RuntimeError(
-                f"{module._moewire_name}: the Mega-MoE kernel {fn.__name__} was called "
+                f"{module._moewire_name}: the Mega-MoE kernel {name} was called "
                 "without its output y as the first argument (or keyword y); moewire "
                 "cannot find the tensor to re-sum into"
             )
         staged = module._moewire_before_kernel(y)
         result = fn(*args, **kwargs)
         if staged is not None:
-            module._moewire_combine(y, staged)
+            module._moewire_combine(y, staged, name)
         return result
 
-    kernel.__name__ = getattr(fn, "__name__", "mega_moe")
+    kernel.__name__ = getattr(fn, "__name__", name)
     kernel.__doc__ = getattr(fn, "__doc__", None)
     kernel.__wrapped__ = fn
     return kernel
@@ -328,12 +327,13 @@ class QuantExperts:
         topk_idx = self._moewire_adapter.get_symm_buffer(self).topk_idx
         return topk_idx[: y.shape[0]].clone()
 
-    def _moewire_combine(self, y: torch.Tensor, topk_idx: torch.Tensor) -> None:
+    def _moewire_combine(self, y: torch.Tensor, topk_idx: torch.Tensor, kernel: str) -> None:
         """Check, then calibrate or re-sum the combine rows into ``y``.
 
         Args:
             y: the kernel's output, BF16 ``[T, H]``.
             topk_idx: int64 ``[T, k]``, the staged ids as they were before the kernel ran.
+            kernel: the kernel function that ran (``"fp8_fp4_mega_moe"``).
         """
         quantizer = self.combine_quantizer
         name = self._moewire_name
@@ -348,20 +348,20 @@ class QuantExperts:
         flavour = _flavours.get(adapter.flavour(self))
         fused = bool(adapter.fused_shared(self))
         symm_buffer = adapter.get_symm_buffer(self)
-        rows = combine_rows(symm_buffer, flavour, fused_shared=fused)
-        shared_slot = flavour.shared_slot if fused else None
+        rows = combine_rows(symm_buffer, flavour, kernel, fused_shared=fused)
+        shared = flavour.layout(kernel).shared_position if fused else None
         num_tokens = y.shape[0]
         _on_device(quantizer, y.device, name, "combine_quantizer")
         state = _buffer_state(symm_buffer)
         if not state.checked:
-            self._moewire_check(state, rows, topk_idx, num_tokens, shared_slot, y, flavour)
+            self._moewire_check(state, rows, topk_idx, num_tokens, shared, y, flavour, kernel)
         if quantizer.mode == "calibrate":
             # Valid rows only: invalid slots hold stale rows, padding tokens have no valid
-            # slot, and the fused shared slot is not on the wire.
+            # slot, and the fused shared row (index k) is not on the wire.
             valid = (topk_idx[:num_tokens] >= 0).T
-            quantizer.collect(routed_rows(rows, shared_slot)[:, :num_tokens][valid])
+            quantizer.collect(rows[: topk_idx.shape[1], :num_tokens][valid])
             return
-        resum(rows, topk_idx, num_tokens, shared_slot, row_quantizer=quantizer, out=y)
+        resum(rows, topk_idx, num_tokens, shared_position=shared, row_quantizer=quantizer, out=y)
 
     def _moewire_check(
         self,
@@ -369,19 +369,20 @@ class QuantExperts:
         rows: torch.Tensor,
         topk_idx: torch.Tensor,
         num_tokens: int,
-        shared_slot: str | None,
+        shared: str | None,
         y: torch.Tensor,
         flavour: _flavours.Flavour,
+        kernel: str,
     ) -> None:
         """Unquantized re-sum == ``y`` bit for bit over the tokens with a routed row."""
-        expected = resum(rows, topk_idx, num_tokens, shared_slot)
+        expected = resum(rows, topk_idx, num_tokens, shared_position=shared)
         routed = (topk_idx[:num_tokens] >= 0).any(dim=1)
         differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & routed
         where = (
             f"{self._moewire_name}: the Mega-MoE layout check failed: the unquantized re-sum "
-            f"of the combine rows read with kernel flavour {flavour.name!r} (combine base "
-            f"{flavour.combine_base_rule}, fused shared slot "
-            f"{shared_slot if shared_slot else 'none'}) does not reproduce the kernel output"
+            f"of the combine rows of {kernel} read with kernel flavour {flavour.name!r} (combine "
+            f"base {flavour.layout(kernel).base_rule}, fused shared row added "
+            f"{shared if shared else '- (none fused)'}) does not reproduce the kernel output"
         )
         causes = (
             "Likely causes: DG_COMM_KERNEL_DEBUG=1 (it zeroes the buffer after every call); "

@@ -402,20 +402,19 @@ def mega_moe(
     tmax, num_slots = buf.num_max_tokens_per_rank, buf.num_slots
     start, nbytes = buf._moewire_regions["combine"]
     region = buf.buffer[start : start + nbytes].view(torch.bfloat16).view(num_slots, tmax, h)
-    shared_first = buf.num_shared_experts > 0 and buf.flavour.shared_slot == "first"
-    routed_base = 1 if shared_first else 0
     l1 = _Experts(l1_weights, True, e_local, 2 * i, h)
     l2 = _Experts(l2_weights, False, e_local, h, i)
     routed = _routed_one_rank if buf.num_ranks == 1 else _routed_expert_parallel
-    counts = routed(buf, t, fp8, l1, l2, activation_clamp, region, routed_base)
+    counts = routed(buf, t, fp8, l1, l2, activation_clamp, region)
     if stats is not None:
         stats += counts.to(torch.int32)
-    if hasattr(buf, "workspace"):
-        buf.workspace[:e_local].copy_(counts.to(torch.int32))
+    valid = buf.topk_idx[:t] >= 0
+    if "combine_norm_buffer" in buf._moewire_regions:
+        _write_combine_norms(buf, region, valid, t)
 
-    shared_pos = None
+    # Every build stores a fused shared expert's row at slot k (SPEC 1.2); all T tokens
+    # get one (impls/sm100_fp8_fp4_mega_moe.cuh: lane kNumTopk is always valid).
     if shared_l1 is not None:
-        shared_pos = 0 if shared_first else k
         if t:
             x_all = _dequantized_tokens(buf.x[:t], buf.x_sf[:t] if fp8 else None)
             shared_i = buf.num_shared_experts * i
@@ -423,27 +422,21 @@ def mega_moe(
             s2 = _Experts(shared_l2, False, 1, h, shared_i)
             ones = torch.ones(t, dtype=torch.float32, device=device)
             ends = torch.full((1,), t, dtype=torch.int32, device=device)
-            shared_rows, _, shared_sf = _expert_mlp(
+            shared_rows, _, _ = _expert_mlp(
                 x_all, ends, s1, s2, ones, activation_clamp, fp8
             )
-            region[shared_pos, :t].copy_(shared_rows)
-            if fp8 and hasattr(buf, "shared_l2_acts_sf"):
-                buf.shared_l2_acts_sf[:t].copy_(shared_sf)
+            region[k, :t].copy_(shared_rows)
 
-    valid = buf.topk_idx[:t] >= 0
     acc = torch.zeros((t, h), dtype=torch.float32, device=device)
-    order_of_adds = [("routed", s) for s in range(k)]
-    if shared_pos is not None:
-        if shared_first:
-            order_of_adds.insert(0, ("shared", None))
-        else:
-            order_of_adds.append(("shared", None))
-    for kind, s in order_of_adds:
-        if kind == "shared":
-            acc += region[shared_pos, :t].float()
+    order_of_adds = list(range(k))
+    if shared_l1 is not None:
+        order_of_adds.insert(0 if buf.flavour.shared_position == "first" else k, k)
+    for s in order_of_adds:
+        if s == k:
+            acc += region[k, :t].float()
         else:
             # Select, never multiply: an invalid slot's row is stale and may hold NaN.
-            row = region[s + routed_base, :t].float()
+            row = region[s, :t].float()
             acc += torch.where(valid[:, s : s + 1], row, torch.zeros((), device=device))
     y.copy_(acc.bfloat16())
 
@@ -456,7 +449,17 @@ def _dequantized_tokens(q: torch.Tensor, sf: torch.Tensor | None) -> torch.Tenso
     return q.float() if sf is None else scale_groups(q.float(), unpack_ue8m0(sf))
 
 
-def _routed_one_rank(buf, t, fp8, l1, l2, clamp, region, routed_base) -> torch.Tensor:
+def _write_combine_norms(buf, region: torch.Tensor, valid: torch.Tensor, t: int) -> None:
+    """FP32 squared-norm partials (one per 128 columns) of each valid routed row, into the
+    ``combine_norm_buffer`` after the combine region (vLLM 0.33/0.34's bf16 kernel)."""
+    start, nbytes = buf._moewire_regions["combine_norm_buffer"]
+    k, tmax, h = buf.num_topk, buf.num_max_tokens_per_rank, buf.hidden
+    norms = buf.buffer[start : start + nbytes].view(torch.float32).view(k, tmax, h // 128)
+    partial = region[:k, :t].float().square().reshape(k, t, h // 128, 128).sum(-1)
+    norms[:, :t] = torch.where(valid.T.unsqueeze(-1), partial, norms[:, :t])
+
+
+def _routed_one_rank(buf, t, fp8, l1, l2, clamp, region) -> torch.Tensor:
     """All routed rows of a one-rank buffer, with static shapes and no host sync.
 
     Every (token, slot) pair is processed in expert order; invalid slots get a sentinel
@@ -488,13 +491,13 @@ def _routed_one_rank(buf, t, fp8, l1, l2, clamp, region, routed_base) -> torch.T
     if fp8:
         buf.l2_acts_sf[:n].copy_(h_sf)
     flat_region = region.view(-1, h)
-    dest = (slot + routed_base) * tmax + token
+    dest = slot * tmax + token
     keep = (expert < e_local).unsqueeze(1)
     flat_region.index_copy_(0, dest, torch.where(keep, rows, flat_region[dest]))
     return torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int32, device=device))
 
 
-def _routed_expert_parallel(buf, t, fp8, l1, l2, clamp, region, routed_base) -> torch.Tensor:
+def _routed_expert_parallel(buf, t, fp8, l1, l2, clamp, region) -> torch.Tensor:
     """Routed rows over several ranks: all-to-all out, expert MLPs, all-to-all back.
 
     Only valid (token, slot) pairs travel: one payload row each (FP8 row, packed scales,
@@ -543,7 +546,7 @@ def _routed_expert_parallel(buf, t, fp8, l1, l2, clamp, region, routed_base) -> 
     back = torch.empty_like(rows)
     back[by_expert] = rows
     back_bytes, _ = _all_to_all(_bytes(back), recv_counts, buf)
-    dest_rows = (slot + routed_base) * tmax + token
+    dest_rows = slot * tmax + token
     region.view(-1, h).index_copy_(0, dest_rows, back_bytes.view(torch.bfloat16))
     return counts
 

@@ -1,22 +1,30 @@
 """Stand-in for DeepGEMM's Mega-MoE Python API (``deep_gemm``), runnable on CPU and GPU.
 
-Same names and signatures as upstream ``deep_gemm``: :func:`get_symm_buffer_for_mega_moe`,
-:class:`SymmBuffer`, :func:`fp8_fp4_mega_moe`, :func:`bf16_mega_moe`,
-:func:`transform_weights_for_mega_moe`, :func:`per_token_cast_to_fp8`. The buffer layout
-follows a named *flavour* (a property of the kernel build, see ``docs/reference.md``):
+Same names and signatures as the DeepGEMM bundled in vLLM (``vllm/third_party/deep_gemm``):
+:func:`get_symm_buffer_for_mega_moe`, :class:`SymmBuffer`, :func:`fp8_fp4_mega_moe`,
+:func:`bf16_mega_moe`, :func:`transform_weights_for_mega_moe`, :func:`per_token_cast_to_fp8`.
+The buffer layout and the combine order follow a named *flavour*, one per kernel build
+(SPEC section 1; ``moewire.megamoe.flavours`` is moewire's own, independent description of
+the same builds, and the layout check is what proves the two agree):
 
-- ``upstream``: regions ``x, x_sf, topk_idx, topk_weights, l1_acts, l1_acts_sf, l2_acts,
-  l2_acts_sf, combine``; the combine region is last. No fused shared expert.
-- ``vllm`` (the default): the upstream layout; a fused shared expert owns slot ``k`` of the
-  combine region and is added last.
-- ``sgl``: a fused shared expert owns slot 0 (routed slot ``s`` lives at ``s + 1``) and is
-  added first; small regions follow the combine region (``shared_l2_acts_sf`` with a shared
-  expert, then ``workspace``), so its base is the end of the ``l2_acts_sf`` view.
+- ``deepgemm-main``: ``fp8_fp4_mega_moe`` only; regions ``x, x_sf, topk_idx, topk_weights,
+  l1_acts, l1_acts_sf, l2_acts, l2_acts_sf, combine``, the combine region last; no fused
+  shared expert.
+- ``vllm-0.32``: adds ``bf16_mega_moe``; a fused shared expert's row is stored at slot
+  ``k`` and added last.
+- ``vllm-0.33`` (the default; vLLM 0.33 and 0.34 bundle it): the shared row, still stored
+  at slot ``k``, is added **first**; for ``bf16xbf16`` a ``combine_norm_buffer`` (FP32
+  ``[k][Tmax][H/128]`` squared-norm partials) follows the combine region
+  (``layout/mega_moe.cuh`` l.458-471), so the region is not the buffer's tail.
+- ``deepgemm-sm90`` (DeepGEMM PR #323): ``fp8_fp4_mega_moe``; no fused shared expert; every
+  view is a DLPack tensor that shares no storage object with ``.buffer`` (as the real SM90
+  build's views), though it points into it.
 
 The combine region is BF16 ``[num_slots][Tmax][H]``, slot-major; no view exposes it.
 Choose the flavour with ``use_flavour(name)`` (a setter and a context manager) or the
 environment variable ``MOEWIRE_REFERENCE_FLAVOUR``; a buffer keeps the flavour it was
-built with in ``_moewire_flavour``.
+built with in ``_moewire_flavour``. :func:`moewire_flavour` says which build the module
+imitates now (how ``moewire.megamoe.flavours.detect`` recognises it).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ __all__ = [
     "fp8_fp4_mega_moe",
     "get_symm_buffer_for_mega_moe",
     "get_token_alignment_for_mega_moe",
+    "moewire_flavour",
     "per_token_cast_to_fp8",
     "transform_weights_for_mega_moe",
     "use_flavour",
@@ -49,35 +58,62 @@ MMA_TYPES = ("fp8xfp4", "bf16xbf16")
 # fp8xfp4 tiles K by 512 (FP4 weights, 128-byte rows); bf16 by 128.
 HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128}
 ENV_FLAVOUR = "MOEWIRE_REFERENCE_FLAVOUR"
-DEFAULT_FLAVOUR = "vllm"
+DEFAULT_FLAVOUR = "vllm-0.33"
+# Names before issue 12, refused with their successors named (as moewire.megamoe.flavours).
+RENAMED = {
+    "upstream": "deepgemm-main",
+    "vllm": "vllm-0.32 (shared expert added last) or vllm-0.33 (added first)",
+    "sgl": "deepgemm-sm90",
+}
 
 
 @dataclass(frozen=True)
 class Flavour:
-    """A kernel build's buffer layout.
+    """A kernel build, as the stand-in imitates it.
 
     Attributes:
-        name: ``upstream``, ``vllm`` or ``sgl``.
-        shared_slot: where a fused shared expert's row lives and is added: ``"last"``
-            (slot ``k``), ``"first"`` (slot 0), or ``None`` (fusion refused).
-        combine_last: True when the combine region is the buffer's last region.
+        name: ``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33`` or ``deepgemm-sm90``.
+        kernels: the Mega-MoE kernel functions the build has.
+        shared_position: where a fused shared expert's row (stored at slot ``k``) is added
+            in the sum: ``"first"``, ``"last"``, or ``None`` (fusion refused).
+        norm_after_combine: mma types whose buffer has a ``combine_norm_buffer`` after the
+            combine region.
+        dlpack_views: the views are DLPack tensors, not storage-sharing views.
     """
 
     name: str
-    shared_slot: str | None
-    combine_last: bool
+    kernels: tuple[str, ...]
+    shared_position: str | None
+    norm_after_combine: tuple[str, ...] = ()
+    dlpack_views: bool = False
 
+    @property
+    def mma_types(self) -> tuple[str, ...]:
+        return tuple(MMA_OF_KERNEL[k] for k in self.kernels)
+
+
+MMA_OF_KERNEL = {"fp8_fp4_mega_moe": "fp8xfp4", "bf16_mega_moe": "bf16xbf16"}
+_BOTH = ("fp8_fp4_mega_moe", "bf16_mega_moe")
 
 FLAVOURS: dict[str, Flavour] = {
-    "upstream": Flavour("upstream", None, True),
-    "vllm": Flavour("vllm", "last", True),
-    "sgl": Flavour("sgl", "first", False),
+    "deepgemm-main": Flavour("deepgemm-main", ("fp8_fp4_mega_moe",), None),
+    "vllm-0.32": Flavour("vllm-0.32", _BOTH, "last"),
+    "vllm-0.33": Flavour("vllm-0.33", _BOTH, "first", norm_after_combine=("bf16xbf16",)),
+    "deepgemm-sm90": Flavour("deepgemm-sm90", ("fp8_fp4_mega_moe",), None, dlpack_views=True),
 }
+
+# Regions no view exposes (as in the real builds).
+_HIDDEN_REGIONS = ("combine", "combine_norm_buffer")
 
 _flavour_setting: str | None = None
 
 
 def _check_flavour(name: Any, where: str) -> str:
+    if isinstance(name, str) and name in RENAMED:
+        raise ValueError(
+            f"{where}: reference kernel flavour {name!r} was renamed (one flavour per DeepGEMM "
+            f"build); use {RENAMED[name]}"
+        )
     if name not in FLAVOURS:
         raise ValueError(
             f"{where}: unknown reference kernel flavour {name!r}; "
@@ -87,7 +123,8 @@ def _check_flavour(name: Any, where: str) -> str:
 
 
 def current_flavour() -> str:
-    """The flavour new buffers get: ``use_flavour``'s, else the env var's, else ``vllm``."""
+    """The flavour new buffers get: ``use_flavour``'s, else the env var's, else
+    ``vllm-0.33``."""
     if _flavour_setting is not None:
         return _flavour_setting
     env = os.environ.get(ENV_FLAVOUR)
@@ -96,10 +133,16 @@ def current_flavour() -> str:
     return DEFAULT_FLAVOUR
 
 
+def moewire_flavour() -> str:
+    """The build this module imitates now (:func:`current_flavour`): the fact
+    ``moewire.megamoe.flavours.detect`` reads from a stand-in module."""
+    return current_flavour()
+
+
 class use_flavour:  # lower case: used as a plain call (a setter) as often as in `with`
     """Select the layout flavour of buffers built from now on.
 
-    ``use_flavour("sgl")`` sets it until changed; ``with use_flavour("sgl"): ...`` sets it
+    ``use_flavour("vllm-0.32")`` sets it until changed; ``with use_flavour(...): ...`` sets it
     for the block and restores the previous setting on exit.
     """
 
@@ -220,10 +263,14 @@ class SymmBuffer:
         self.buffer, self.handle = _allocate(offset, device, group, self.num_ranks)
         self.buffer.zero_()
         for name, dtype, shape in regions:
+            if name in _HIDDEN_REGIONS:
+                continue
             start, nbytes = offsets[name]
             view = self.buffer[start : start + nbytes].view(dtype).view(shape)
-            if name != "combine":
-                setattr(self, name, view)
+            if flavour.dlpack_views:
+                # Same memory, another storage object (the SM90 build's DLPack views).
+                view = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(view))
+            setattr(self, name, view)
         if self.num_ranks > 1:
             dist.barrier(group=group)
 
@@ -249,11 +296,8 @@ class SymmBuffer:
             ("l2_acts_sf", torch.int32, (recv, i // 128)) if fp8 else ("l2_acts_sf", None, None),
             ("combine", torch.bfloat16, (self.num_slots, tmax, h)),
         ]
-        if not flavour.combine_last:
-            if self.num_shared_experts > 0 and fp8:
-                shared_i = self.num_shared_experts * i
-                regions.append(("shared_l2_acts_sf", torch.int32, (tmax, shared_i // 128)))
-            regions.append(("workspace", torch.int32, (_align(self.num_experts_per_rank, 4),)))
+        if self.mma_type in flavour.norm_after_combine:
+            regions.append(("combine_norm_buffer", torch.float32, (k, tmax, h // 128)))
         return regions
 
     @property
@@ -350,11 +394,17 @@ def get_symm_buffer_for_mega_moe(
                 f"{where}: {name}={value} must be a multiple of {multiple} for "
                 f"mma_type={mma_type!r}"
             )
-    if num_shared_experts > 0 and flavour.shared_slot is None:
+    if mma_type not in flavour.mma_types:
+        raise ValueError(
+            f"{where}: the {flavour.name!r} kernel build has no mma_type={mma_type!r} kernel "
+            f"(it has {', '.join(flavour.kernels)}); use a build that has it "
+            "(deep_gemm.use_flavour) or another mma_type"
+        )
+    if num_shared_experts > 0 and flavour.shared_position is None:
         raise ValueError(
             f"{where}: the {flavour.name!r} kernel flavour has no fused shared expert "
-            f"(num_shared_experts={num_shared_experts}); use the 'vllm' or 'sgl' flavour "
-            f"(deep_gemm.use_flavour) or pass the shared expert unfused"
+            f"(num_shared_experts={num_shared_experts}); use the 'vllm-0.32' or 'vllm-0.33' "
+            "flavour (deep_gemm.use_flavour) or pass the shared expert unfused"
         )
     device = torch.device(device) if device is not None else _default_device(group)
     return SymmBuffer(
