@@ -143,13 +143,8 @@ def wrong_variants(position: str | None) -> dict[str, dict]:
 
 
 def stored_rows(routed: torch.Tensor, shared: torch.Tensor, position: str | None) -> torch.Tensor:
-    """The combine region ``[K (+1), Tmax, H]`` as the library under test stores it.
-
-    Current layout: a shared row added first is stored at slot 0 (routed slot s at s + 1),
-    one added last at slot K.
-    """
+    """The combine region ``[K (+1), Tmax, H]``: routed slot s at row s, a fused shared
+    row at row K whatever its place in the sum (every build, SPEC 1.2)."""
     if position is None:
         return routed.clone()
-    if position == "first":
-        return torch.cat([shared[None], routed]).contiguous()
     return torch.cat([routed, shared[None]]).contiguous()

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from bitexact import assert_same_bits, seed_of
-from order_cases import POSITION_IDS, POSITIONS, make_case, stored_rows
+from order_cases import make_case, stored_rows
 
 pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("CUDA present: the GPU tier runs the real dispatch", allow_module_level=True)
 
 from moewire import kernels  # noqa: E402
-from moewire.megamoe import resum as resum_module  # noqa: E402
+from moewire.megamoe.resum import resum  # noqa: E402
 from moewire.quantizer import WireQuantizer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -60,19 +60,21 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("position", POSITIONS, ids=POSITION_IDS)
+# A shared row added first takes the torch path until the kernel reads it from slot k.
+@pytest.mark.parametrize("position", [None, "last"], ids=["no-shared", "shared-last"])
 @pytest.mark.parametrize("fmt", CASES)
 def test_resum_dispatches_to_the_kernel_with_the_quantizers_amax(recorder, fmt, position):
     seed = seed_of("dispatch", fmt, position)
     routed, shared, idx, t = make_case(seed, hidden=256)
     rows = stored_rows(routed, shared, position)
     quantizer = WireQuantizer(fmt, **CASES[fmt])
-    want = resum_module.resum(rows, idx, t, position, row_quantizer=quantizer)
+    want = resum(rows, idx, t, shared_position=position, row_quantizer=quantizer)
     assert recorder == [], "plain CPU rows must take the torch path"
 
     out = torch.full((t, rows.shape[2]), float("nan"), dtype=torch.bfloat16)
-    got = resum_module.resum(
-        rows.as_subclass(LabelledCuda), idx, t, position, row_quantizer=quantizer, out=out
+    got = resum(
+        rows.as_subclass(LabelledCuda), idx, t, shared_position=position,
+        row_quantizer=quantizer, out=out,
     )
     assert len(recorder) == 1, "resum did not call the fused kernel for CUDA rows"
     call = recorder[0]
@@ -99,7 +101,7 @@ def test_resum_dispatches_to_the_kernel_with_the_quantizers_amax(recorder, fmt, 
 def test_resum_keeps_the_torch_path_where_the_kernel_does_not_apply(recorder, row_quantizer):
     routed, shared, idx, t = make_case(seed_of("no-dispatch"), hidden=256)
     rows = stored_rows(routed, shared, None)
-    want = resum_module.resum(rows, idx, t, None, row_quantizer=row_quantizer)
-    got = resum_module.resum(rows.as_subclass(LabelledCuda), idx, t, None, row_quantizer)
+    want = resum(rows, idx, t, row_quantizer=row_quantizer)
+    got = resum(rows.as_subclass(LabelledCuda), idx, t, row_quantizer=row_quantizer)
     assert recorder == []
     assert_same_bits(got.as_subclass(torch.Tensor), want, seed=None, what="torch path")

@@ -26,7 +26,7 @@ from order_cases import (
 
 
 def _resum(rows, topk_idx, t, position, **kwargs):
-    return resum(rows, topk_idx, t, position, **kwargs)
+    return resum(rows, topk_idx, t, shared_position=position, **kwargs)
 
 
 @pytest.mark.parametrize("position", POSITIONS, ids=POSITION_IDS)
