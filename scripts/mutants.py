@@ -5,6 +5,7 @@ Usage (from the repository root; ``make mutants`` runs it with the project's ven
     python scripts/mutants.py                 # every mutant in scripts/mutants.toml
     python scripts/mutants.py -k kernel       # only mutants whose name contains "kernel"
     python scripts/mutants.py --list          # print the mutants and exit
+    python scripts/mutants.py --check         # only check the list still matches the code
 
 The repository's files (tracked and untracked, not ignored: ``git ls-files -co
 --exclude-standard``) are copied once into a scratch folder; the working tree is never
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", dest="select", help="only mutants whose name contains this")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument(
+        "--check", action="store_true", help="only check that every mutant matches the code"
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per test run")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
@@ -159,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LookupError, FileNotFoundError) as exc:
         print(f"mutants: {exc}", file=sys.stderr)
         return 2
+    if args.check:
+        print(f"{len(mutants)} mutants match the code")
+        return 0
 
     scratch = Path(tempfile.mkdtemp(prefix="moewire-mutants-"))
     results = []

@@ -1,10 +1,10 @@
 """The fused Triton combine at its DEFAULT block size, on rows where order shows (issue 19).
 
-Under Triton's interpreter on CPU (CI), against the independent NumPy oracle of
-``tests/order_cases.py``: routed slots ascending, the shared row first or last, one BF16
-rounding. Formats with per-block scales keep the crafted values exact, so the order still
-shows after quantization; both the unrolled (``bf16``, ``mxfp8``) and the rolled loop
-(``mxfp4``, ``fp8_b*_ue8m0``) are covered.
+Under Triton's interpreter on CPU (CI), compiled on CUDA where there is a GPU, against the
+independent NumPy oracle of ``tests/order_cases.py``: routed slots ascending, the shared row
+first or last, one BF16 rounding. Formats with per-block scales keep the crafted values
+exact, so the order still shows after quantization; both the unrolled (``bf16``,
+``mxfp8``) and the rolled loop (``mxfp4``, ``fp8_b*_ue8m0``) are covered.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from order_cases import (
 )
 
 pytest.importorskip("triton")
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: the GPU tier runs the compiled kernels", allow_module_level=True)
 
 from moewire import formats, kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -38,7 +38,9 @@ ORDER_FORMATS = ("bf16", "mxfp8", "mxfp4", "fp8_b32_ue8m0", "fp8_b128_ue8m0")
 def _fused(rows, topk_idx, t, out, fmt, position):
     if position == "first":  # this kernel reads a shared row added first from slot 0
         rows = torch.cat([rows[-1:], rows[:-1]]).contiguous()
-    return kernels.fused_combine(rows, topk_idx, t, out, fmt, None, position)
+    return kernels.fused_combine(
+        rows.to(DEVICE), topk_idx.to(DEVICE), t, out, fmt, None, position
+    )
 
 
 @pytest.mark.parametrize("position", POSITIONS, ids=POSITION_IDS)
@@ -47,7 +49,7 @@ def test_fused_combine_sums_in_the_kernel_order(fmt, position):
     seed = seed_of("kernel-order", fmt, position)
     routed, shared, idx, t = make_case(seed)
     rows = stored_rows(routed, shared, position)
-    out = torch.full((t, rows.shape[2]), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((t, rows.shape[2]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     _fused(rows, idx, t, out, fmt, position)
     q = formats.get(fmt).reference(routed, None).float().numpy()
     args = (q, shared.float().numpy(), idx.numpy(), t)
@@ -62,7 +64,8 @@ def test_fused_combine_sums_in_the_kernel_order(fmt, position):
 
 def _check_count(rows, idx, t, y, fmt="bf16"):
     """The fused kernel's layout check against ``y``: mismatching elements counted."""
-    flag = torch.zeros(1, dtype=torch.int32)
+    rows, idx, y = rows.to(DEVICE), idx.to(DEVICE), y.to(DEVICE)
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(y)
     kernels.fused_combine(rows, idx, t, out, fmt, None, None, y, flag)
     return int(flag)
