@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 # from pulling a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: test demo lint test-vllm mutants clean
+.PHONY: test test-fast demo lint test-vllm mutants clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,16 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 test: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
+
+# The edit-test loop (under 2 minutes on 2 cores): the CPU suites of the formats, the
+# quantizer, recipes, the megamoe API, the robustness suite and the study's fast checks;
+# `make test` (about 10 minutes on 2 cores) runs everything.
+FAST := tests/formats tests/test_quantizer.py tests/test_recipes.py \
+	tests/megamoe/test_megamoe_api.py tests/robustness tests/study/test_first_hour.py
+
+test-fast: $(VENV)/.installed
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q -x -m "not slow and not vllm and not gpu and not modelopt" $(FAST)
 
 demo: $(VENV)/.installed
 	$(BIN)/moewire study

@@ -148,3 +148,78 @@ def stored_rows(routed: torch.Tensor, shared: torch.Tensor, position: str | None
     if position is None:
         return routed.clone()
     return torch.cat([routed, shared[None]]).contiguous()
+
+
+# A token for the weighted (FMA) combine of the NVFP4 kernel (SPEC 1.5): rows -B and B with
+# weight W. B * W = P + 2^-24 exactly, and fl(B * W) = P (a tie to even), so
+# fma(B, W, fma(-B, W, 0)) = fma(B, W, -P) = 2^-24, while a rounded product then an add
+# gives 0, and the descending order gives -2^-24.
+B = 1.0 + 2.0**-7
+W = 1.0 + 2.0**-17
+FMA_WANT = 2.0**-24
+
+
+def make_weighted_case(seed: int, hidden: int = 256):
+    """:func:`make_case` plus FP32 weights ``[Tmax, K]`` and one more token (the FMA token).
+
+    The crafted order tokens get weight 1.0 (``fma(row, 1, acc)`` is the add), the FMA
+    token rows ``-B, B`` with weight ``W`` at the crafted columns (two invalid slots), and
+    every other weight is random. Returns routed, shared, topk_idx, weights, t.
+    """
+    routed, shared, topk_idx, t = make_case(seed, hidden=hidden, tmax=len(TOKENS) + 3)
+    g = torch.Generator().manual_seed(seed + 1)
+    weights = torch.rand(topk_idx.shape, generator=g) + 0.5
+    weights[:t] = 1.0
+    fma_tok = t
+    crafted = [col for col in CRAFTED if col < hidden]
+    routed[:, fma_tok] = (torch.randn(K, hidden, generator=g) * 3).bfloat16()
+    shared[fma_tok] = (torch.randn(hidden, generator=g) * 3).bfloat16()
+    for col in crafted:
+        lo = col // BLOCK * BLOCK
+        routed[:, fma_tok, lo : lo + BLOCK] = 0.0
+        shared[fma_tok, lo : lo + BLOCK] = 0.0
+    routed[0, fma_tok, crafted] = -B
+    routed[1, fma_tok, crafted] = B
+    weights[fma_tok, :2] = W
+    topk_idx[fma_tok] = torch.tensor([3, 7, -1, -1])
+    routed[2:, fma_tok] = float("nan")
+    return routed, shared, topk_idx, weights, t + 1
+
+
+def fma_f32(a: np.ndarray, w: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``fl32(a * w + c)`` with one rounding, for data where the float64 sum is exact (the
+    oracle asserts that: a product of two FP32 values is exact in float64)."""
+    p = a.astype(np.float64) * w.astype(np.float64)
+    s = p + c.astype(np.float64)
+    z = s - p
+    err = (p - (s - z)) + (c.astype(np.float64) - z)
+    finite = np.isfinite(s)
+    assert not np.any(err[finite] != 0), "the oracle's float64 sum is inexact for this data"
+    return s.astype(np.float32)
+
+
+def weighted_oracle(routed, shared, topk_idx, weights, t, position, *, descending=False,
+                    fma=True) -> np.ndarray:
+    """The NVFP4 kernel's combine: ``acc = fma(row, w, acc)`` over valid slots ascending,
+    the shared row with weight 1.0 first or last, one BF16 rounding (uint16 bits ``[t, H]``).
+    ``fma=False``: a rounded product then an add (wrong); ``descending``: wrong order."""
+    k = routed.shape[0]
+    slots = range(k - 1, -1, -1) if descending else range(k)
+    out = np.zeros((t, routed.shape[2]), dtype=np.uint16)
+    one = np.float32(1.0)
+    for tok in range(t):
+        terms = [(routed[s, tok], np.float32(weights[tok, s])) for s in slots
+                 if topk_idx[tok, s] >= 0]
+        if position == "first":
+            terms.insert(0, (shared[tok], one))
+        elif position == "last":
+            terms.append((shared[tok], one))
+        acc = np.zeros(routed.shape[2], dtype=np.float32)
+        for row, w in terms:
+            row = row.astype(np.float32)
+            if fma:
+                acc = fma_f32(row, np.full_like(row, w), acc)
+            else:
+                acc = (acc + (row * w).astype(np.float32)).astype(np.float32)
+        out[tok] = bf16_bits(acc)
+    return out

@@ -564,3 +564,72 @@ def test_repr_inside_a_model():
     model = torch.nn.Module()
     model.combine_quantizer = WireQuantizer("mxfp8")
     assert "(combine_quantizer): WireQuantizer(mxfp8)" in repr(model)
+
+
+# -- issue 17: refused loads change nothing; bad arguments are named ----------------------------
+
+
+@pytest.mark.parametrize("has_amax", [True, False], ids=["with-amax", "without-amax"])
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("inf"), -1.0], ids=["nan", "inf", "negative"]
+)
+def test_load_state_dict_refusal_changes_nothing(has_amax, bad):
+    q = WireQuantizer("fp8", name="layers.0.experts.dispatch_quantizer")
+    q.load_amax(3.5)
+    state = q.state_dict()
+    state["amax"] = torch.tensor(bad)
+    state["_extra_state"] = dict(state["_extra_state"], has_amax=has_amax)
+    with pytest.raises(ValueError, match=r"dispatch_quantizer.*amax is .*finite and >= 0"):
+        q.load_state_dict(state)
+    assert float(q.amax) == 3.5 and q.has_amax and q.amax_source == "loaded"
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float64],
+                         ids=["bool", "int64", "float64"])
+def test_load_state_dict_refuses_a_non_fp32_amax(dtype):
+    q = WireQuantizer("fp8")
+    state = q.state_dict()
+    state["amax"] = torch.ones((), dtype=dtype)
+    with pytest.raises(ValueError, match=f"saved amax is {dtype}.*FP32"):
+        q.load_state_dict(state)
+    assert float(q.amax) == 0.0 and not q.has_amax
+
+
+@pytest.mark.parametrize("value", [1e300, 1e39, 1e-46, 1e-40],
+                         ids=["1e300", "above-fp32-max", "below-fp32-subnormal", "fp32-subnormal"])
+def test_constant_amax_outside_fp32_is_refused(value):
+    with pytest.raises(ValueError, match=r"constant_amax=.* outside FP32's range"):
+        WireQuantizer("fp8", constant_amax=value)
+    with pytest.raises(CfgError, match="outside FP32's range"):
+        parse_cfg({"num_bits": (4, 3), "constant_amax": value})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"enable": "no"}, "enable must be True or False"),
+     ({"enable": 0}, "enable must be True or False"),
+     ({"allow_dynamic": "false"}, "allow_dynamic must be True or False"),
+     ({"fmt": 8}, "fmt must be a format name"),
+     ({"name": 3}, "name must be a str")],
+    ids=["enable-str", "enable-int", "allow-dynamic-str", "fmt-int", "name-int"],
+)
+def test_constructor_refuses_wrong_types(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        WireQuantizer(**kwargs)
+
+
+def test_dynamic_amax_with_no_token_returns_the_empty_input():
+    q = WireQuantizer("fp8")
+    x = torch.zeros((0, 64), dtype=torch.bfloat16)
+    out = q(x)
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+
+
+def test_dynamic_amax_of_a_nan_input_names_the_input_not_calibration():
+    q = WireQuantizer("fp8", name="layers.0.experts.dispatch_quantizer")
+    x = _data((4, 32), 40)
+    x[1, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"dispatch_quantizer: the per-call amax .* x holds "
+                                         r"NaN or inf; fix the input") as info:
+        q(x)
+    assert "calibration data" not in str(info.value).split("(")[0]

@@ -300,3 +300,66 @@ def test_load_refuses_unknown_names(arg, match):
 def test_from_entries_validates(entries, match):
     with pytest.raises(ValueError, match=match):
         recipes.Recipe.from_entries(entries)
+
+
+# -- issue 17: unreadable files, enable-only entries, ModelOpt cfg dicts ------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "line", "match"),
+    [(b"quant_cfg:\n  - {quantizer_name: '*', cfg: {format: fp8}}\x00\n", 2,
+      r"not valid YAML: the character '\\x00'"),
+     (b"description: caf\xe9\nquant_cfg: []\n", 1, r"not UTF-8 text \(byte 0xe9")],
+    ids=["nul-byte", "latin-1"],
+)
+def test_unreadable_bytes_name_file_and_line(tmp_path, data, line, match):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=match) as info:
+        recipes.load(path)
+    assert str(info.value).startswith(f"{path}:{line}: ")
+
+
+def test_enable_only_entry_without_cfg_names_the_quantizer_and_entry():
+    recipe = recipes.Recipe.from_entries(
+        [{"quantizer_name": "*", "enable": False},
+         {"quantizer_name": "*combine_quantizer", "enable": True}])
+    assert recipe.match("layers.0.experts.dispatch_quantizer") == {"enable": False}
+    with pytest.raises(ValueError, match=r"custom\[1\]: \*combine_quantizer: enables the wire "
+                                         r"quantizer layers.0.experts.combine_quantizer, but no "
+                                         r"earlier entry gave it a cfg"):
+        recipe.match("layers.0.experts.combine_quantizer")
+
+
+@pytest.mark.parametrize("entries", [[], ()], ids=["list", "tuple"])
+def test_from_entries_refuses_an_empty_recipe(entries):
+    with pytest.raises(ValueError, match="has no entries, so it would quantize nothing"):
+        recipes.Recipe.from_entries(entries)
+
+
+@pytest.mark.parametrize("entries", ["*", {"quantizer_name": "*"}, 3],
+                         ids=["str", "dict", "int"])
+def test_from_entries_refuses_a_non_list(entries):
+    with pytest.raises(TypeError, match="must be a list of dicts"):
+        recipes.Recipe.from_entries(entries)
+
+
+def test_modelopt_entries_defer_what_does_not_apply_to_wire_quantizers():
+    entries = [
+        {"quantizer_name": "*", "enable": False},
+        {"quantizer_name": "*weight_quantizer",
+         "cfg": {"num_bits": (2, 1), "effective_bits": 4.5}},
+        {"quantizer_name": "*", "parent_class": "nn.BatchNorm1d", "enable": False},
+        {"quantizer_name": "*combine_quantizer", "cfg": {"num_bits": (4, 3)}},
+    ]
+    with pytest.raises(ValueError, match="unknown cfg key 'effective_bits'"):
+        recipes.Recipe.from_entries(entries)
+    recipe = recipes.Recipe.from_entries(entries, modelopt=True)
+    assert recipe.match("l.0.experts.combine_quantizer") == {"num_bits": (4, 3), "enable": True}
+    assert recipe.match("l.0.experts.dispatch_quantizer") == {"enable": False}
+    bad = recipes.Recipe.from_entries(
+        [{"quantizer_name": "*quantizer", "cfg": {"num_bits": (2, 1), "effective_bits": 4.5}}],
+        name="quant_cfg", modelopt=True)
+    with pytest.raises(ValueError, match=r"quant_cfg\[0\]: \*quantizer: matches the wire "
+                                         r"quantizer x.combine_quantizer, and unknown cfg key"):
+        bad.match("x.combine_quantizer")

@@ -28,8 +28,29 @@ def _int_at_least(minimum: int):
     return parse
 
 
+def _float_at_least(minimum: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {text!r}"
+                                             ) from None
+        if not value >= minimum or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = f"number >= {minimum}"
+    return parse
+
+
 def _study_parser(sub) -> argparse.ArgumentParser:
-    from moewire.study.config import DEFAULT_COMBINE, DEFAULT_DISPATCH, MMA_TYPES, StudyConfig
+    from moewire.study.config import (
+        DEFAULT_COMBINE,
+        DEFAULT_DISPATCH,
+        DEFAULT_ROUTER_IMBALANCE,
+        MMA_TYPES,
+        StudyConfig,
+    )
     from moewire.study.presets import PRESETS
 
     d = StudyConfig()
@@ -70,8 +91,14 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--activations", default=None, metavar="PATH",
                    help="captured hidden states [N, H] (.pt or .safetensors)")
     p.add_argument("--mma", choices=MMA_TYPES, default=d.mma,
-                   help="stand-in kernel MMA type (default fp8xfp4, as DeepSeek-V4 serves)")
+                   help="stand-in kernel MMA type (default fp8xfp4, as DeepSeek-V4 serves; "
+                   "nvfp4: the NVFP4 Mega-MoE of vLLM 0.33/0.34, unweighted combine rows)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
+    p.add_argument("--router-imbalance", type=_float_at_least(1.0), default=None,
+                   metavar="X",
+                   help="the synthetic router's hottest expert gets X times the mean expected "
+                   f"load (default {DEFAULT_ROUTER_IMBALANCE}, as DeepSeek's balanced routing, "
+                   "at most E/k; 1 = uniform); ignored with a --weights router")
     p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
     p.add_argument("--out", default=d.out, metavar="DIR",
                    help=f"output directory (default ./{d.out}/)")
@@ -86,16 +113,35 @@ def _config_from_args(args: argparse.Namespace):
         calib_batches=args.calib_batches, eval_batches=args.eval_batches,
         weights=args.weights, layer=args.layer, activations=args.activations,
         mma=args.mma, device=args.device, seed=args.seed, out=args.out,
+        router_imbalance=args.router_imbalance,
     )
     return with_formats(cfg, args.dispatch, args.combine)
 
 
+#: What ``moewire study`` imports beyond torch (import name -> pip name); part of the
+#: default install, checked anyway so that a trimmed environment fails before the sweep.
+_STUDY_MODULES = {"matplotlib": "matplotlib", "rich": "rich", "safetensors": "safetensors"}
+
+
+def _missing_study_modules() -> list[str]:
+    import importlib.util
+
+    return [pip for module, pip in _STUDY_MODULES.items()
+            if importlib.util.find_spec(module) is None]
+
+
 def _run_study(args: argparse.Namespace) -> int:
+    missing = _missing_study_modules()
+    if missing:
+        print(f"moewire study: error: it needs {', '.join(missing)}, which this Python lacks; "
+              f"run: {sys.executable} -m pip install {' '.join(missing)}", file=sys.stderr)
+        return 1
     from moewire.study import report
-    from moewire.study.config import validate
+    from moewire.study.config import check_out_dir, validate
     from moewire.study.runner import Progress, run_study
 
     cfg = validate(_config_from_args(args))
+    check_out_dir(cfg.out)
     tty = sys.stdout.isatty()
     if tty:
         from rich.console import Console
@@ -131,15 +177,17 @@ def _run_study(args: argparse.Namespace) -> int:
     paths = report.write_all(doc, Path(cfg.out))
     if tty:
         console.print(report.headline(doc))
-        console.print(report.rich_table(doc))
+        console.print(report.rich_table(doc, width=console.width))
     else:
         print(report.headline(doc))
         print(report.plain_table(doc))
     routing = doc["routing"]
+    target = routing.get("target_max_over_mean")
+    target_text = "" if target is None else f" (router set to {target:g}x expected)"
     print(
         f"routing: hottest expert gets {routing['expert_load_max_over_mean']:.2f}x the mean "
-        f"load; {100 * routing['remote_fraction']:.1f}% of copies leave their rank "
-        f"({cfg.ranks} rank(s))"
+        f"load{target_text}; {100 * routing['remote_fraction']:.1f}% of copies leave their "
+        f"rank ({cfg.ranks} rank(s))"
     )
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
@@ -196,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``moewire`` console script; returns the exit code."""
-    from moewire.study.errors import StudyArgumentError
+    from moewire.study.errors import StudyArgumentError  # light: no torch
 
     parser = build_parser()
     try:

@@ -45,16 +45,21 @@ from torch import nn
 
 from moewire import formats
 
-__all__ = ["CFG_KEYS", "MODES", "CfgError", "QuantizerSpec", "WireQuantizer", "parse_cfg"]
+__all__ = ["CFG_KEYS", "MODES", "USE_CONSTANT_AMAX", "CfgError", "QuantizerSpec", "WireQuantizer",
+           "parse_cfg"]
 
 MODES = ("quantize", "calibrate", "disabled")
 
 #: Keys a quantizer cfg may hold: ModelOpt's attribute names plus moewire's own
 #: ``format`` and ``allow_dynamic``.
-CFG_KEYS = ("num_bits", "block_sizes", "axis", "constant_amax", "enable", "format",
-            "allow_dynamic")
+CFG_KEYS = ("num_bits", "block_sizes", "axis", "constant_amax", "use_constant_amax", "enable",
+            "format", "allow_dynamic")
+#: The amax ModelOpt's ``use_constant_amax: true`` pins (the FP8 E4M3 maximum).
+USE_CONSTANT_AMAX = 448.0
 
 _BLOCK_KEYS = (-1, "type", "scale_bits")
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_FP32_TINY = float(torch.finfo(torch.float32).smallest_normal)
 _NAMED_BITS = {"e4m3": (4, 3), "e2m1": (2, 1), "e8m0": (8, 0)}
 _PER_TOKEN_AXES = (0, -2)
 
@@ -193,6 +198,14 @@ def _positive_amax(value: Any, key: tuple[Any, ...]) -> float:
             "global scale 1)",
             key,
         )
+    # The amax is an FP32 buffer: a value FP32 rounds to inf or to 0 would be stored as
+    # something else than what was asked for.
+    if not _FP32_TINY <= value <= _FP32_MAX:
+        raise CfgError(
+            f"{key[0]}={value!r} is outside FP32's range [{_FP32_TINY:.4g}, {_FP32_MAX:.4g}] "
+            "(the amax is stored in FP32); give a value in that range, e.g. 2688.0",
+            key,
+        )
     return value
 
 
@@ -207,8 +220,11 @@ def parse_cfg(cfg: Mapping[str, Any]) -> QuantizerSpec:
     """Map a ModelOpt-style quantizer cfg to a moewire format and options.
 
     Accepted keys (:data:`CFG_KEYS`): ``num_bits``, ``block_sizes``, ``axis``,
-    ``constant_amax``, ``enable`` (ModelOpt's attribute names), and moewire's own
-    ``format`` (a registered format name) and ``allow_dynamic``. The mapping:
+    ``constant_amax``, ``use_constant_amax``, ``enable`` (ModelOpt's attribute names), and
+    moewire's own ``format`` (a registered format name) and ``allow_dynamic``.
+    ``use_constant_amax: true`` pins the amax to 448.0 (:data:`USE_CONSTANT_AMAX`, ModelOpt's
+    FP8 E4M3 range), i.e. ``constant_amax: 448.0``; the two keys are mutually exclusive, as
+    in ModelOpt. The mapping:
 
     ============  ====================================================  ============
     num_bits      block_sizes                                           format
@@ -301,12 +317,21 @@ def parse_cfg(cfg: Mapping[str, Any]) -> QuantizerSpec:
     constant = cfg.get("constant_amax")
     if constant is not None:
         constant = _positive_amax(constant, ("constant_amax",))
-        if not formats.get(name).needs_amax:
+    if _flag(cfg, "use_constant_amax", False):
+        if constant is not None:
             raise CfgError(
-                f"constant_amax is set but format {name!r} has no global amax (its scales "
-                "come from each block or row); remove constant_amax",
-                ("constant_amax",),
+                "use_constant_amax and constant_amax are both set; they are mutually exclusive "
+                "(as in ModelOpt): keep use_constant_amax (amax 448) or constant_amax",
+                ("use_constant_amax",),
             )
+        constant = USE_CONSTANT_AMAX
+    if constant is not None and not formats.get(name).needs_amax:
+        key = "constant_amax" if "constant_amax" in cfg else "use_constant_amax"
+        raise CfgError(
+            f"{key} is set but format {name!r} has no global amax (its scales "
+            f"come from each block or row); remove {key}",
+            (key,),
+        )
     return QuantizerSpec(name, constant, enable, allow_dynamic)
 
 
@@ -361,8 +386,20 @@ class WireQuantizer(nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__()
+        label = name or "WireQuantizer"
+        if not isinstance(fmt, (str, formats.WireFormat)):
+            raise TypeError(f"{label}: fmt must be a format name such as 'nvfp4' or a "
+                            f"WireFormat, got {type(fmt).__name__}: {fmt!r}")
+        for arg, value in (("enable", enable), ("allow_dynamic", allow_dynamic)):
+            # bool("no") is True: anything but a real bool would be read the wrong way.
+            if not isinstance(value, bool):
+                raise TypeError(f"{label}: {arg} must be True or False, got "
+                                f"{type(value).__name__}: {value!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"WireQuantizer: name must be a str or None, got "
+                            f"{type(name).__name__}")
         self.fmt = formats.get(fmt)
-        self.allow_dynamic = bool(allow_dynamic)
+        self.allow_dynamic = allow_dynamic
         self.name = name
         self.register_buffer("amax", torch.zeros((), dtype=torch.float32))
         self.register_buffer("calib_amax", torch.zeros((), dtype=torch.float32),
@@ -447,6 +484,8 @@ class WireQuantizer(nn.Module):
         if self.has_amax:
             return self.amax
         if self.allow_dynamic:
+            if x.numel() == 0:  # no token this call: any amax gives the same empty result
+                return torch.zeros((), dtype=torch.float32, device=x.device)
             return x.detach().abs().amax().float()
         raise RuntimeError(
             f"{self._label()}: format {self.fmt.name!r} needs an amax and this quantizer has "
@@ -513,7 +552,20 @@ class WireQuantizer(nn.Module):
             ``x.dtype``, ``x.shape`` (``x`` itself when calibrating or disabled).
         """
         if self._mode == "quantize":
-            return self.fmt.qdq(x, self.scale_amax(x))
+            amax = self.scale_amax(x)
+            try:
+                return self.fmt.qdq(x, amax)
+            except ValueError as err:
+                if amax is None or self.has_amax:
+                    raise
+                # The format read a NaN/inf per-call amax (it does on the host): no
+                # calibration ran, so the cause is the input, not calibration data.
+                raise ValueError(
+                    f"{self._label()}: the per-call amax (max|x| of this call: the quantizer "
+                    "has no calibrated, constant or loaded amax) is not finite because x "
+                    "holds NaN or inf; fix the input (the layer before produced it), or "
+                    f"calibrate the quantizer / set constant_amax ({err})"
+                ) from None
         if self._mode == "calibrate":
             self.collect(x)
         return x
@@ -741,10 +793,22 @@ class WireQuantizer(nn.Module):
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
                               *args: Any, **kwargs: Any) -> None:
-        # Refuse a format mismatch before the amax buffer is overwritten.
+        # Refuse a bad state before the amax buffer is overwritten: a refused load changes
+        # nothing.
+        where = prefix.rstrip(".") or self._label()
         extra = state_dict.get(prefix + "_extra_state")
         if extra is not None:
-            self._check_extra_state(extra, prefix.rstrip(".") or self._label())
+            self._check_extra_state(extra, where)
+        amax = state_dict.get(prefix + "amax")
+        if amax is not None:
+            if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32:
+                raise ValueError(
+                    f"{where}: the saved amax is "
+                    f"{amax.dtype if isinstance(amax, torch.Tensor) else type(amax).__name__}"
+                    "; a WireQuantizer's amax is an FP32 [] tensor: load a state_dict saved "
+                    "from a moewire model"
+                )
+            _host_amax(amax, f"{where} (loaded state)")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -139,3 +141,35 @@ def test_mul_recip_refuses_divisors_not_exact_integers(divisor):
 
     with pytest.raises(ValueError, match="positive integer below 2\\^24"):
         mul_recip(torch.ones(4), divisor)
+
+
+# -- FP16 saturation: a finite FP16 input never comes back as inf ----------------------------
+
+
+def _fp16_near_max(seed: int) -> torch.Tensor:
+    """FP16 rows [4, 256] of random values whose largest ones sit at or near 65504."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 256, generator=g) * 2000
+    x[:, ::7] = torch.tensor([65504.0, -65504.0, 65408.0, -65312.0]).repeat(37)[:37]
+    return x.to(torch.float16)
+
+
+@pytest.mark.parametrize("name", formats.names())
+def test_fp16_input_saturates_at_the_fp16_max(name):
+    fmt = formats.get(name)
+    x = _fp16_near_max(zlib.crc32(name.encode()))
+    out = fmt.qdq(x, 65504.0)
+    assert out.dtype == torch.float16
+    assert torch.isfinite(out).all(), f"{name}: a finite FP16 input came back as inf"
+    # Only the overflowing values change: below FP16's max the result is the format's own.
+    ref = fmt.reference(x, torch.tensor(65504.0) if fmt.needs_amax else None)
+    fine = torch.isfinite(ref)
+    assert torch.equal(out[fine], ref[fine])
+    assert torch.equal(out[~fine].abs(), torch.full_like(out[~fine], 65504.0))
+
+
+def test_fp16_saturation_keeps_inf_and_nan_inputs():
+    x = torch.tensor([65504.0, float("inf"), -float("inf"), float("nan")], dtype=torch.float16)
+    out = formats.get("bf16").qdq(x)
+    assert out[0] == 65504.0 and out[1] == float("inf") and out[2] == -float("inf")
+    assert torch.isnan(out[3])

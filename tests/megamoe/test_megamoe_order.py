@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import order_cases
 from bitexact import assert_same_bits, seed_of
 from moewire.megamoe.resum import resum
 from order_cases import (
@@ -64,3 +65,21 @@ def test_resum_quantizes_routed_rows_only_in_the_kernel_order(position):
     assert seen == [(routed.shape[0], t, routed.shape[2])]
     assert not torch.isnan(got).any(), "a stale NaN row leaked"
     assert np.all(want == got.view(torch.int16).numpy().view(np.uint16))
+
+
+@pytest.mark.parametrize("position", POSITIONS, ids=POSITION_IDS)
+def test_weighted_resum_is_an_fma_in_the_kernel_order(position):
+    """``weights=`` (the NVFP4 kernel's unweighted rows): ``acc = fma(row, w, acc)``, the
+    shared row with weight 1.0 in its place; mul-then-add and descending give other bits."""
+    seed = seed_of("resum-fma", position)
+    routed, shared, idx, weights, t = order_cases.make_weighted_case(seed)
+    rows = stored_rows(routed, shared, position)
+    got = _resum(rows, idx, t, position, weights=weights)
+    args = (routed.float().numpy(), shared.float().numpy(), idx.numpy(), weights.numpy(), t)
+    want = order_cases.weighted_oracle(*args, position)
+    assert_same_bits(got, want, seed=seed, what=f"weighted resum, shared {position}")
+    for col in CRAFTED[:1]:
+        assert float(got[t - 1, col]) == order_cases.FMA_WANT
+        assert_same_bits(got[: t - 1, col], expected_crafted(position), seed=seed, what="order")
+    for wrong in ({"fma": False}, {"descending": True}):
+        assert (order_cases.weighted_oracle(*args, position, **wrong) != want).any(), wrong

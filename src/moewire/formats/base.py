@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP16_MAX = float(torch.finfo(torch.float16).max)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -94,16 +95,24 @@ class WireFormat:
 
         Returns:
             A new tensor, same shape and dtype as ``x``; ``x`` is never modified.
+
+        FP16 input saturates: a finite FP16 value never comes back as inf. The grids are
+        computed in BF16/FP32, whose values near FP16's max (65504) can round above it
+        (65504 is 65536 in BF16), so every finite input's result is clamped to
+        [-65504, 65504]; NaN and ±inf inputs pass as the format maps them.
         """
         x = self.check_input(x)
         amax_t = self.check_amax(amax, x)
         if x.numel() == 0:
             return x.clone()
+        out = None
         if use_kernel and x.is_cuda:
             out = _kernel_qdq(self.name, x, amax_t)
-            if out is not None:
-                return out
-        return self.reference(x, amax_t)
+        if out is None:
+            out = self.reference(x, amax_t)
+        if x.dtype == torch.float16:
+            out = torch.where(torch.isfinite(x), out.clamp(-_FP16_MAX, _FP16_MAX), out)
+        return out
 
     def wire_bits(self, hidden: int) -> float:
         """Bits one row of ``hidden`` elements occupies on the wire, scales included."""

@@ -13,8 +13,9 @@ class BF16(WireFormat):
     Math: ``out = x.to(bfloat16).to(x.dtype)`` (round to nearest even). The Mega-MoE wire
     carries BF16 (staged tokens without FP8, combine rows), so on BF16 data, the only data
     the combine sees, this is the identity (a copy); FP32/FP16 input is rounded as the
-    wire would round it. NaN, ±inf and -0.0 pass unchanged; FP16 -> BF16 -> FP16 cannot
-    overflow. No scale, no amax, row-local.
+    wire would round it. NaN, ±inf and -0.0 pass unchanged. FP16 values above 65280 round
+    to 65536 in BF16, beyond FP16's max: ``qdq`` saturates them to 65504 (every format's
+    FP16 rule, :meth:`WireFormat.qdq`). No scale, no amax, row-local.
     """
 
     name = "bf16"

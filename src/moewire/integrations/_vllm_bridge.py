@@ -25,6 +25,10 @@ from typing import Any
 _UNRESOLVED = object()
 _resolver: dict[str, Callable[[], Any] | None] = {"vllm": None, "override": None}
 _installed_sites: dict[str, str] = {}
+# Staging functions other than ``prepare_megamoe_inputs`` of a site (vLLM 0.33/0.34's
+# ``prepare_megamoe_nvfp4_inputs``): (forward module, function) -> global name here.
+_installed_extra: dict[tuple[str, str], str] = {}
+PRIMARY_STAGE_FN = "prepare_megamoe_inputs"
 
 
 def __getattr__(name: str) -> Any:
@@ -121,7 +125,11 @@ def install(forward_module: str, stage_fn: str) -> str:
         _resolver["vllm"] = utils._import_deep_gemm
         utils._import_deep_gemm = import_deep_gemm
     name = stage_global_name(forward_module)
-    if _installed_sites.get(forward_module) == name:
+    if stage_fn != PRIMARY_STAGE_FN:
+        name = f"{name}__{stage_fn}"
+        if _installed_extra.get((forward_module, stage_fn)) == name:
+            return name
+    elif _installed_sites.get(forward_module) == name:
         return name
     module = importlib.import_module(forward_module)
     original = getattr(module, stage_fn, None)
@@ -131,6 +139,11 @@ def install(forward_module: str, stage_fn: str) -> str:
             "build differs from the versions moewire supports (docs/vllm.md, version table)"
         )
     globals()[name] = original
-    setattr(module, stage_fn, _stage_trampoline(name))
-    _installed_sites[forward_module] = name
+    trampoline = _stage_trampoline(name)
+    trampoline.__name__ = stage_fn
+    setattr(module, stage_fn, trampoline)
+    if stage_fn != PRIMARY_STAGE_FN:
+        _installed_extra[(forward_module, stage_fn)] = name
+    else:
+        _installed_sites[forward_module] = name
     return name

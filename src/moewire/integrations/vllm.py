@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 ENV_RECIPE = "MOEWIRE_RECIPE"
 ENV_SCALES = "MOEWIRE_SCALES"
 STAGE_FN = "prepare_megamoe_inputs"
+NVFP4_STAGE_FN = "prepare_megamoe_nvfp4_inputs"
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,15 @@ class ExpertsSite:
         module: the module defining the class (its forward's globals).
         cls_name: the class name.
         stage_fn: the staging global its forward calls.
+        extra_stage_fns: staging globals of other kernels the same forward may call
+            (0.33/0.34: ``prepare_megamoe_nvfp4_inputs`` for ``nvfp4_mega_moe``).
     """
 
     version: str
     module: str
     cls_name: str
     stage_fn: str = STAGE_FN
+    extra_stage_fns: tuple[str, ...] = ()
 
     @property
     def path(self) -> str:
@@ -87,7 +91,7 @@ SITES: dict[str, tuple[ExpertsSite, ...]] = {
     "0.33": (
         ExpertsSite(
             "0.33", "vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe",
-            "DeepGemmMegaMoEExperts",
+            "DeepGemmMegaMoEExperts", extra_stage_fns=(NVFP4_STAGE_FN,),
         ),
     ),
 }
@@ -187,12 +191,13 @@ def register_site(cls: type, site: ExpertsSite) -> None:
     from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
 
     stage_global = _vllm_bridge.install(cls.__module__, site.stage_fn)
+    extra = tuple(_vllm_bridge.install(cls.__module__, fn) for fn in site.extra_stage_fns)
     register_experts_class(
         cls,
         ExpertsAdapter(
             name=f"vllm-{site.version}-{site.cls_name}",
             forward_module=_vllm_bridge.__name__,
-            stage_fn=stage_global,
+            stage_fn=(stage_global, *extra) if extra else stage_global,
             stage_hidden_arg=0,
             kernel_ns="deep_gemm",
             get_symm_buffer=lambda module: module.get_symm_buffer(),
@@ -324,6 +329,11 @@ def use_reference_deep_gemm(flavour: str | None = None) -> Iterator[Any]:
         _vllm_bridge.set_kernel_override(lambda: namespace)
         for stage_global in list(_vllm_bridge._installed_sites.values()):
             patch(_vllm_bridge, stage_global, prepare_megamoe_inputs_reference)
+        for (_, stage_fn), stage_global in list(_vllm_bridge._installed_extra.items()):
+            if stage_fn == NVFP4_STAGE_FN:
+                from moewire.reference import prepare_megamoe_nvfp4_inputs
+
+                patch(_vllm_bridge, stage_global, prepare_megamoe_nvfp4_inputs)
         _bypass_capability_checks(patch)
         if not torch.accelerator.is_available():
             patch(torch.accelerator, "current_device_index", lambda: 0)

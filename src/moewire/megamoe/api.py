@@ -6,15 +6,24 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from moewire.megamoe.flavours import ROWS_KINDS
 from moewire.megamoe.registry import adapter_for, registered_classes
-from moewire.megamoe.wrapper import QUANTIZER_NAMES, _module_device, convert, is_converted
+from moewire.megamoe.wrapper import (
+    QUANTIZER_NAMES,
+    _module_device,
+    amax_rows,
+    convert,
+    is_converted,
+    kernel_rows,
+    set_amax_rows,
+)
 from moewire.quantizer import WireQuantizer
 
 __all__ = ["calibrate", "load_scales", "quantize", "quantizers", "save_scales", "summary"]
@@ -24,10 +33,15 @@ _METADATA_KEY = "moewire_scales"
 
 
 def _load_recipe(recipe: Any) -> Any:
-    """A ``Recipe`` from a name, a path, a Recipe, ``{"quant_cfg": [...]}`` or a list."""
+    """A ``Recipe`` from a name, a path, a Recipe, ``{"quant_cfg": [...]}`` or a list.
+
+    The dict and list forms are ModelOpt's: ``algorithm`` and entries with
+    ``parent_class`` do not apply to wire quantizers, and a cfg moewire cannot map is
+    refused only when its entry matches a wire quantizer.
+    """
     from moewire import recipes
 
-    if hasattr(recipe, "match"):
+    if isinstance(recipe, recipes.Recipe):
         return recipe
     if isinstance(recipe, (str, os.PathLike)):
         return recipes.load(recipe)
@@ -39,9 +53,9 @@ def _load_recipe(recipe: Any) -> Any:
                 "'quantizer_name': '*combine_quantizer', 'cfg': {...}}, ...]}; got keys "
                 f"{sorted(map(str, recipe))} with quant_cfg of type {type(entries).__name__}"
             )
-        return recipes.Recipe.from_entries(entries, name="quant_cfg")
+        return recipes.Recipe.from_entries(entries, name="quant_cfg", modelopt=True)
     if isinstance(recipe, (list, tuple)):
-        return recipes.Recipe.from_entries(recipe, name="entries")
+        return recipes.Recipe.from_entries(recipe, name="entries", modelopt=True)
     raise TypeError(
         f"quantize: recipe must be a recipe name, a YAML path, a Recipe, a dict "
         f"{{'quant_cfg': [...]}} or a list of entries, got {type(recipe).__name__}"
@@ -67,7 +81,11 @@ def quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
 
 
 def quantize(
-    model: nn.Module, recipe: Any, forward_loop: Callable[[nn.Module], Any] | None = None
+    model: nn.Module,
+    recipe: Any,
+    forward_loop: Callable[[nn.Module], Any] | None = None,
+    *,
+    keep_scales: bool = True,
 ) -> nn.Module:
     """Attach dispatch/combine quantizers to every Mega-MoE experts module, and calibrate.
 
@@ -78,18 +96,38 @@ def quantize(
     matches that name (ModelOpt wildcard semantics, ``Recipe.match``); with no match it stays
     disabled. With ``forward_loop``, :func:`calibrate` runs it.
 
+    On a model that is already quantized (by ``quantize``, ``mtq.quantize`` or followed by
+    ``load_scales``), a quantizer that keeps its format keeps its calibrated or loaded amax
+    (unless the recipe gives a ``constant_amax``). Where the format changes and the new
+    one needs an amax, the old amax cannot apply: the call is refused unless
+    ``forward_loop`` calibrates anew or ``keep_scales=False`` says the amax may go.
+
+    Every check runs before the model is touched: a refused call changes nothing.
+
     Args:
         model: any ``nn.Module`` containing experts modules (or one itself).
         recipe: a recipe name or YAML path, a ``Recipe``, a ModelOpt-style dict
             ``{"quant_cfg": [...]}`` or a list of entries (``moewire.recipes.load``).
         forward_loop: ``forward_loop(model)`` runs calibration batches.
+        keep_scales: keep the amax of quantizers already calibrated or loaded (see above);
+            ``False`` starts every quantizer afresh.
 
     Returns:
         ``model`` (converted in place).
 
     Raises:
-        ValueError: the model has no experts module moewire knows.
+        ValueError: the model has no experts module moewire knows; no recipe entry matches
+            any of its quantizers (the message lists their names); a matching entry's cfg
+            has no moewire format; an amax would be lost (see above).
+        TypeError: ``forward_loop`` is not callable or ``keep_scales`` is not a bool.
     """
+    if forward_loop is not None and not callable(forward_loop):
+        raise TypeError(f"quantize: forward_loop must be callable (forward_loop(model)) or "
+                        f"None, got {type(forward_loop).__name__}")
+    if not isinstance(keep_scales, bool):
+        raise TypeError(f"quantize: keep_scales must be True or False, got {keep_scales!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize: model must be an nn.Module, got {type(model).__name__}")
     targets = _experts_modules(model)
     if not targets:
         known = ", ".join(sorted(c.__qualname__ for c in registered_classes())) or "none"
@@ -99,31 +137,88 @@ def quantize(
             "moewire.megamoe.register_experts_class, or for vLLM load moewire's plugin"
         )
     rec = _load_recipe(recipe)
+    # Plan every quantizer first: a refusal below leaves the model as it was.
+    plan: list[tuple[str, nn.Module, str, WireQuantizer]] = []
+    matched = []
     for name, module in targets:
-        convert(module, name or type(module).__name__)
         device = _module_device(module)
         for attr in QUANTIZER_NAMES:
             qualified = _qualified(name, attr)
             cfg = rec.match(qualified)
-            quantizer = (
-                WireQuantizer(enable=False, name=qualified)
-                if cfg is None
-                else WireQuantizer.from_cfg(cfg, name=qualified)
-            )
-            setattr(module, attr, quantizer.to(device))
+            if cfg is None:
+                quantizer = WireQuantizer(enable=False, name=qualified)
+            else:
+                matched.append(qualified)
+                try:
+                    quantizer = WireQuantizer.from_cfg(cfg, name=qualified)
+                except ValueError as err:
+                    raise ValueError(f"quantize: {qualified}: {err}") from None
+            old = getattr(module, attr, None) if is_converted(module) else None
+            if old is not None and keep_scales:
+                _keep_amax(old, quantizer, qualified, calibrating=forward_loop is not None)
+            plan.append((name, module, attr, quantizer.to(device)))
+    if not matched:
+        names = [_qualified(n, a) for n, _ in targets for a in QUANTIZER_NAMES]
+        shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+        patterns = ", ".join(repr(e.quantizer_name) for e in rec.entries[:6])
+        raise ValueError(
+            f"quantize: no entry of the recipe {rec.name!r} ({patterns}) matches any wire "
+            f"quantizer of {type(model).__name__}, so nothing would be quantized; its "
+            f"quantizers are: {shown}. Match them with wildcards such as "
+            "'*dispatch_quantizer' and '*combine_quantizer' (names are case-sensitive)"
+        )
+    for name, module, attr, quantizer in plan:
+        convert(module, name or type(module).__name__)
+        setattr(module, attr, quantizer)
     if forward_loop is not None:
         calibrate(model, forward_loop)
     return model
 
 
-def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], Any]) -> nn.Module:
+def _keep_amax(old: nn.Module, new: WireQuantizer, name: str, calibrating: bool) -> None:
+    """Carry ``old``'s calibrated or loaded amax over to ``new`` (same format), or refuse
+    when the new format needs an amax that nothing would give it."""
+    amax = getattr(old, "static_amax", None)
+    source = getattr(old, "amax_source", None) or "calibrated"
+    if amax is None or source == "constant" or getattr(old, "constant_amax", None) is not None:
+        return
+    if not new.fmt.needs_amax or new.constant_amax is not None:
+        return
+    if _format_name(old) == new.fmt.name:
+        new.load_amax(amax.detach())
+        new.amax_source = source
+        return
+    if calibrating or new.mode == "disabled":
+        return
+    raise ValueError(
+        f"quantize: {name} is already quantized as {_format_name(old)!r} with a {source} "
+        f"amax ({float(amax):.6g}), and the recipe makes it {new.fmt.name!r}, which needs "
+        "its own amax: without one it would use a per-call amax. To re-quantize on "
+        "purpose, pass forward_loop= to calibrate the new format, or keep_scales=False to "
+        "drop the old amax"
+    )
+
+
+def calibrate(
+    model: nn.Module,
+    forward_loop: Callable[[nn.Module], Any],
+    *,
+    extra_groups: Sequence[Any] = (),
+) -> nn.Module:
     """Calibrate every enabled quantizer (``max``), then max-reduce over each EP group.
 
     While ``forward_loop(model)`` runs, values pass through unquantized (ModelOpt's
     semantics); the combine quantizer sees only valid rows and the dispatch quantizer only
     tokens with at least one valid slot. Afterwards each quantizer's amax is max-reduced
-    over its module's ``ep_group`` (the adapter's), in module order on every rank, also on a
-    rank whose batches routed nothing.
+    over its module's ``ep_group`` (the adapter's), then over each of ``extra_groups``
+    (vLLM's data-parallel group, as ModelOpt syncs over DP and EP), in module order on every
+    rank, also on a rank whose batches routed nothing.
+
+    Args:
+        model: a model converted by :func:`quantize`.
+        forward_loop: ``forward_loop(model)`` runs the calibration batches.
+        extra_groups: more process groups to max-reduce every amax over (``None`` entries
+            and groups of one rank are skipped).
     """
     active = [(n, m, q) for n, m, q in quantizers(model) if q.mode != "disabled"]
     with contextlib.ExitStack() as stack:
@@ -135,8 +230,9 @@ def calibrate(model: nn.Module, forward_loop: Callable[[nn.Module], Any]) -> nn.
         forward_loop(model)
     for _, module, quantizer in active:
         group = module._moewire_adapter.ep_group(module)
-        if group is not None:
-            quantizer.sync_amax(group)
+        for sync_group in (group, *extra_groups):
+            if sync_group is not None:
+                quantizer.sync_amax(sync_group)
         if (
             isinstance(quantizer, WireQuantizer)
             and quantizer.fmt.needs_amax
@@ -167,23 +263,38 @@ def _format_name(quantizer: nn.Module) -> str | None:
     return None if fmt is None else fmt.name
 
 
+def _scales_path(path: Any, caller: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{caller}: path must be a str or os.PathLike, got {type(path).__name__}")
+    return Path(path)
+
+
 def save_scales(model: nn.Module, path: str | Path) -> Path:
     """Save every dispatch/combine quantizer's fixed amax, keyed by its qualified name.
 
-    ``*.safetensors``: one FP32 tensor per quantizer with an amax, plus a JSON metadata
-    entry ``moewire_scales`` with each quantizer's format and whether it has an amax. Any
-    other suffix: JSON ``{"moewire_scales": 1, "quantizers": {name: {"format", "shape",
-    "amax"}}}`` (amax as a list of floats, exact for FP32; ``null`` without one).
+    ``*.safetensors``: one FP32 ``[]`` tensor per quantizer with an amax, plus a JSON
+    metadata entry ``moewire_scales`` = ``{"version": 1, "quantizers": {name: {"format",
+    "shape"}}}`` naming every quantizer (``shape`` ``null`` without an amax). Any other
+    suffix: JSON ``{"moewire_scales": 1, "quantizers": {name: {"format", "shape",
+    "amax"}}}`` (amax as a list of floats, exact for FP32; ``null`` without one). Both are
+    written with the process umask's permissions, as any file the user writes.
 
     Returns:
         The path written.
+
+    Raises:
+        ValueError: the model has no quantized experts module.
+        TypeError: ``path`` is not a str or path.
     """
-    path = Path(path)
+    path = _scales_path(path, "save_scales")
     entries: dict[str, dict[str, Any]] = {}
     tensors: dict[str, torch.Tensor] = {}
-    for name, _, quantizer in quantizers(model):
+    for name, module, quantizer in quantizers(model):
         amax = quantizer.static_amax
         entry: dict[str, Any] = {"format": _format_name(quantizer), "shape": None, "amax": None}
+        if name.endswith("combine_quantizer"):
+            # Which kernel's rows the amax describes (nvfp4_mega_moe: unweighted).
+            entry["rows"] = amax_rows(module)
         if amax is not None:
             amax = amax.detach().float().cpu().contiguous()
             entry["shape"] = list(amax.shape)
@@ -196,11 +307,14 @@ def save_scales(model: nn.Module, path: str | Path) -> Path:
             "run moewire.quantize(model, recipe) first"
         )
     if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        meta = {n: {"format": e["format"], "shape": e["shape"]} for n, e in entries.items()}
+        meta = {
+            n: {k: v for k, v in e.items() if k != "amax"} for n, e in entries.items()
+        }
         header = json.dumps({"version": SCALES_VERSION, "quantizers": meta})
-        save_file(tensors, str(path), metadata={_METADATA_KEY: header})
+        # safetensors' save_file creates the file 0600; plain writing honours the umask.
+        path.write_bytes(save(tensors, metadata={_METADATA_KEY: header}))
     else:
         path.write_text(
             json.dumps({_METADATA_KEY: SCALES_VERSION, "quantizers": entries}, indent=1)
@@ -208,63 +322,161 @@ def save_scales(model: nn.Module, path: str | Path) -> Path:
     return path
 
 
-def _read_scales(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None]]:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
+class _ScalesFileError(ValueError):
+    """A scales file that is not what ``save_scales`` writes (the message names it)."""
 
+
+def _bad(path: Path, what: str) -> _ScalesFileError:
+    return _ScalesFileError(
+        f"load_scales: {path}: {what}; it was not written by moewire.save_scales (version "
+        f"{SCALES_VERSION}) or was changed since: save the scales again"
+    )
+
+
+def _check_version(path: Path, version: Any) -> None:
+    if isinstance(version, bool) or version != SCALES_VERSION:
+        raise _bad(path, f"version is {version!r}, and this moewire reads version "
+                         f"{SCALES_VERSION}")
+
+
+def _check_entries(path: Path, quantizers_: Any) -> dict[str, Mapping[str, Any]]:
+    if not isinstance(quantizers_, Mapping):
+        raise _bad(path, f"'quantizers' is a {type(quantizers_).__name__}, not a mapping")
+    for name, entry in quantizers_.items():
+        if not isinstance(entry, Mapping):
+            raise _bad(path, f"the entry of {name!r} is a {type(entry).__name__}, not a mapping")
+        fmt = entry.get("format")
+        if fmt is not None and not isinstance(fmt, str):
+            raise _bad(path, f"{name}: format is {fmt!r}, not a format name")
+        shape = entry.get("shape")
+        if shape is not None and (not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise _bad(path, f"{name}: shape is {shape!r}, not a list of sizes")
+        rows = entry.get("rows")
+        if rows is not None and rows not in ROWS_KINDS:
+            raise _bad(path, f"{name}: rows is {rows!r}, not one of {ROWS_KINDS}")
+    return dict(quantizers_)
+
+
+def _read_safetensors(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None, str | None]]:
+    from safetensors import safe_open
+
+    try:
         with safe_open(str(path), framework="pt") as f:
             header = (f.metadata() or {}).get(_METADATA_KEY)
-            if header is None:
-                raise ValueError(
-                    f"load_scales: {path} has no '{_METADATA_KEY}' metadata; it was not "
-                    "written by moewire.save_scales"
-                )
-            meta = json.loads(header)["quantizers"]
-            stored = set(f.keys())
-            return {
-                n: (e["format"], f.get_tensor(n) if n in stored else None) for n, e in meta.items()
-            }
+            stored = {n: f.get_tensor(n) for n in f.keys()}
+    except _ScalesFileError:
+        raise
+    except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ...
+        raise _bad(path, f"not a readable safetensors file ({type(exc).__name__}: {exc}); "
+                         "truncated or not safetensors") from None
+    if header is None:
+        raise _bad(path, f"no '{_METADATA_KEY}' metadata")
     try:
-        data = json.loads(path.read_text())
+        doc = json.loads(header)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"load_scales: {path} is not JSON ({exc})") from exc
-    if not isinstance(data, dict) or _METADATA_KEY not in data:
-        raise ValueError(
-            f"load_scales: {path} has no '{_METADATA_KEY}' key; it was not written by "
-            "moewire.save_scales"
-        )
+        raise _bad(path, f"the '{_METADATA_KEY}' metadata is not JSON ({exc})") from None
+    if not isinstance(doc, Mapping) or "quantizers" not in doc:
+        raise _bad(path, f"the '{_METADATA_KEY}' metadata has no 'quantizers'")
+    _check_version(path, doc.get("version"))
+    meta = _check_entries(path, doc["quantizers"])
+    unlisted = sorted(set(stored) - set(meta))
+    if unlisted:
+        raise _bad(path, f"it holds tensors {unlisted[:4]} its metadata does not list")
     out = {}
-    for name, entry in data["quantizers"].items():
-        amax = None
-        if entry.get("amax") is not None:
-            amax = torch.tensor(entry["amax"], dtype=torch.float32).reshape(entry["shape"])
-        out[name] = (entry.get("format"), amax)
+    for name, entry in meta.items():
+        tensor = stored.get(name)
+        if (entry.get("shape") is None) != (tensor is None):
+            state = "holds no tensor" if tensor is None else "holds a tensor"
+            raise _bad(path, f"{name}: the metadata says shape={entry.get('shape')!r} but the "
+                             f"file {state} for it (a truncated or edited file)")
+        if tensor is not None and tensor.dtype != torch.float32:
+            raise _bad(path, f"{name}: the amax is {tensor.dtype}; an amax is stored as FP32 "
+                             "(torch.float32)")
+        out[name] = (entry.get("format"), tensor, entry.get("rows"))
     return out
 
 
-def load_scales(model: nn.Module, path: str | Path) -> list[str]:
+def _read_json(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None, str | None]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(path, f"not JSON ({exc}); a safetensors file needs the .safetensors "
+                         "suffix") from None
+    if not isinstance(data, dict) or _METADATA_KEY not in data:
+        raise _bad(path, f"no '{_METADATA_KEY}' key")
+    _check_version(path, data[_METADATA_KEY])
+    entries = _check_entries(path, data.get("quantizers"))
+    out = {}
+    for name, entry in entries.items():
+        amax, values = None, entry.get("amax")
+        if values is not None:
+            if not isinstance(values, list) or not all(
+                    isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool))
+                    for v in values):
+                raise _bad(path, f"{name}: amax is {values!r}, not a list of numbers")
+            amax = torch.tensor(values, dtype=torch.float64)
+            if not torch.equal(amax.float().double(), amax):
+                raise _bad(path, f"{name}: amax {values!r} is not an FP32 value (save_scales "
+                                 "writes FP32 values exactly)")
+            shape = entry.get("shape")
+            if shape is None or math.prod(shape) != amax.numel():
+                raise _bad(path, f"{name}: amax has {amax.numel()} values and shape {shape!r}")
+            amax = amax.float().reshape(shape)
+        out[name] = (entry.get("format"), amax, entry.get("rows"))
+    return out
+
+
+def _read_scales(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None, str | None]]:
+    if not path.is_file():
+        raise ValueError(f"load_scales: {path} does not exist or is not a file; pass the path "
+                         "save_scales wrote")
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path)
+    return _read_json(path)
+
+
+def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False) -> list[str]:
     """Load amax values saved by :func:`save_scales` into the model's quantizers.
 
-    Everything is validated before anything is set: the file and the model must name the
-    same quantizers, with the same format, and each saved amax must be one finite value
-    >= 0 of the quantizer's amax shape.
+    Everything is validated before anything is set, so a refused file leaves the model as
+    it was: the file must be one ``save_scales`` writes (its version, keys and types; an
+    amax is FP32 ``[]``, finite, >= 0), every quantizer of the model must be in it with the
+    same format, every enabled quantizer whose format needs an amax (and has no
+    ``constant_amax``) must get one, and the file must name no quantizer the model lacks.
+
+    Args:
+        model: the quantized model.
+        path: a ``.safetensors`` or JSON file from :func:`save_scales`.
+        allow_extra: accept (and skip) quantizers in the file that the model does not have,
+            e.g. scales of a whole model loaded into one of its layers.
 
     Returns:
         The qualified names whose amax was set, in module order.
 
     Raises:
-        ValueError: a quantizer missing on either side, a format or shape mismatch, or a
-            file moewire did not write.
+        ValueError: naming the file and what is wrong: unreadable, truncated or malformed,
+            wrong version or dtype, a quantizer missing on either side, an enabled
+            quantizer left without an amax, a format or shape mismatch.
+        TypeError: ``path`` is not a str or path.
     """
-    path = Path(path)
-    saved = _read_scales(path)
+    path = _scales_path(path, "load_scales")
+    if not isinstance(allow_extra, bool):
+        raise TypeError(f"load_scales: allow_extra must be True or False, got {allow_extra!r}")
     present = {name: q for name, _, q in quantizers(model)}
+    if not present:
+        raise ValueError(
+            f"load_scales: {type(model).__name__} has no quantized Mega-MoE experts module; "
+            f"run moewire.quantize(model, recipe) before loading {path}"
+        )
+    saved = _read_scales(path)
     missing_in_model = sorted(set(saved) - set(present))
-    if missing_in_model:
+    if missing_in_model and not allow_extra:
         raise ValueError(
             f"load_scales: {path} has scales for {missing_in_model[:4]} but the model has no "
             f"such module (its quantizers: {sorted(present)[:4]}...); load into the model the "
-            "scales were saved from, quantized with the same recipe"
+            "scales were saved from, quantized with the same recipe, or pass "
+            "allow_extra=True to skip them"
         )
     missing_in_file = sorted(set(present) - set(saved))
     if missing_in_file:
@@ -273,26 +485,40 @@ def load_scales(model: nn.Module, path: str | Path) -> list[str]:
             "save the scales of this model (moewire.save_scales) or quantize it like the "
             "saved one"
         )
-    updates = []
+    modules = {name: module for name, module, _ in quantizers(model)}
+    updates, uncovered = [], []
     for name, quantizer in present.items():
-        fmt, amax = saved[name]
+        fmt, amax, tag = saved[name]
+        seen = kernel_rows(modules[name])
+        if tag is not None and seen is not None and tag != seen:
+            raise ValueError(
+                f"load_scales: {name} in {path} was calibrated on {tag} combine rows, but this "
+                f"model's kernel leaves {seen} rows (nvfp4_mega_moe's rows are unweighted "
+                "expert outputs, fp8_fp4_mega_moe's router-weighted): the amaxes are not "
+                "interchangeable; calibrate this model or load scales saved from the same kernel"
+            )
         current = _format_name(quantizer)
         if fmt != current:
             raise ValueError(
-                f"load_scales: {name} was saved with format {fmt!r} but is {current!r}"
-                " in the model; quantize with the recipe the scales were calibrated for"
+                f"load_scales: {path}: {name} was saved with format {fmt!r} but is "
+                f"{current!r} in the model; quantize with the recipe the scales were "
+                "calibrated for"
             )
         if amax is None:
+            needs = getattr(getattr(quantizer, "fmt", None), "needs_amax", False)
+            if (needs and quantizer.mode != "disabled"
+                    and getattr(quantizer, "constant_amax", None) is None):
+                uncovered.append(name)
             continue
         if tuple(amax.shape) != ():
             raise ValueError(
-                f"load_scales: {name} has a saved amax of shape {list(amax.shape)}; a wire "
-                "quantizer's amax is one value (shape [])"
+                f"load_scales: {path}: {name} has a saved amax of shape {list(amax.shape)}; a "
+                "wire quantizer's amax is one value (shape [])"
             )
         value = float(amax)
         if not math.isfinite(value) or value < 0:
             raise ValueError(
-                f"load_scales: {name} has a saved amax {value}; it must be finite >= 0"
+                f"load_scales: {path}: {name} has a saved amax {value}; it must be finite >= 0"
             )
         constant = getattr(quantizer, "constant_amax", None)
         if constant is not None and value != constant:
@@ -302,8 +528,18 @@ def load_scales(model: nn.Module, path: str | Path) -> list[str]:
                 "calibrated scales"
             )
         updates.append((name, quantizer, amax))
+    if uncovered:
+        raise ValueError(
+            f"load_scales: {path} holds no amax for {uncovered[:6]}"
+            f"{f' ({len(uncovered)} in all)' if len(uncovered) > 6 else ''}, which are "
+            "enabled and need one (without it they would use a per-call amax); calibrate "
+            "them before save_scales, set constant_amax in the recipe, or disable them"
+        )
     for _, quantizer, amax in updates:
         quantizer.load_amax(amax)
+    for name, (_, _, tag) in saved.items():
+        if tag is not None and name in modules:
+            set_amax_rows(modules[name], tag)
     return [name for name, _, _ in updates]
 
 

@@ -54,7 +54,9 @@ import torch
 __all__ = [
     "BASE_RULES",
     "ENV_FLAVOUR",
+    "ROWS_KINDS",
     "SHARED_POSITIONS",
+    "UNSUPPORTED_KERNELS",
     "Flavour",
     "KernelLayout",
     "detect",
@@ -63,9 +65,12 @@ __all__ = [
     "names",
     "register",
     "register_base_rule",
+    "rows_kind",
 ]
 
 SHARED_POSITIONS = (None, "first", "last")
+#: What a combine amax describes: router-weighted rows or unweighted expert outputs.
+ROWS_KINDS = ("weighted", "unweighted")
 ENV_FLAVOUR = "MOEWIRE_FLAVOUR"
 # Names used before issue 12; each named a picture of a build, not a build.
 RENAMED = {
@@ -74,6 +79,26 @@ RENAMED = {
     "vllm-0.33 (vLLM 0.33/0.34's: shared expert added first)",
     "sgl": "deepgemm-sm90 (DeepGEMM PR #323, no fused shared expert)",
 }
+
+
+# Mega-MoE kernels moewire refuses inside a quantized forward, with the reason.
+UNSUPPORTED_KERNELS = {
+    "fp4_fp4_mega_moe": (
+        "the NVFP4 x NVFP4 kernel of vLLM 0.33/0.34's DeepGEMM can RMS-normalise each "
+        "expert row at combine time from FP32 squared-norm partials kept in its "
+        "combine_norm_buffer (post_expert_norm_gamma; impls/sm100_fp4_fp4_mega_moe.cuh), so "
+        "the rows in the buffer are not what it sums (SPEC 1.5; only Muse Spark's own runner "
+        "calls it)"
+    ),
+}
+
+
+def rows_kind(layout: KernelLayout) -> str:
+    """What a kernel's combine rows are, hence what a combine amax calibrated on them
+    describes: ``"unweighted"`` (``nvfp4_mega_moe``: expert outputs before the router
+    weight) or ``"weighted"`` (``fp8_fp4_mega_moe``, ``bf16_mega_moe``: router weight
+    applied before L2). Amaxes of the two kinds are not interchangeable."""
+    return "unweighted" if layout.weighted else "weighted"
 
 
 def flat_buffer(symm_buffer: Any, where: str) -> torch.Tensor:
@@ -384,6 +409,10 @@ register(
         {
             "fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "first"),
             "bf16_mega_moe": KernelLayout("after_l2_scales", "first"),
+            # mega/nvfp4.py: unweighted rows, FMA combine with the shared row last
+            # (impls/sm100_nvfp4_mega_moe.cuh ~l.1746-1807); x_scales regions follow the
+            # combine region (layout/nvfp4_mega_moe.cuh ~l.115-126).
+            "nvfp4_mega_moe": KernelLayout("after_l2_scales", "last", weighted=True),
         },
         _is_vllm_033,
         "DeepGEMM bundled in vLLM 0.33/0.34: fused shared expert added first",

@@ -18,7 +18,13 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ExpertsAdapter", "adapter_for", "register_experts_class", "registered_classes"]
+__all__ = [
+    "ExpertsAdapter",
+    "adapter_for",
+    "register_experts_class",
+    "registered_classes",
+    "stage_fn_names",
+]
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,9 @@ class ExpertsAdapter:
         forward_module: dotted name of the module whose globals the forward reads at call
             time.
         stage_fn: global name of the staging function there (vLLM's
-            ``prepare_megamoe_inputs``).
+            ``prepare_megamoe_inputs``), or a tuple of names when the forward picks one
+            per kernel (vLLM 0.33/0.34 also call ``prepare_megamoe_nvfp4_inputs`` for
+            ``nvfp4_mega_moe``); ``hidden_states`` sits at ``stage_hidden_arg`` in each.
         stage_hidden_arg: position (int) or keyword (str) of ``hidden_states`` in the
             staging call.
         kernel_ns: global name of the DeepGEMM namespace there (``"deep_gemm"``).
@@ -44,7 +52,7 @@ class ExpertsAdapter:
 
     name: str
     forward_module: str
-    stage_fn: str
+    stage_fn: str | tuple[str, ...]
     stage_hidden_arg: int | str
     kernel_ns: str
     get_symm_buffer: Callable[[nn.Module], Any]
@@ -90,6 +98,12 @@ def adapter_for(module: nn.Module) -> ExpertsAdapter | None:
     return None
 
 
+def stage_fn_names(adapter: ExpertsAdapter) -> tuple[str, ...]:
+    """The adapter's staging global names, as a tuple."""
+    names = adapter.stage_fn
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
 def registered_classes() -> dict[type, ExpertsAdapter]:
     """A copy of the registry: class -> adapter."""
     return dict(_ADAPTERS)
@@ -111,6 +125,22 @@ def _register_reference() -> None:
             get_symm_buffer=lambda m: m.get_symm_buffer(),
             # The stand-in's "build" is the flavour selected now (use_flavour / env var),
             # read from the module as from any DeepGEMM.
+            flavour=lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name,
+            fused_shared=lambda m: m.fused_shared,
+            ep_group=lambda m: m.ep_group,
+        ),
+    )
+    from moewire.reference.nvfp4_experts import NVFP4MegaMoEExperts
+
+    register_experts_class(
+        NVFP4MegaMoEExperts,
+        ExpertsAdapter(
+            name="reference-nvfp4",
+            forward_module="moewire.reference.nvfp4_experts",
+            stage_fn="prepare_megamoe_nvfp4_inputs",
+            stage_hidden_arg=0,
+            kernel_ns="deep_gemm",
+            get_symm_buffer=lambda m: m.get_symm_buffer(),
             flavour=lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name,
             fused_shared=lambda m: m.fused_shared,
             ep_group=lambda m: m.ep_group,

@@ -9,6 +9,11 @@ row). Invalid slots are *selected away* (``torch.where``), never multiplied by a
 their rows are stale and may hold NaN. ``acc + (+0)`` never changes ``acc`` here (``acc``
 starts at +0 and a sum of finite values is never -0), so selecting the sum is bitwise the
 kernel's ``acc += row`` over valid rows.
+
+The NVFP4 kernel (``nvfp4_mega_moe``, SPEC 1.5) leaves **unweighted** rows and weights
+them in its combine: ``acc = fma(float(row), w[t, s], acc)``, one FP32 rounding per step
+(``__ffma2_rn``, ``impls/sm100_nvfp4_mega_moe.cuh`` ~l.1746-1807), the shared row last with
+weight 1.0 (``fma(row, 1.0, acc)`` is the FP32 add). ``resum(..., weights=w)`` does that.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ def _check(
     num_tokens: int,
     shared_position: str | None,
     out: torch.Tensor | None,
+    weights: torch.Tensor | None = None,
 ) -> None:
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bfloat16 or rows.dim() != 3:
         raise ValueError(
@@ -66,6 +72,18 @@ def _check(
         )
     if topk_idx.device != rows.device:
         raise ValueError(f"resum: topk_idx is on {topk_idx.device}, rows on {rows.device}")
+    if weights is not None and (
+        not isinstance(weights, torch.Tensor)
+        or weights.dtype != torch.float32
+        or weights.dim() != 2
+        or weights.shape[1] != k
+        or weights.shape[0] < num_tokens
+        or weights.device != rows.device
+    ):
+        raise ValueError(
+            f"resum: weights must be the staged router weights, FP32 [>= {num_tokens}, {k}] on "
+            f"{rows.device} (the buffer's topk_weights), got {_describe(weights)}"
+        )
     if out is not None:
         want = (num_tokens, rows.shape[2])
         if (
@@ -84,6 +102,25 @@ def _describe(t: object) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {list(t.shape)} on {t.device}"
     return type(t).__name__
+
+
+def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``fl(a * b + c)`` for FP32 tensors with a single rounding (CUDA's ``__fmaf_rn``).
+
+    The product of two FP32 values is exact in float64; the float64 sum is turned into its
+    round-to-odd value from the exact error term (TwoSum), and round-to-odd float64 then
+    rounded to FP32 is the correctly rounded sum (53 >= 2 * 24 + 2, Boldo-Melquiond).
+    No host sync (CUDA-graph capturable).
+    """
+    p = a.double() * b.double()
+    c64 = c.double()
+    s = p + c64
+    z = s - c64
+    err = (c64 - (s - z)) + (p - z)
+    inexact_even = (err != 0) & ((s.view(torch.int64) & 1) == 0) & torch.isfinite(s)
+    inf = torch.full_like(s, float("inf"))
+    return torch.where(inexact_even, torch.nextafter(s, torch.where(err > 0, inf, -inf)),
+                       s).float()
 
 
 def _fused_combine(
@@ -126,6 +163,7 @@ def resum(
     num_tokens: int,
     *,
     shared_position: str | None = None,
+    weights: torch.Tensor | None = None,
     row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -145,6 +183,11 @@ def resum(
         num_tokens: ``T``, the tokens of this call (``y.shape[0]``).
         shared_position: ``None`` (no fused shared expert), ``"first"`` or ``"last"``: where
             the shared row is added in the sum.
+        weights: ``None``: the rows are already router-weighted, ``acc += float(q(row))``
+            (``fp8_fp4_mega_moe``, ``bf16_mega_moe``). FP32 ``[>= T, k]`` (the staged
+            ``topk_weights``): the rows are unweighted (``nvfp4_mega_moe``),
+            ``acc = fma(float(q(row)), weights[t, s], acc)`` with one FP32 rounding; the
+            shared row keeps weight 1.0.
         row_quantizer: callable BF16 ``[k, T, H]`` -> BF16 ``[k, T, H]``, or ``None``.
         out: BF16 ``[T, H]`` written in place (its address is kept), or ``None`` for a new
             tensor.
@@ -152,10 +195,13 @@ def resum(
     Returns:
         ``out`` (or the new BF16 ``[T, H]`` tensor).
     """
-    _check(rows, topk_idx, num_tokens, shared_position, out)
+    _check(rows, topk_idx, num_tokens, shared_position, out, weights)
     if out is None:
         out = torch.empty((num_tokens, rows.shape[2]), dtype=torch.bfloat16, device=rows.device)
-    if _fused_combine(rows, topk_idx, num_tokens, shared_position, row_quantizer, out):
+    # The fused Triton kernel has no weighted (FMA) mode yet: weighted sums take this path.
+    if weights is None and _fused_combine(
+        rows, topk_idx, num_tokens, shared_position, row_quantizer, out
+    ):
         return out
     k = topk_idx.shape[1]
     routed = rows[:k, :num_tokens]
@@ -166,7 +212,11 @@ def resum(
     if shared_position == "first":
         acc = acc + rows[k, :num_tokens].float()
     for s in range(k):
-        acc = torch.where(valid[:, s], acc + routed[s].float(), acc)
+        if weights is None:
+            added = acc + routed[s].float()
+        else:
+            added = _fma_f32(routed[s].float(), weights[:num_tokens, s : s + 1], acc)
+        acc = torch.where(valid[:, s], added, acc)
     if shared_position == "last":
         acc = acc + rows[k, :num_tokens].float()
     return out.copy_(acc.to(torch.bfloat16))

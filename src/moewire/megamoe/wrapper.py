@@ -43,13 +43,21 @@ from torch import nn
 
 from moewire.megamoe import flavours as _flavours
 from moewire.megamoe.layout import combine_rows
-from moewire.megamoe.registry import ExpertsAdapter, adapter_for
+from moewire.megamoe.registry import (
+    ExpertsAdapter,
+    adapter_for,
+    registered_classes,
+    stage_fn_names,
+)
 from moewire.megamoe.resum import resum
 from moewire.quantizer import WireQuantizer
 
 __all__ = [
     "FUSION_SWITCH",
     "QuantExperts",
+    "amax_rows",
+    "kernel_rows",
+    "set_amax_rows",
     "convert",
     "install_proxies",
     "is_converted",
@@ -101,6 +109,8 @@ class _KernelNamespace:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._moewire_namespace, name)
+        if name in _flavours.UNSUPPORTED_KERNELS and callable(attr):
+            return _refuse_kernel(attr, name)
         if name not in _flavours.kernel_functions() or not callable(attr):
             return attr
         cached = self._moewire_wrapped.get(name)
@@ -121,6 +131,27 @@ class _KernelNamespace:
 
     def __repr__(self) -> str:
         return f"<moewire kernel proxy of {self._moewire_namespace!r}>"
+
+
+def _refuse_kernel(fn: Callable, name: str) -> Callable:
+    """A kernel moewire cannot quantize around: refused inside a quantized forward whose
+    quantizers are not all disabled (``flavours.UNSUPPORTED_KERNELS`` says why)."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        module = _ACTIVE.get()
+        if module is not None and any(
+            getattr(module, q).mode != "disabled" for q in QUANTIZER_NAMES
+        ):
+            raise RuntimeError(
+                f"{module._moewire_name}: this Mega-MoE layer calls {name}, which moewire "
+                f"does not support: {_flavours.UNSUPPORTED_KERNELS[name]}; disable its "
+                "dispatch_quantizer and combine_quantizer (or leave the layer unconverted)"
+            )
+        return fn(*args, **kwargs)
+
+    kernel.__name__ = getattr(fn, "__name__", name)
+    kernel.__wrapped__ = fn
+    return kernel
 
 
 def _wrap_kernel(fn: Callable, name: str) -> Callable:
@@ -156,16 +187,18 @@ def install_proxies(adapter: ExpertsAdapter) -> None:
             f"experts adapter {adapter.name!r}: cannot import its forward module "
             f"{adapter.forward_module!r} ({exc}); fix the adapter's forward_module"
         ) from exc
-    for attr in (adapter.stage_fn, adapter.kernel_ns):
+    stage_fns = stage_fn_names(adapter)
+    for attr in (*stage_fns, adapter.kernel_ns):
         if not hasattr(module, attr):
             raise RuntimeError(
                 f"experts adapter {adapter.name!r}: {adapter.forward_module} has no global "
                 f"{attr!r}; the experts' forward must read it at call time (fix stage_fn / "
                 "kernel_ns of the adapter)"
             )
-    stage = getattr(module, adapter.stage_fn)
-    if not isinstance(stage, _StagingProxy):
-        setattr(module, adapter.stage_fn, _StagingProxy(stage))
+    for stage_fn in stage_fns:
+        stage = getattr(module, stage_fn)
+        if not isinstance(stage, _StagingProxy):
+            setattr(module, stage_fn, _StagingProxy(stage))
     namespace = getattr(module, adapter.kernel_ns)
     if not isinstance(namespace, _KernelNamespace):
         setattr(module, adapter.kernel_ns, _KernelNamespace(namespace))
@@ -283,6 +316,12 @@ class QuantExperts:
     def _moewire_name(self) -> str:
         return self.__dict__.get("_moewire_name_") or type(self).__name__
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The generated class is not a module attribute, so pickle (torch.save(model))
+        # cannot find it by name: rebuild it from the original class on load instead.
+        state = {k: v for k, v in self.__dict__.items() if k != "_moewire_adapter_"}
+        return _rebuild_quant, (_original_class(type(self)),), state
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         token = _ACTIVE.set(self)
         try:
@@ -318,23 +357,31 @@ class QuantExperts:
 
     # -- combine -------------------------------------------------------------------------
 
-    def _moewire_before_kernel(self, y: torch.Tensor) -> torch.Tensor | None:
-        """The staged ids of this call, copied before the kernel runs (or None when the
-        combine is off): a kernel may clear the buffer (``DG_COMM_KERNEL_DEBUG=1`` zeroes
-        all of it), and validity read afterwards would turn padding into routed slots."""
+    def _moewire_before_kernel(
+        self, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The staged ids and router weights of this call, copied before the kernel runs
+        (or None when the combine is off): a kernel may clear the buffer
+        (``DG_COMM_KERNEL_DEBUG=1`` zeroes all of it), and validity read afterwards would
+        turn padding into routed slots."""
         if self.combine_quantizer.mode == "disabled":
             return None
-        topk_idx = self._moewire_adapter.get_symm_buffer(self).topk_idx
-        return topk_idx[: y.shape[0]].clone()
+        symm_buffer = self._moewire_adapter.get_symm_buffer(self)
+        t = y.shape[0]
+        return symm_buffer.topk_idx[:t].clone(), symm_buffer.topk_weights[:t].clone()
 
-    def _moewire_combine(self, y: torch.Tensor, topk_idx: torch.Tensor, kernel: str) -> None:
+    def _moewire_combine(
+        self, y: torch.Tensor, staged: tuple[torch.Tensor, torch.Tensor], kernel: str
+    ) -> None:
         """Check, then calibrate or re-sum the combine rows into ``y``.
 
         Args:
             y: the kernel's output, BF16 ``[T, H]``.
-            topk_idx: int64 ``[T, k]``, the staged ids as they were before the kernel ran.
+            staged: int64 ``[T, k]`` ids and FP32 ``[T, k]`` router weights, as staged
+                before the kernel ran (the weights enter the sum of a weighted kernel only).
             kernel: the kernel function that ran (``"fp8_fp4_mega_moe"``).
         """
+        topk_idx, topk_weights = staged
         quantizer = self.combine_quantizer
         name = self._moewire_name
         if quantizer.mode == "quantize" and not quantizer.is_static_scale():
@@ -349,19 +396,37 @@ class QuantExperts:
         fused = bool(adapter.fused_shared(self))
         symm_buffer = adapter.get_symm_buffer(self)
         rows = combine_rows(symm_buffer, flavour, kernel, fused_shared=fused)
-        shared = flavour.layout(kernel).shared_position if fused else None
+        layout = flavour.layout(kernel)
+        kind = _flavours.rows_kind(layout)
+        self.__dict__["_moewire_kernel_rows_"] = kind
+        described = amax_rows(self)
+        if quantizer.mode == "quantize" and described not in (None, kind):
+            raise RuntimeError(
+                f"{name}: the combine quantizer's amax was calibrated on {described} combine "
+                f"rows, but {kernel} leaves {kind} rows (nvfp4_mega_moe's rows are unweighted "
+                "expert outputs, fp8_fp4_mega_moe's and bf16_mega_moe's are router-weighted); "
+                "calibrate the combine amax on this kernel, or load scales saved from it"
+            )
+        shared = layout.shared_position if fused else None
+        # nvfp4_mega_moe's rows are unweighted: its combine applies the router weights.
+        weights = topk_weights.float() if layout.weighted else None
         num_tokens = y.shape[0]
         _on_device(quantizer, y.device, name, "combine_quantizer")
         state = _buffer_state(symm_buffer)
         if not state.checked:
-            self._moewire_check(state, rows, topk_idx, num_tokens, shared, y, flavour, kernel)
+            self._moewire_check(
+                state, rows, topk_idx, num_tokens, shared, y, flavour, kernel, weights
+            )
         if quantizer.mode == "calibrate":
             # Valid rows only: invalid slots hold stale rows, padding tokens have no valid
-            # slot, and the fused shared row (index k) is not on the wire.
+            # slot, and the fused shared row (index k) is not on the wire. For a weighted
+            # kernel these are the unweighted expert outputs (docs/formats.md).
             valid = (topk_idx[:num_tokens] >= 0).T
             quantizer.collect(rows[: topk_idx.shape[1], :num_tokens][valid])
+            self.__dict__["_moewire_amax_rows_"] = kind
             return
-        resum(rows, topk_idx, num_tokens, shared_position=shared, row_quantizer=quantizer, out=y)
+        resum(rows, topk_idx, num_tokens, shared_position=shared, weights=weights,
+              row_quantizer=quantizer, out=y)
 
     def _moewire_check(
         self,
@@ -373,9 +438,10 @@ class QuantExperts:
         y: torch.Tensor,
         flavour: _flavours.Flavour,
         kernel: str,
+        weights: torch.Tensor | None = None,
     ) -> None:
         """Unquantized re-sum == ``y`` bit for bit over the tokens with a routed row."""
-        expected = resum(rows, topk_idx, num_tokens, shared_position=shared)
+        expected = resum(rows, topk_idx, num_tokens, shared_position=shared, weights=weights)
         routed = (topk_idx[:num_tokens] >= 0).any(dim=1)
         differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & routed
         where = (
@@ -420,6 +486,26 @@ class QuantExperts:
         state.checked = True
 
 
+def amax_rows(module: nn.Module) -> str | None:
+    """Which combine rows the module's combine amax describes (``flavours.rows_kind``):
+    set by calibration or :func:`set_amax_rows`; ``None`` when unknown."""
+    return module.__dict__.get("_moewire_amax_rows_")
+
+
+def kernel_rows(module: nn.Module) -> str | None:
+    """The kind of combine rows the module's kernel left in its last forward, or ``None``."""
+    return module.__dict__.get("_moewire_kernel_rows_")
+
+
+def set_amax_rows(module: nn.Module, kind: str | None) -> None:
+    """Record which combine rows a loaded amax describes (``load_scales``)."""
+    if kind is not None and kind not in _flavours.ROWS_KINDS:
+        raise ValueError(
+            f"set_amax_rows: kind must be 'weighted', 'unweighted' or None, got {kind!r}"
+        )
+    module.__dict__["_moewire_amax_rows_"] = kind
+
+
 def _capturing(t: torch.Tensor) -> bool:
     """Whether ``t``'s work is being recorded into a CUDA graph right now."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -454,6 +540,29 @@ def _quant_class(cls: type) -> type:
         )
         _QUANT_CLASSES[cls] = quant
     return quant
+
+
+def _original_class(quant: type) -> type:
+    """The experts class a generated ``Quant<Cls>`` was made from."""
+    for cls, generated in _QUANT_CLASSES.items():
+        if generated is quant:
+            return cls
+    raise TypeError(f"{quant.__qualname__} is not a class generated by moewire's convert")
+
+
+def _rebuild_quant(cls: type) -> nn.Module:
+    """Unpickling: an empty ``Quant<cls>`` (pickle then restores its ``__dict__``), with
+    the kernel hooks of ``cls``'s adapter installed in this process."""
+    known = registered_classes()
+    adapter = next((known[k] for k in cls.__mro__ if k in known), None)
+    if adapter is None:
+        raise TypeError(
+            f"cannot load a quantized {cls.__qualname__}: the class has no experts adapter in "
+            "this process; register it (moewire.megamoe.register_experts_class, or load "
+            "moewire's vLLM plugin) before torch.load"
+        )
+    install_proxies(adapter)
+    return object.__new__(_quant_class(cls))
 
 
 def _module_device(module: nn.Module) -> torch.device:

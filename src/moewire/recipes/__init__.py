@@ -32,12 +32,15 @@ from typing import Any
 
 import yaml
 
-from moewire.quantizer import CfgError, parse_cfg
+from moewire.quantizer import _CFG_TABLE, USE_CONSTANT_AMAX, CfgError, parse_cfg
 
-__all__ = ["Recipe", "RecipeEntry", "load", "names"]
+__all__ = ["Recipe", "RecipeEntry", "load", "names", "to_modelopt"]
 
 _TOP_KEYS = ("description", "units", "quant_cfg")
 _ENTRY_KEYS = ("quantizer_name", "cfg", "enable")
+# ModelOpt's own entry key: it selects quantizers by their module's class (nn.BatchNorm1d...),
+# which a wire quantizer never has; accepted in ModelOpt cfg dicts only.
+_MODELOPT_ENTRY_KEYS = (*_ENTRY_KEYS, "parent_class")
 _SUFFIXES = (".yaml", ".yml")
 
 
@@ -50,16 +53,24 @@ class RecipeEntry:
         cfg: the quantizer cfg (validated), or ``None`` for an enable-only entry.
         enable: the entry's ``enable``, or ``None`` when it does not set one.
         source: ``"<file>:<line>"`` where the entry was written (``"<list>"`` otherwise).
+        parent_class: ModelOpt's ``parent_class`` (the entry then matches no wire
+            quantizer), or ``None``.
+        error: why ``cfg`` has no moewire format, for an entry of a ModelOpt cfg dict whose
+            check waits until it matches a wire quantizer (``Recipe.from_entries(...,
+            modelopt=True)``); ``None`` when the cfg is valid.
     """
 
     quantizer_name: str
     cfg: Mapping[str, Any] | None = None
     enable: bool | None = None
     source: str = "<list>"
+    parent_class: str | None = None
+    error: str | None = None
 
     def matches(self, name: str) -> bool:
-        """Whether ``name`` matches the wildcard (case-sensitive ``fnmatch``)."""
-        return fnmatch.fnmatchcase(name, self.quantizer_name)
+        """Whether ``name`` matches the wildcard (case-sensitive ``fnmatch``); an entry
+        with a ``parent_class`` matches no wire quantizer."""
+        return self.parent_class is None and fnmatch.fnmatchcase(name, self.quantizer_name)
 
 
 @dataclass(frozen=True)
@@ -84,12 +95,29 @@ class Recipe:
         Returns:
             A cfg for ``WireQuantizer.from_cfg`` with ``enable`` always set, or ``None``
             when no entry matches.
+
+        Raises:
+            ValueError: a matching entry's cfg has no moewire format (an entry of a ModelOpt
+                cfg dict, checked only now), or an enable-only entry turns the quantizer on
+                with no earlier cfg; the message names the quantizer and the entry.
         """
         result: dict[str, Any] | None = None
+        configured = False
         for entry in self.entries:
             if not entry.matches(quantizer_name):
                 continue
+            if entry.error is not None:
+                raise ValueError(f"{entry.source}: {entry.quantizer_name}: matches the wire "
+                                 f"quantizer {quantizer_name}, and {entry.error}")
+            if entry.cfg is None and entry.enable and not configured:
+                raise ValueError(
+                    f"{entry.source}: {entry.quantizer_name}: enables the wire quantizer "
+                    f"{quantizer_name}, but no earlier entry gave it a cfg, so it has no "
+                    "format; put an entry with a cfg (e.g. {quantizer_name: "
+                    "'*combine_quantizer', cfg: {format: nvfp4}}) before it"
+                )
             if entry.cfg is not None:
+                configured = True
                 result = dict(entry.cfg)
                 result["enable"] = entry.enable if entry.enable is not None else bool(
                     entry.cfg.get("enable", True))
@@ -99,17 +127,33 @@ class Recipe:
         return result
 
     @classmethod
-    def from_entries(cls, entries: Iterable[Mapping[str, Any]], name: str = "custom"
-                     ) -> Recipe:
+    def from_entries(cls, entries: Iterable[Mapping[str, Any]], name: str = "custom", *,
+                     modelopt: bool = False) -> Recipe:
         """A recipe from Python dicts (``{"quantizer_name": ..., "cfg": ...}``), validated.
+
+        Args:
+            entries: the ``quant_cfg`` list.
+            name: the recipe's name, used in messages (``"<name>[<index>]"``).
+            modelopt: the entries come from a ModelOpt cfg dict, whose entries mostly target
+                ModelOpt's own quantizers (``*weight_quantizer``, cfgs with
+                ``effective_bits`` or lists of cfgs): a cfg moewire cannot map is then
+                refused only if the entry matches a wire quantizer (in :meth:`match`), and
+                entries with ModelOpt's ``parent_class`` (quantizers of modules of that
+                class, which a wire quantizer never is) match nothing.
 
         Raises:
             ValueError: an entry or cfg is malformed; the message names the entry index.
         """
+        if isinstance(entries, (str, bytes, Mapping)) or not isinstance(entries, Iterable):
+            raise TypeError(f"{name}: the entries must be a list of dicts "
+                            f"{{'quantizer_name': ..., 'cfg': ...}}, got {type(entries).__name__}")
         built = []
         for index, raw in enumerate(entries):
             where = f"{name}[{index}]"
-            built.append(_entry(raw, where, lambda _key, where=where: where))
+            built.append(_entry(raw, where, lambda _key, where=where: where, defer=modelopt))
+        if not built:
+            raise ValueError(f"{name}: the recipe has no entries, so it would quantize nothing; "
+                             "give at least one {'quantizer_name': ..., 'cfg': ...}")
         return cls(name=name, entries=tuple(built))
 
 
@@ -177,7 +221,16 @@ def _load(name_or_path: str | os.PathLike, stack: tuple[str, ...], base: Path | 
     if where in stack:
         chain = " -> ".join((*stack, where))
         raise ValueError(f"recipe units form a cycle: {chain}; remove one of the units")
-    text = resource.read_text(encoding="utf-8")
+    try:
+        text = resource.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = resource.read_bytes()[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{where}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+            f"{err.start}); save the recipe as UTF-8"
+        ) from None
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read the recipe ({err.strerror or err})") from None
     name = resource.name.rsplit(".", 1)[0]
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -185,6 +238,13 @@ def _load(name_or_path: str | os.PathLike, stack: tuple[str, ...], base: Path | 
         mark = err.problem_mark or err.context_mark
         line = f":{mark.line + 1}" if mark is not None else ""
         raise ValueError(f"{where}{line}: not valid YAML: {err.problem}") from None
+    except yaml.reader.ReaderError as err:  # a control character such as NUL
+        line = text[: err.position].count("\n") + 1
+        char = chr(err.character) if isinstance(err.character, int) else err.character
+        raise ValueError(
+            f"{where}:{line}: not valid YAML: the character {char!r} at offset "
+            f"{err.position} is not allowed (a binary or corrupted file?); remove it"
+        ) from None
     if node is None:
         raise ValueError(f"{where}:1: the recipe is empty; give quant_cfg entries or units")
     base_dir = Path(where).parent if isinstance(resource, Path) else None
@@ -298,14 +358,15 @@ def _node_entry(node: yaml.Node, where: str) -> RecipeEntry:
     return _entry(_value(node), where, locate)
 
 
-def _entry(raw: Any, where: str, locate: Any) -> RecipeEntry:
+def _entry(raw: Any, where: str, locate: Any, defer: bool = False) -> RecipeEntry:
     if not isinstance(raw, Mapping):
         raise ValueError(f"{locate(())}: a quant_cfg entry is a mapping, got {raw!r}")
+    accepted = _MODELOPT_ENTRY_KEYS if defer else _ENTRY_KEYS
     for key in raw:
-        if key not in _ENTRY_KEYS:
+        if key not in accepted:
             raise ValueError(
                 f"{locate((key,))}: unknown entry key {key!r}; an entry has "
-                f"{', '.join(_ENTRY_KEYS)}"
+                f"{', '.join(accepted)}"
             )
     pattern = raw.get("quantizer_name")
     if not isinstance(pattern, str) or not pattern:
@@ -317,22 +378,108 @@ def _entry(raw: Any, where: str, locate: Any) -> RecipeEntry:
     if enable is not None and not isinstance(enable, bool):
         raise ValueError(f"{locate(('enable',))}: {pattern}: enable must be true or false, got "
                          f"{enable!r}")
+    parent_class = raw.get("parent_class")
+    if parent_class is not None and not isinstance(parent_class, str):
+        raise ValueError(f"{locate(('parent_class',))}: {pattern}: parent_class must be a class "
+                         f"name such as 'nn.Linear', got {parent_class!r}")
     cfg = raw.get("cfg")
     if cfg is None and enable is None:
         raise ValueError(f"{locate(())}: {pattern}: the entry needs cfg, enable or both")
+    error = None
     if cfg is not None:
-        if not isinstance(cfg, Mapping):
-            raise ValueError(f"{locate(('cfg',))}: {pattern}: cfg must be a mapping, got {cfg!r}")
-        checked = dict(cfg)
-        if enable is not None:
-            checked["enable"] = enable
         try:
+            if not isinstance(cfg, Mapping):
+                raise CfgError(f"cfg must be a mapping, got {type(cfg).__name__}: {cfg!r}")
+            checked = dict(cfg)
+            if enable is not None:
+                checked["enable"] = enable
             parse_cfg(checked)
         except CfgError as err:
-            raise ValueError(f"{locate(('cfg', *err.key))}: {pattern}: {err}") from None
+            if not defer:
+                raise ValueError(f"{locate(('cfg', *err.key))}: {pattern}: {err}") from None
+            error = str(err)
     return RecipeEntry(
         quantizer_name=pattern,
         cfg=cfg,
         enable=enable,
         source=locate(()),
+        parent_class=parent_class,
+        error=error,
     )
+
+
+# -- ModelOpt ----------------------------------------------------------------------------
+
+# moewire-only cfg keys: ``format`` is respelled in ModelOpt's attributes; ``allow_dynamic``
+# has no ModelOpt counterpart (an uncalibrated ModelOpt quantizer is dynamic).
+_MOEWIRE_ONLY_KEYS = ("format", "allow_dynamic")
+
+
+def _modelopt_spelling(fmt: str) -> dict[str, Any] | None:
+    for (bits, block, scale_bits, axis), name in _CFG_TABLE.items():
+        if name != fmt:
+            continue
+        cfg: dict[str, Any] = {"num_bits": bits}
+        if block is not None:
+            blocks: dict[Any, Any] = {-1: block, "type": "dynamic"}
+            if scale_bits is not None:
+                blocks["scale_bits"] = scale_bits
+            cfg["block_sizes"] = blocks
+        cfg["axis"] = 0 if axis == "token" else None
+        return cfg
+    return None
+
+
+def _to_modelopt_cfg(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    spec = parse_cfg(cfg)
+    out = {k: v for k, v in cfg.items() if k not in _MOEWIRE_ONLY_KEYS and k not in (
+        "num_bits", "block_sizes", "axis")}
+    if out.pop("use_constant_amax", False):
+        # The same amax, in the key ModelOpt's experts quantizers take (ModelOpt keeps
+        # use_constant_amax for its KV-cache quantizers).
+        out["constant_amax"] = USE_CONSTANT_AMAX
+    if not spec.enable and "num_bits" not in cfg and "format" not in cfg:
+        return out
+    spelled = _modelopt_spelling(spec.fmt)
+    if spelled is None:
+        raise ValueError(
+            f"to_modelopt: {where} uses format {spec.fmt!r}, which ModelOpt cannot spell "
+            "(no num_bits/block_sizes/axis for it); use moewire.quantize for this recipe, or "
+            "pick a format with a ModelOpt spelling (fp8, nvfp4, mxfp8, mxfp4, fp8_b128...)"
+        )
+    return {**spelled, **out}
+
+
+def to_modelopt(name_or_path: str | os.PathLike) -> list[dict[str, Any]]:
+    """A recipe as ModelOpt's ``quant_cfg`` list (for ``mtq.quantize``).
+
+    ``units`` are expanded in order; each entry keeps ``quantizer_name`` and ``enable``; its
+    ``cfg`` is written in ModelOpt's attribute names only: ``format`` becomes ``num_bits``
+    / ``block_sizes`` / ``axis`` (tuples, as ModelOpt writes them), ``allow_dynamic`` is
+    dropped, ``constant_amax`` and ``enable`` stay, ``use_constant_amax: true`` becomes
+    ``constant_amax: 448.0`` (the same amax; moewire's ModelOpt quantizers take that key). With
+    ``moewire.integrations.modelopt.register()`` done, ``mtq.quantize(model, {"quant_cfg":
+    [*other_entries, *to_modelopt(name)], "algorithm": "max"}, forward_loop)`` configures
+    the experts' ``dispatch_quantizer`` / ``combine_quantizer`` as ``moewire.quantize(model,
+    name, forward_loop)`` does.
+
+    Args:
+        name_or_path: a packaged recipe name or a recipe file (:func:`load`).
+
+    Returns:
+        ``[{"quantizer_name": ..., "cfg": {...}, "enable": ...}, ...]``, fresh dicts.
+
+    Raises:
+        ValueError: the recipe does not load (see :func:`load`), or an entry enables a
+            format ModelOpt has no spelling for (``logfmt10``, ``fp8_b32_ue8m0``, ``bf16``).
+    """
+    recipe = load(name_or_path)
+    entries = []
+    for entry in recipe.entries:
+        out: dict[str, Any] = {"quantizer_name": entry.quantizer_name}
+        if entry.cfg is not None:
+            out["cfg"] = _to_modelopt_cfg(entry.cfg, entry.source)
+        if entry.enable is not None:
+            out["enable"] = entry.enable
+        entries.append(out)
+    return entries

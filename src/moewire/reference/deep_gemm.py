@@ -262,17 +262,33 @@ class SymmBuffer:
         self._moewire_regions = offsets
         self.buffer, self.handle = _allocate(offset, device, group, self.num_ranks)
         self.buffer.zero_()
-        for name, dtype, shape in regions:
-            if name in _HIDDEN_REGIONS:
+        self._slice_views(flavour)
+        if self.num_ranks > 1:
+            dist.barrier(group=group)
+
+    def _slice_views(self, flavour: Flavour) -> None:
+        """Set every typed view as a slice of ``.buffer`` (``_moewire_regions``)."""
+        for name, dtype, shape in self._regions(flavour):
+            if dtype is None or name in _HIDDEN_REGIONS:
                 continue
-            start, nbytes = offsets[name]
+            start, nbytes = self._moewire_regions[name]
             view = self.buffer[start : start + nbytes].view(dtype).view(shape)
             if flavour.dlpack_views:
                 # Same memory, another storage object (the SM90 build's DLPack views).
                 view = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(view))
             setattr(self, name, view)
-        if self.num_ranks > 1:
-            dist.barrier(group=group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The views are sliced again from `.buffer` on load: pickled one by one, each would
+        # become a copy of its own, and the combine rows would no longer lie in `.buffer`.
+        return {k: v for k, v in self.__dict__.items() if k not in self._moewire_regions}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name, dtype, _ in self._regions(self.flavour):
+            if dtype is None:
+                setattr(self, name, None)
+        self._slice_views(self.flavour)
 
     def _regions(self, flavour: Flavour) -> list[tuple[str, Any, Any]]:
         tmax, k, h, i = (
@@ -661,3 +677,20 @@ def bf16_mega_moe(
         activation_clamp=activation_clamp,
         stats=cumulative_local_expert_recv_stats,
     )
+
+
+# The NVFP4 Mega-MoE of vLLM 0.33/0.34's bundled DeepGEMM (`mega/nvfp4.py`) lives in its own
+# module; exported here because callers reach it through the `deep_gemm` namespace.
+from moewire.reference.nvfp4_mega_moe import (  # noqa: E402
+    NVFP4SymmBuffer,
+    get_block_m_for_nvfp4_mega_moe,
+    get_token_alignment_for_nvfp4_mega_moe,
+    nvfp4_mega_moe,
+)
+
+__all__ += [
+    "NVFP4SymmBuffer",
+    "get_block_m_for_nvfp4_mega_moe",
+    "get_token_alignment_for_nvfp4_mega_moe",
+    "nvfp4_mega_moe",
+]

@@ -11,23 +11,29 @@ the bytes on the wire per token. See ``docs/study.md``.
 - :data:`PRESETS` (model shapes).
 """
 
-from moewire.study.config import StudyConfig, parse_formats, validate
-from moewire.study.errors import StudyArgumentError
-from moewire.study.metrics import ErrorMetrics, error_metrics
-from moewire.study.presets import PRESETS, ModelPreset
-from moewire.study.runner import run_study
-from moewire.study.wire import WireCost, wire_cost
+from __future__ import annotations
 
-__all__ = [
-    "PRESETS",
-    "ErrorMetrics",
-    "ModelPreset",
-    "StudyArgumentError",
-    "StudyConfig",
-    "WireCost",
-    "error_metrics",
-    "parse_formats",
-    "run_study",
-    "validate",
-    "wire_cost",
-]
+import importlib
+
+# Lazy, so that `moewire --help` and argument errors answer before torch is imported.
+_LAZY = {
+    "PRESETS": "moewire.study.presets",
+    "ModelPreset": "moewire.study.presets",
+    "StudyArgumentError": "moewire.study.errors",
+    "StudyConfig": "moewire.study.config",
+    "parse_formats": "moewire.study.config",
+    "validate": "moewire.study.config",
+    "ErrorMetrics": "moewire.study.metrics",
+    "error_metrics": "moewire.study.metrics",
+    "run_study": "moewire.study.runner",
+    "WireCost": "moewire.study.wire",
+    "wire_cost": "moewire.study.wire",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'moewire.study' has no attribute {name!r}")

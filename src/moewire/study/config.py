@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import torch
-
-from moewire import formats
+# torch and moewire.formats are imported inside the checks that need them, so that the
+# CLI parses its flags (and answers --help) without importing torch.
 from moewire.study.errors import StudyArgumentError
 from moewire.study.presets import DEFAULT_MODEL, PRESETS, ModelPreset
 
@@ -20,9 +19,12 @@ NONE = "bf16"
 _NONE_ALIASES = {"bf16", "none"}
 DEFAULT_DISPATCH = ("fp8", "mxfp8", "nvfp4", "mxfp4")
 DEFAULT_COMBINE = ("fp8", "mxfp8", "nvfp4", "logfmt10")
-MMA_TYPES = ("fp8xfp4", "bf16xbf16")
+MMA_TYPES = ("fp8xfp4", "bf16xbf16", "nvfp4")
+#: The synthetic router's default hottest-expert load over the mean (DeepSeek's
+#: bias-balanced routing keeps it at a few x).
+DEFAULT_ROUTER_IMBALANCE = 2.5
 # The stand-in kernel tiles K by 512 for FP8 x FP4 and by 128 for BF16 (deep_gemm).
-_HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128}
+_HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128, "nvfp4": 128}
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,15 @@ class StudyConfig:
         weights, layer: a safetensors checkpoint and the layer index to read from it.
         activations: captured hidden states ``[N, H]`` (``.pt`` / ``.safetensors``).
         mma: the stand-in kernel's MMA type, ``fp8xfp4`` (FP8 staging, FP4 weights, as
-            DeepSeek-V4 serves) or ``bf16xbf16``.
+            DeepSeek-V4 serves), ``bf16xbf16``, or ``nvfp4`` (the NVFP4 Mega-MoE of vLLM
+            0.33/0.34: per-token NVFP4 staging, NVFP4 weights, unweighted combine rows).
         device: ``cpu`` or ``cuda``.
         seed: seeds weights, router and synthetic tokens.
         out: output directory.
+        router_imbalance: the synthetic router's hottest-expert expected load over the
+            mean (its selection bias is fitted to it); ``None``:
+            :data:`DEFAULT_ROUTER_IMBALANCE`, or ``E / k`` when fewer experts cannot carry
+            it. A checkpoint's router is used as is.
     """
 
     model: str = DEFAULT_MODEL
@@ -60,6 +67,7 @@ class StudyConfig:
     device: str = "cpu"
     seed: int = 0
     out: str = "moewire-study"
+    router_imbalance: float | None = None
 
     @property
     def preset(self) -> ModelPreset:
@@ -81,8 +89,15 @@ def parse_formats(text: str | list[str] | tuple[str, ...], argument: str) -> tup
 
     ``none`` is an alias of ``bf16``; duplicates are dropped, the order is kept.
     """
+    from moewire import formats
+
     parts = text.split(",") if isinstance(text, str) else list(text)
     names = [p.strip().lower() for p in parts if p.strip()]
+    if not names:
+        raise StudyArgumentError(
+            argument, f"the list is empty ({text!r}); name at least one format, e.g. "
+            f"{argument} fp8,nvfp4 (bf16 alone: {argument} bf16)"
+        )
     known = formats.names()
     out = [NONE]
     for name in names:
@@ -131,8 +146,18 @@ def validate(cfg: StudyConfig) -> StudyConfig:
         raise StudyArgumentError(
             "--mma", f"unknown MMA type {cfg.mma!r}; pick one of {', '.join(MMA_TYPES)}"
         )
+    imbalance = cfg.router_imbalance
+    if imbalance is not None and (isinstance(imbalance, bool)
+                                  or not isinstance(imbalance, (int, float))
+                                  or not 1.0 <= imbalance <= 1e6):
+        raise StudyArgumentError(
+            "--router-imbalance", f"must be a number >= 1 (1 = every expert equally loaded; "
+            f"DeepSeek-like routing is 2-3), got {imbalance!r}"
+        )
     if cfg.device not in ("cpu", "cuda"):
         raise StudyArgumentError("--device", f"must be cpu or cuda, got {cfg.device!r}")
+    import torch
+
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise StudyArgumentError(
             "--device", "cuda was asked for but torch sees no CUDA device; use --device cpu"
@@ -145,6 +170,8 @@ def validate(cfg: StudyConfig) -> StudyConfig:
         )
     if cfg.layer is not None:
         _positive(cfg.layer, "--layer", minimum=0)
+    if cfg.weights is None and (cfg.experts or cfg.preset.num_experts) >= cfg.preset.top_k:
+        _check_imbalance(cfg, cfg.experts or cfg.preset.num_experts, cfg.preset.top_k)
     if cfg.weights is not None and cfg.experts is not None:
         raise StudyArgumentError(
             "--experts", "a --weights checkpoint fixes the expert count (every expert of the "
@@ -164,15 +191,65 @@ def validate(cfg: StudyConfig) -> StudyConfig:
     return cfg
 
 
+def _check_imbalance(cfg: StudyConfig, num_experts: int, top_k: int) -> None:
+    if cfg.router_imbalance is not None and cfg.router_imbalance > num_experts / top_k:
+        raise StudyArgumentError(
+            "--router-imbalance", f"{cfg.router_imbalance} x the mean load is more than every "
+            f"token: with {num_experts} experts and top-k {top_k} an expert gets at most "
+            f"{num_experts / top_k:.3g} x the mean; use at most that"
+        )
+
+
+def router_imbalance(cfg: StudyConfig, num_experts: int, top_k: int) -> float:
+    """The synthetic router's target max/mean load: ``--router-imbalance``, else the
+    default capped at ``E / k`` (an expert cannot get more than every token)."""
+    if cfg.router_imbalance is not None:
+        return float(cfg.router_imbalance)
+    return min(DEFAULT_ROUTER_IMBALANCE, num_experts / top_k)
+
+
+def check_out_dir(out: str | Path) -> Path:
+    """Create ``--out`` (with parents) and write a probe file there, before any work.
+
+    A sweep takes minutes; an output directory that cannot be written must fail first.
+
+    Returns:
+        The directory, as a ``Path``.
+
+    Raises:
+        StudyArgumentError: ``--out`` is an existing file, or cannot be created or written.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise StudyArgumentError(
+            "--out", f"{path} exists and is not a directory; pass a directory (it is created "
+            "if missing), e.g. --out moewire-study"
+        )
+    probe = path / ".moewire-write-check"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise StudyArgumentError(
+            "--out", f"cannot write into {path} ({exc.strerror or exc}); pass a directory you "
+            "can write to"
+        ) from None
+    return path
+
+
 def check_layer_shapes(
     cfg: StudyConfig, num_experts: int, top_k: int, hidden: int, intermediate: int
 ) -> None:
     """Checks that need the layer's shapes (from the preset or the weights file)."""
+    from moewire import formats
+
     if top_k > num_experts:
         raise StudyArgumentError(
             "--experts", f"{num_experts} experts are fewer than top-k {top_k}; use at least "
             f"{top_k}"
         )
+    _check_imbalance(cfg, num_experts, top_k)
     if num_experts % cfg.ranks:
         raise StudyArgumentError(
             "--ranks", f"{num_experts} experts do not split evenly over {cfg.ranks} ranks; "

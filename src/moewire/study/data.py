@@ -9,7 +9,8 @@ Synthetic data (the default) is seeded and has the outlier structure of real MoE
   sits in those channels, values near ``sqrt(H / 4)``. ``gamma[c] = exp(0.3 * n_c)``, with
   ``max(1, H // 512)`` outlier channels multiplied by 10 (the norm weights of "massive"
   channels). Every ``u[t] / rms(u[t])`` has RMS 1, as after a real norm, so tokens differ
-  in shape (spikes), not in overall scale;
+  in shape (spikes), not in overall scale. ``gamma`` is one per layer (:func:`norm_gamma`),
+  shared by all of its batches and by the router fit, as a model's RMSNorm weights are;
 - the router's synthetic weights are built by :func:`moewire.study.layer.build_layer`,
   the experts' by :func:`moewire.reference.make_weights` (outlier input channels).
 
@@ -84,11 +85,23 @@ class LayerWeights:
 # --------------------------------------------------------------------------- synthetic
 
 
-def synthetic_hidden_states(num_tokens: int, hidden: int, generator: torch.Generator):
-    """Seeded BF16 ``[num_tokens, hidden]`` post-norm hidden states (module docstring)."""
+def norm_gamma(hidden: int, generator: torch.Generator) -> torch.Tensor:
+    """Seeded FP32 ``[hidden]`` norm weights ``gamma`` (module docstring): one per layer."""
     gamma = torch.exp(0.3 * torch.randn(hidden, generator=generator))
     outlier_channels = torch.randperm(hidden, generator=generator)[: max(1, hidden // 512)]
     gamma[outlier_channels] *= 10.0
+    return gamma
+
+
+def synthetic_hidden_states(num_tokens: int, hidden: int, generator: torch.Generator,
+                            gamma: torch.Tensor | None = None):
+    """Seeded BF16 ``[num_tokens, hidden]`` post-norm hidden states (module docstring).
+
+    ``gamma``: the layer's norm weights (:func:`norm_gamma`); pass the same one for every
+    batch of a layer, as a model's RMSNorm has one. ``None`` draws a fresh one.
+    """
+    if gamma is None:
+        gamma = norm_gamma(hidden, generator)
     u = torch.randn(num_tokens, hidden, generator=generator)
     num_outliers = max(1, num_tokens // 64)
     tokens = torch.randperm(num_tokens, generator=generator)[:num_outliers]
@@ -140,6 +153,68 @@ class Router:
         else:
             raise ValueError(f"Router: unknown gating {self.gating!r}; use sigmoid or softmax")
         return w.float().contiguous(), ids.to(torch.int64).contiguous()
+
+
+def load_profile(num_experts: int, imbalance: float) -> torch.Tensor:
+    """Relative expected loads FP32 ``[num_experts]``, mean 1 and max ``imbalance``.
+
+    ``v[e] = exp(-beta * e / (E - 1))`` rescaled to mean 1, with ``beta`` found by bisection
+    so that ``max(v) = imbalance``: a few hot experts, a tail of cold ones (the shape of
+    measured DeepSeek/Mixtral expert loads). ``imbalance = 1`` is uniform.
+    """
+    u = torch.linspace(0.0, 1.0, num_experts, dtype=torch.float64)
+    lo, hi = 0.0, 60.0
+    for _ in range(100):
+        beta = (lo + hi) / 2
+        v = torch.exp(-beta * u)
+        if float(v.max() / v.mean()) < imbalance:
+            lo = beta
+        else:
+            hi = beta
+    v = torch.exp(-lo * u)
+    return (v / v.mean()).float()
+
+
+def balanced_bias(router: Router, imbalance: float, generator: torch.Generator,
+                  gamma: torch.Tensor | None = None, steps: int = 120) -> torch.Tensor:
+    """A selection bias FP32 ``[E]`` that gives ``router`` the expected load of
+    :func:`load_profile` (hottest expert ``imbalance`` x the mean), in a seeded order.
+
+    DeepSeek-V3/V4 learn their selection bias to balance the experts' load ("auxiliary-loss
+    free" balancing: raise the bias of an under-loaded expert, lower an over-loaded one's);
+    this does the same on synthetic tokens (:func:`synthetic_hidden_states`), toward a
+    target profile instead of a flat one. Without it, a random bias swamps the router's
+    scores at a few hundred experts and a handful of experts get most tokens.
+
+    Args:
+        router: the router (its ``bias`` is ignored); ``weight`` FP32 ``[E, H]``.
+        imbalance: the hottest expert's expected load over the mean, in
+            ``[1, E / top_k]`` (an expert cannot get more than every token).
+        generator: seeds the tokens and which experts are hot.
+        gamma: the layer's norm weights (:func:`norm_gamma`) its tokens are drawn with.
+        steps: update steps.
+
+    Returns:
+        The bias, FP32 ``[E]`` on the router's device.
+    """
+    num_experts, hidden = router.weight.shape
+    k = router.top_k
+    # Enough tokens that the fit follows the router, not the sample: >= 128 per expert.
+    tokens = min(16384, max(4096, 128 * num_experts // k))
+    x = synthetic_hidden_states(tokens, hidden, generator, gamma).to(router.weight.device)
+    logits = x.float() @ router.weight.float().t()
+    base = torch.sigmoid(logits) if router.gating == "sigmoid" else logits
+    target = load_profile(num_experts, imbalance)[torch.randperm(num_experts,
+                                                                 generator=generator)]
+    target = target.to(base.device) * (tokens * k / num_experts)
+    spread = float(base.std())
+    bias = torch.zeros(num_experts, device=base.device)
+    for step in range(steps):
+        ids = (base + bias).topk(k, dim=-1).indices
+        load = torch.bincount(ids.reshape(-1), minlength=num_experts).float()
+        rate = 0.5 * spread * (1.0 - step / steps) + 0.01 * spread
+        bias += rate * (target - load) / (tokens * k / num_experts)
+    return bias
 
 
 # --------------------------------------------------------------------------- real data

@@ -19,10 +19,18 @@ from torch import nn
 
 import moewire
 from moewire.recipes import Recipe
-from moewire.reference import MegaMoEExperts, MegaMoEWeights, SharedExpert, deep_gemm
+from moewire.reference import (
+    MegaMoEExperts,
+    MegaMoEWeights,
+    NVFP4MegaMoEExperts,
+    NVFP4MegaMoEWeights,
+    SharedExpert,
+    deep_gemm,
+    make_nvfp4_weights,
+)
 from moewire.reference import make_weights as reference_make_weights
-from moewire.study.config import NONE, StudyConfig, check_layer_shapes
-from moewire.study.data import LayerWeights, Router, load_weights
+from moewire.study.config import NONE, StudyConfig, check_layer_shapes, router_imbalance
+from moewire.study.data import LayerWeights, Router, balanced_bias, load_weights, norm_gamma
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -47,23 +55,39 @@ class MoELayer(nn.Module):
         return self.experts(x, topk_weights, topk_ids, shared_experts=self.shared_experts)
 
 
-def kernel_weights_from_dense(w1: torch.Tensor, w2: torch.Tensor, mma: str) -> MegaMoEWeights:
+def kernel_weights_from_dense(
+    w1: torch.Tensor, w2: torch.Tensor, mma: str
+) -> MegaMoEWeights | NVFP4MegaMoEWeights:
     """Convert dense expert weights into the stand-in kernel's formats.
 
     ``fp8xfp4``: FP4 E2M1 with one UE8M0 scale per 32 along K (the reference kernel's
     weight cast, ``sf = 2^ceil(log2(max(amax, 1e-4) / 6))``), then DeepGEMM's layout
-    transform. ``bf16xbf16``: BF16 as is, then the transform.
+    transform. ``bf16xbf16``: BF16 as is, then the transform. ``nvfp4`` (the NVFP4 Mega-MoE
+    of vLLM 0.33/0.34): NVFP4 per expert, a global scale ``amax / 2688`` and an E4M3 scale
+    per 16 (:func:`moewire.reference.nvfp4_weights.quantize_nvfp4_weight`), then the
+    transform; the global scales become the kernel's ``l1_alpha`` / ``l2_alpha``.
 
     Args:
         w1: ``[E, 2I, H]`` rows ``[gate | up]``; w2: ``[E, H, I]``; any float dtype.
-        mma: ``"fp8xfp4"`` or ``"bf16xbf16"``.
+        mma: ``"fp8xfp4"``, ``"bf16xbf16"`` or ``"nvfp4"``.
 
     Returns:
-        :class:`~moewire.reference.MegaMoEWeights` for experts ``0..E-1``.
+        :class:`~moewire.reference.MegaMoEWeights` (or ``NVFP4MegaMoEWeights``) for
+        experts ``0..E-1``.
     """
     # The reference's own cast, so the kernel reads exactly the format it defines.
     from moewire.reference import quantize_fp4_ue8m0
+    from moewire.reference.nvfp4_weights import quantize_nvfp4_weight
 
+    if mma == "nvfp4":
+        parts = [[quantize_nvfp4_weight(w[e].float()) for e in range(w.shape[0])]
+                 for w in (w1, w2)]
+        raw1, raw2 = (
+            tuple(torch.stack([p[j] for p in ps]) for j in range(2)) for ps in parts
+        )
+        gs1, gs2 = (torch.stack([p[2] for p in ps]) for ps in parts)
+        l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
+        return NVFP4MegaMoEWeights(tuple(range(w1.shape[0])), l1, l2, raw1, raw2, gs1, gs2)
     if mma == "fp8xfp4":
         raw1 = quantize_fp4_ue8m0(w1.float())
         raw2 = quantize_fp4_ue8m0(w2.float())
@@ -85,6 +109,9 @@ class StudyLayer:
         source: where the weights came from.
         max_num_tokens: tokens per call.
         mma, device: kernel MMA type and device.
+        router_imbalance: the synthetic router's expected max/mean load, or ``None`` for
+            a checkpoint's router.
+        norm_gamma: FP32 ``[H]``, the norm weights of the layer's synthetic tokens.
     """
 
     num_experts: int
@@ -92,20 +119,29 @@ class StudyLayer:
     hidden: int
     intermediate: int
     shared_intermediate: int
-    weights: MegaMoEWeights
+    weights: MegaMoEWeights | NVFP4MegaMoEWeights
     shared: nn.Module | None
     router: Router
     source: str
     max_num_tokens: int
     mma: str
     device: torch.device
+    router_imbalance: float | None = None
+    norm_gamma: torch.Tensor | None = None
 
     def fresh(self) -> MoELayer:
         """A new, unconverted layer over the same weights."""
-        experts = MegaMoEExperts(
-            self.num_experts, self.top_k, self.hidden, self.intermediate,
-            self.max_num_tokens, mma_type=self.mma, weights=self.weights, device=self.device,
-        )
+        if self.mma == "nvfp4":
+            experts: nn.Module = NVFP4MegaMoEExperts(
+                self.num_experts, self.top_k, self.hidden, self.intermediate,
+                self.max_num_tokens, weights=self.weights, device=self.device,
+            )
+        else:
+            experts = MegaMoEExperts(
+                self.num_experts, self.top_k, self.hidden, self.intermediate,
+                self.max_num_tokens, mma_type=self.mma, weights=self.weights,
+                device=self.device,
+            )
         return MoELayer(experts, self.shared)
 
     def shapes(self) -> dict[str, Any]:
@@ -130,10 +166,102 @@ def _shared_from_dense(w1: torch.Tensor, w2: torch.Tensor, device: torch.device)
     return shared
 
 
-def _synthetic_router(num_experts: int, hidden: int, generator: torch.Generator):
-    weight = torch.randn(num_experts, hidden, generator=generator) * hidden**-0.5
-    bias = 0.5 * torch.randn(num_experts, generator=generator)
-    return weight, bias
+def synthetic_router(num_experts: int, hidden: int, top_k: int, gating: str,
+                     imbalance: float, generator: torch.Generator,
+                     gamma: torch.Tensor | None = None,
+                     device: torch.device | str = "cpu") -> Router:
+    """A seeded router: ``weight ~ N(0, 1/H)`` and a selection bias fitted so that the
+    hottest expert's expected load is ``imbalance`` x the mean on tokens drawn with the
+    norm weights ``gamma`` (:func:`moewire.study.data.balanced_bias`)."""
+    weight = (torch.randn(num_experts, hidden, generator=generator) * hidden**-0.5).to(device)
+    router = Router(weight, None, top_k, gating)
+    router.bias = balanced_bias(router, imbalance, generator, gamma)
+    return router
+
+
+#: Peak bytes per expert weight while the synthetic layer is built, per MMA type: measured
+#: with ``make_weights`` at V4-Flash shapes on CPU (fp8xfp4: 8 and 32 experts peaked at 0.47
+#: and 1.33 GB, i.e. 1.42 bytes per weight plus 0.18 GB). bf16xbf16 keeps the BF16 weights
+#: and their transformed copy (4 bytes per weight) plus one expert's FP32 draw.
+# nvfp4: an estimate from what the stand-in keeps (packed E2M1 + E4M3 scales, 0.56 B, and
+# its dense FP32 weight cache on CPU, 4 B), not measured.
+_BUILD_BYTES_PER_WEIGHT = {"fp8xfp4": 1.42, "bf16xbf16": 4.5, "nvfp4": 4.6}
+_BUILD_FIXED_BYTES = 0.25e9
+#: Tokens per batch above which the CPU run is warned about (each forward pass costs
+#: ``2 * T * k * 3 * H * I`` FLOPs; the demo sweep does about 60 of them at T = 128).
+_SLOW_TOKENS_CPU = 2048
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None  # not Linux: nothing to check against
+
+
+def plan_memory(cfg: StudyConfig) -> tuple[float, float | None, int]:
+    """Estimate the synthetic layer's peak memory before building it.
+
+    Returns:
+        ``(needed bytes, available bytes or None, experts that fit)``; with ``--weights``
+        the file decides the size and nothing is estimated (``(0, None, 0)``).
+    """
+    if cfg.weights is not None:
+        return 0.0, None, 0
+    preset = cfg.preset
+    num_experts = cfg.experts or preset.num_experts
+    per_expert = 3 * preset.hidden * preset.intermediate * _BUILD_BYTES_PER_WEIGHT[cfg.mma]
+    needed = num_experts * per_expert + _BUILD_FIXED_BYTES
+    available = _available_bytes(torch.device(cfg.device))
+    fits = 0
+    if available is not None:
+        fits = max(0, int((0.9 * available - _BUILD_FIXED_BYTES) // per_expert))
+        fits -= fits % cfg.ranks
+    return needed, available, fits
+
+
+def check_resources(cfg: StudyConfig) -> str:
+    """Refuse a layer that will not fit in memory, before any weight is drawn; warn on a
+    token count that will take long on the CPU. Returns a one-line plan for the progress.
+
+    Raises:
+        StudyArgumentError: (``--experts``) the estimated peak exceeds 90% of the memory
+            available on ``--device``; the message gives both sizes and the ``--experts``
+            that fits.
+    """
+    import warnings
+
+    from moewire.study.errors import StudyArgumentError
+
+    needed, available, fits = plan_memory(cfg)
+    experts = cfg.experts or cfg.preset.num_experts
+    if available is not None and needed > 0.9 * available:
+        hint = (f"pass --experts {fits} (or fewer)" if fits >= cfg.preset.top_k
+                else "use a smaller --model")
+        raise StudyArgumentError(
+            "--experts", f"the {cfg.model} layer with {experts} experts needs about "
+            f"{needed / 1e9:.1f} GB while built, and {available / 1e9:.1f} GB are available "
+            f"on {cfg.device}; {hint}, or run on a machine with more memory"
+        )
+    if cfg.device == "cpu" and cfg.tokens > _SLOW_TOKENS_CPU:
+        warnings.warn(
+            f"--tokens {cfg.tokens} on the CPU: every forward pass routes "
+            f"{cfg.tokens * cfg.preset.top_k} token copies through the experts, and the sweep "
+            "runs dozens of them; expect a long run (use --device cuda, fewer --tokens, or "
+            "fewer formats)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    plan = f"{experts} experts" if cfg.weights is None else str(cfg.weights)
+    if needed:
+        plan += f", about {needed / 1e9:.1f} GB"
+        if available is not None:
+            plan += f" of {available / 1e9:.0f} GB free"
+    return plan
 
 
 def build_layer(cfg: StudyConfig, generator: torch.Generator) -> StudyLayer:
@@ -142,9 +270,10 @@ def build_layer(cfg: StudyConfig, generator: torch.Generator) -> StudyLayer:
     Synthetic: :func:`moewire.reference.make_weights` (seed ``cfg.seed``; four input
     channels of each matrix 16x larger, which the FP4 block scales must absorb), a seeded
     unfused :class:`~moewire.reference.SharedExpert` of ``num_shared * I`` when the preset
-    has one, and a router ``weight ~ N(0, 1/H)`` with a selection bias ``~ N(0, 0.25)``.
-    From a checkpoint: its experts, shared expert and router (a synthetic router when the
-    file has none); the preset gives top-k and gating only.
+    has one, and a router ``weight ~ N(0, 1/H)`` whose selection bias is fitted to
+    ``cfg.router_imbalance`` (:func:`synthetic_router`). From a checkpoint: its experts,
+    shared expert and router (a synthetic router when the file has none); the preset gives
+    top-k and gating only.
     """
     preset = cfg.preset
     device = torch.device(cfg.device)
@@ -156,29 +285,36 @@ def build_layer(cfg: StudyConfig, generator: torch.Generator) -> StudyLayer:
         shared = None
         if dense.shared_w1 is not None:
             shared = _shared_from_dense(dense.shared_w1, dense.shared_w2, device)
+        router = None
         if dense.router.numel():
-            router_w, router_b = dense.router, dense.router_bias
-        else:
-            router_w, router_b = _synthetic_router(num_experts, hidden, generator)
+            router = Router(dense.router.to(device), None if dense.router_bias is None
+                            else dense.router_bias.to(device), preset.top_k, preset.gating)
         shared_inter, source = dense.num_shared_intermediate, dense.source
     else:
         num_experts = cfg.experts or preset.num_experts
         hidden, inter = preset.hidden, preset.intermediate
         check_layer_shapes(cfg, num_experts, preset.top_k, hidden, inter)
-        weights = reference_make_weights(
-            num_experts, hidden, inter, mma_type=cfg.mma, seed=cfg.seed, device=device
-        )
+        if cfg.mma == "nvfp4":
+            weights = make_nvfp4_weights(num_experts, hidden, inter, seed=cfg.seed, device=device)
+        else:
+            weights = reference_make_weights(
+                num_experts, hidden, inter, mma_type=cfg.mma, seed=cfg.seed, device=device
+            )
         shared_inter = preset.num_shared * inter
         shared = None
         if shared_inter:
             shared = SharedExpert(hidden, shared_inter, seed=cfg.seed, device=device)
-        router_w, router_b = _synthetic_router(num_experts, hidden, generator)
+        router = None
         source = f"synthetic(seed={cfg.seed})"
-    router = Router(router_w.to(device), None if router_b is None else router_b.to(device),
-                    preset.top_k, preset.gating)
+    gamma = norm_gamma(hidden, generator)
+    imbalance = None
+    if router is None:
+        imbalance = router_imbalance(cfg, num_experts, preset.top_k)
+        router = synthetic_router(num_experts, hidden, preset.top_k, preset.gating,
+                                  imbalance, generator, gamma, device)
     return StudyLayer(
         num_experts, preset.top_k, hidden, inter, shared_inter, weights, shared, router,
-        source, cfg.tokens, cfg.mma, device,
+        source, cfg.tokens, cfg.mma, device, imbalance, gamma,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,44 @@ def _cell(key: str, value: Any) -> str:
     return f"{value:.3e}"
 
 
-def table_rows(doc: dict) -> list[list[str]]:
-    """The table's cells, one row per pair, in the JSON's order."""
-    return [[_cell(k, r[k]) for k, _ in _COLUMNS] for r in doc["results"]]
+#: Columns the terminal table leaves out first when it is too narrow (all are in the JSON).
+_DROP_ORDER = ("cosine", "max_abs_err", "ratio_to_bf16")
+
+
+def table_rows(doc: dict, keys: tuple[str, ...] | None = None) -> list[list[str]]:
+    """The table's cells, one row per pair, in the JSON's order (``keys``: the columns)."""
+    keys = keys or tuple(k for k, _ in _COLUMNS)
+    return [[_cell(k, r[k]) for k in keys] for r in doc["results"]]
+
+
+def table_columns(doc: dict, width: int | None, overhead: int = 2) -> tuple[str, ...]:
+    """The column keys that fit in ``width`` characters (``None``: all of them).
+
+    Each column takes its widest cell plus ``overhead`` (2 spaces for the plain table, 3
+    for rich's borders and padding). Columns of :data:`_DROP_ORDER` go first; dispatch,
+    combine, rel L2, SQNR and bytes always stay.
+    """
+    keys = [k for k, _ in _COLUMNS]
+    if width is None:
+        return tuple(keys)
+    titles = dict(_COLUMNS)
+    widths = {k: max(len(titles[k]), *(len(_cell(k, r[k])) for r in doc["results"]))
+              for k in keys}
+    for drop in (None, *_DROP_ORDER):
+        if drop is not None:
+            keys.remove(drop)
+        if sum(widths[k] + overhead for k in keys) + 1 <= width:
+            break
+    return tuple(keys)
+
+
+def _left_out(keys: tuple[str, ...]) -> str:
+    titles = dict(_COLUMNS)
+    gone = [titles[k] for k, _ in _COLUMNS if k not in keys]
+    if not gone:
+        return ""
+    return (f"(left out to fit the terminal: {', '.join(gone)}; all columns are in "
+            "results.json)")
 
 
 def headline(doc: dict) -> str:
@@ -85,26 +121,44 @@ def headline(doc: dict) -> str:
     )
 
 
-def plain_table(doc: dict) -> str:
-    """The results as fixed-width text (for logs and non-TTY output)."""
-    header = [title for _, title in _COLUMNS]
-    rows = table_rows(doc)
+def plain_table(doc: dict, width: int | None = None) -> str:
+    """The results as fixed-width text (for logs and non-TTY output).
+
+    Args:
+        doc: the results document.
+        width: the characters available (a terminal's columns); columns are left out to
+            fit (:func:`table_columns`) and a last line names them. ``None``: every column.
+    """
+    keys = table_columns(doc, width)
+    titles = dict(_COLUMNS)
+    header = [titles[k] for k in keys]
+    rows = table_rows(doc, keys)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
     for row in rows:
         lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    note = _left_out(keys)
+    if note:
+        lines += textwrap.wrap(note, width) if width else [note]
     return "\n".join(lines)
 
 
-def rich_table(doc: dict):
-    """The results as a ``rich.table.Table``; the baseline row and column are dimmed."""
+def rich_table(doc: dict, width: int | None = None):
+    """The results as a ``rich.table.Table``; the baseline row and column are dimmed.
+
+    ``width``: the console's width; columns are left out to fit, named in the caption.
+    """
     from rich.table import Table
 
-    table = Table(title="dispatch x combine: layer output vs the unquantized layer")
-    for key, title in _COLUMNS:
-        table.add_column(title, justify="left" if key in ("dispatch", "combine") else "right")
-    for result, row in zip(doc["results"], table_rows(doc), strict=True):
+    keys = table_columns(doc, width, overhead=3)
+    titles = dict(_COLUMNS)
+    table = Table(title="dispatch x combine: layer output vs the unquantized layer",
+                  caption=_left_out(keys) or None)
+    for key in keys:
+        table.add_column(titles[key], no_wrap=True,
+                         justify="left" if key in ("dispatch", "combine") else "right")
+    for result, row in zip(doc["results"], table_rows(doc, keys), strict=True):
         baseline = result["dispatch"] == "bf16" and result["combine"] == "bf16"
         table.add_row(*row, style="dim" if baseline else None)
     return table

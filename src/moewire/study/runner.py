@@ -35,6 +35,7 @@ from moewire.study.layer import (
     Batch,
     StudyLayer,
     build_layer,
+    check_resources,
     needs_calibration,
     reference_outputs,
     run_pair,
@@ -68,7 +69,7 @@ def _batches(cfg: StudyConfig, layer: StudyLayer, generator: torch.Generator):
             )
         chunks = list(x[:need].split(t))
     else:
-        chunks = [synthetic_hidden_states(t, layer.hidden, generator)
+        chunks = [synthetic_hidden_states(t, layer.hidden, generator, layer.norm_gamma)
                   for _ in range(n_calib + n_eval)]
     batches: list[Batch] = []
     for chunk in chunks:
@@ -101,7 +102,8 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     started = time.perf_counter()
 
-    progress.phase("building the layer")
+    plan = check_resources(cfg)
+    progress.phase(f"building the layer ({plan})")
     layer = build_layer(cfg, generator)
     calib, evals = _batches(cfg, layer, generator)
     pairs = _pairs(cfg)
@@ -147,6 +149,8 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
             "tokens_per_rank": per_rank,
             "remote_fraction": sum(remote) / len(remote),
             "expert_load_max_over_mean": float(load.max()) / float(load.float().mean()),
+            # The synthetic router's expected-load target; None for a checkpoint's router.
+            "target_max_over_mean": layer.router_imbalance,
         },
         "baseline": {
             "output_rms": float(ref64.square().mean().sqrt()),

@@ -1,0 +1,233 @@
+"""A vLLM-like NVFP4 Mega-MoE experts module on top of the stand-in NVFP4 kernel.
+
+:class:`NVFP4MegaMoEExperts` follows the NVFP4 branch of vLLM 0.34's
+``DeepGemmMegaMoEExperts.forward`` (``model_executor/layers/fused_moe/deep_gemm_mega_moe.py``,
+``fmt.uses_nvfp4_api``; 0.33's is the same without ``eplb_state``): check ``T <=
+max_num_tokens``, read ``is_padding`` from the forward context, stage with the module
+global ``prepare_megamoe_nvfp4_inputs`` (per-token NVFP4 tokens, a fused shared expert's
+MXFP8 or BF16 input, ``l2_alpha = w2_weight_scale_2 * l2_activation_scale``), call
+``deep_gemm.nvfp4_mega_moe`` through the module global ``deep_gemm`` with
+``l1_alpha = w13_weight_scale_2`` and ``use_x_scales=True``, then add an unfused shared
+expert. Those two globals are where a quantization wrapper interposes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moewire.reference import deep_gemm
+from moewire.reference.experts import get_forward_context
+from moewire.reference.nvfp4_mega_moe import prepare_megamoe_nvfp4_inputs
+from moewire.reference.nvfp4_weights import NVFP4MegaMoEWeights, make_nvfp4_weights
+
+__all__ = ["NVFP4MegaMoEExperts", "prepare_megamoe_nvfp4_inputs"]
+
+# The build that has nvfp4_mega_moe (vLLM 0.33/0.34's bundled DeepGEMM).
+NVFP4_FLAVOUR = "vllm-0.33"
+_SYMM_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class NVFP4MegaMoEExperts(nn.Module):
+    """NVFP4 Mega-MoE routed experts of one EP rank, with vLLM's forward contract.
+
+    Args:
+        num_experts: routed experts over the EP group (split evenly over its ranks).
+        top_k: routed slots per token.
+        hidden: H; intermediate: I per expert (multiples of 128).
+        max_num_tokens: tokens per rank per call (the buffer rounds its capacity up to 384).
+        group: EP process group or None (one rank).
+        num_fused_shared_experts: > 0 fuses a shared expert of ``n * I`` into the kernel.
+        shared_dtype: the fused shared expert's precision, ``torch.float8_e4m3fn`` (MXFP8)
+            or ``torch.bfloat16``.
+        activation_clamp: SwiGLU clamp, or None.
+        l2_activation_scale: the global scale of the routed L2 input (vLLM: the max
+            ``w2_input_scale`` over the experts).
+        weights: this rank's :class:`NVFP4MegaMoEWeights`; default
+            ``make_nvfp4_weights(seed=seed)`` for the local experts.
+        seed: seed of the default weights.
+        device: default CUDA when available and the group is NCCL or None, else CPU.
+
+    The stand-in's DeepGEMM must imitate the build that has this kernel:
+    ``deep_gemm.use_flavour("vllm-0.33")`` (the default).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden: int,
+        intermediate: int,
+        max_num_tokens: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        num_fused_shared_experts: int = 0,
+        shared_dtype: torch.dtype = torch.float8_e4m3fn,
+        activation_clamp: float | None = None,
+        l2_activation_scale: float = 1.0,
+        weights: NVFP4MegaMoEWeights | None = None,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        where = type(self).__name__
+        flavour = deep_gemm.moewire_flavour()
+        if flavour != NVFP4_FLAVOUR:
+            raise ValueError(
+                f"{where}: nvfp4_mega_moe exists only in the DeepGEMM bundled in vLLM "
+                f"0.33/0.34, but the stand-in imitates {flavour!r} now; select it with "
+                f"deep_gemm.use_flavour({NVFP4_FLAVOUR!r})"
+            )
+        ep_size, ep_rank = (1, 0) if group is None else (group.size(), group.rank())
+        if num_experts % ep_size:
+            raise ValueError(
+                f"{where}: num_experts={num_experts} is not divisible by the EP size {ep_size}"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden, self.intermediate = hidden, intermediate
+        self.max_num_tokens = max_num_tokens
+        self.ep_group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        self.num_local_experts = num_experts // ep_size
+        self.local_experts = tuple(
+            range(ep_rank * self.num_local_experts, (ep_rank + 1) * self.num_local_experts)
+        )
+        self.num_fused_shared_experts = num_fused_shared_experts
+        self.fused_shared = num_fused_shared_experts > 0
+        self.shared_dtype = shared_dtype
+        self.activation_clamp = activation_clamp
+        self.l2_activation_scale = float(l2_activation_scale)
+        self.kernel_name = "nvfp4_mega_moe"
+        if device is None:
+            device = deep_gemm._default_device(group)
+        device = torch.device(device)
+        self.symm_buffer = self._build_symm_buffer(device)
+        if weights is None:
+            weights = make_nvfp4_weights(
+                num_experts, hidden, intermediate, experts=self.local_experts,
+                num_shared_experts=num_fused_shared_experts, shared_dtype=shared_dtype,
+                seed=seed, device=device,
+            )
+        if tuple(weights.experts) != self.local_experts:
+            raise ValueError(
+                f"{where}: weights hold experts {weights.experts[:4]}... but EP rank "
+                f"{ep_rank} owns {self.local_experts[:4]}...; build them with "
+                f"make_nvfp4_weights(experts=range({self.local_experts[0]}, "
+                f"{self.local_experts[-1] + 1}))"
+            )
+        if self.fused_shared != (weights.shared_l1 is not None) or (
+            self.fused_shared and weights.shared_dtype != shared_dtype
+        ):
+            raise ValueError(
+                f"{where}: num_fused_shared_experts={num_fused_shared_experts} with "
+                f"shared_dtype={shared_dtype} does not match the weights' shared expert "
+                f"({weights.shared_dtype})"
+            )
+        self.register_buffer("w13_weight", weights.l1[0])
+        self.register_buffer("w13_weight_scale", weights.l1[1])
+        self.register_buffer("w13_weight_scale_2", weights.l1_global_scale.float())
+        self.register_buffer("w2_weight", weights.l2[0])
+        self.register_buffer("w2_weight_scale", weights.l2[1])
+        self.register_buffer("w2_weight_scale_2", weights.l2_global_scale.float())
+        self.register_buffer(
+            "_l2_alpha", torch.zeros(self.num_local_experts, device=device), persistent=False
+        )
+        self.shared_l1_weights: Any = weights.shared_l1
+        self.shared_l2_weights: Any = weights.shared_l2
+
+    def _build_symm_buffer(self, device: torch.device) -> deep_gemm.NVFP4SymmBuffer:
+        # Keyed like vLLM's cache (EP group, shapes, shared count and dtype).
+        key = (
+            None if self.ep_group is None else id(self.ep_group), self.num_experts,
+            self.max_num_tokens, self.top_k, self.hidden, self.intermediate,
+            self.num_fused_shared_experts, self.shared_dtype, "nvfp4", device,
+        )
+        buffer = _SYMM_BUFFERS.get(key)
+        if buffer is None:
+            buffer = deep_gemm.NVFP4SymmBuffer(
+                self.ep_group, self.num_experts, self.max_num_tokens, self.top_k,
+                self.hidden, self.intermediate,
+                num_shared_experts=self.num_fused_shared_experts,
+                shared_dtype=self.shared_dtype, device=device,
+            )
+            _SYMM_BUFFERS[key] = buffer
+        return buffer
+
+    def get_symm_buffer(self) -> deep_gemm.NVFP4SymmBuffer:
+        """The layer's buffer (shared by layers of the same shapes and group)."""
+        return self.symm_buffer
+
+    @property
+    def l1_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.w13_weight, self.w13_weight_scale)
+
+    @property
+    def l2_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.w2_weight, self.w2_weight_scale)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """Routed experts (plus a fused shared expert), then an unfused one if given.
+
+        Args:
+            hidden_states: BF16 ``[T, H]``, ``T <= max_num_tokens``.
+            topk_weights: FP32 ``[T, k]`` router weights.
+            topk_ids: integer ``[T, k]`` global expert ids (-1 masks a slot).
+            shared_experts: an unfused shared expert, added after the kernel.
+
+        Returns:
+            BF16 ``[T, H]``.
+        """
+        name = type(self).__name__
+        if shared_experts is not None and self.fused_shared:
+            raise ValueError(f"{name} fuses the shared expert; pass shared_experts=None")
+        num_tokens = hidden_states.shape[0]
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"{name}: got {num_tokens} tokens but max_num_tokens={self.max_num_tokens}; "
+                "split the batch or build the layer with a larger max_num_tokens"
+            )
+        is_padding = get_forward_context().is_padding
+        if is_padding is not None:
+            is_padding = is_padding[:num_tokens]
+        buf = self.get_symm_buffer()
+        shared_x_sf = shared_block_m = None
+        if self.fused_shared and buf.shared_with_sf:
+            shared_x_sf = buf.shared_l1_acts_sf
+            shared_block_m = deep_gemm.get_block_m_for_nvfp4_mega_moe(
+                self.ep_size, self.num_experts, buf.num_max_tokens_per_rank, num_tokens,
+                self.top_k,
+            )
+        prepare_megamoe_nvfp4_inputs(
+            hidden_states, topk_weights, topk_ids, buf.x[:num_tokens], buf.x_sf[:num_tokens],
+            buf.x_scales[:num_tokens], buf.topk_idx[:num_tokens],
+            buf.topk_weights[:num_tokens], is_padding=is_padding,
+            shared_x=buf.shared_l1_acts[:num_tokens] if self.fused_shared else None,
+            shared_x_sf=shared_x_sf, shared_block_m=shared_block_m,
+            w2_global_scale=self.w2_weight_scale_2, l2_alpha=self._l2_alpha,
+            l2_activation_scale=self.l2_activation_scale,
+        )
+        kwargs: dict[str, Any] = {
+            "activation_clamp": self.activation_clamp, "l1_alpha": self.w13_weight_scale_2,
+            "l2_alpha": self._l2_alpha, "l2_activation_scale": self.l2_activation_scale,
+            "use_x_scales": True,
+        }
+        if self.fused_shared:
+            kwargs["shared_l1_weights"] = self.shared_l1_weights
+            kwargs["shared_l2_weights"] = self.shared_l2_weights
+        y = torch.empty((num_tokens, self.hidden), dtype=torch.bfloat16,
+                        device=hidden_states.device)
+        getattr(deep_gemm, self.kernel_name)(
+            y, self.l1_weights, self.l2_weights, buf, fast_math=True, **kwargs
+        )
+        if shared_experts is not None:
+            y += shared_experts(hidden_states)
+        return y

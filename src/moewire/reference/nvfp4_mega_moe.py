@@ -1,0 +1,982 @@
+"""Stand-in for DeepGEMM's NVFP4 Mega-MoE (``deep_gemm.nvfp4_mega_moe``), CPU and GPU.
+
+The second Mega-MoE kernel of the DeepGEMM bundled in vLLM 0.33 and 0.34
+(``vllm/third_party/deep_gemm/mega/nvfp4.py``, identical in both wheels), used by NVFP4
+checkpoints through ``DeepGemmMegaMoEExperts`` (``MEGA_MOE_NVFP4``, ``uses_nvfp4_api``).
+Same names and signatures: :class:`NVFP4SymmBuffer`, :func:`nvfp4_mega_moe`,
+:func:`get_block_m_for_nvfp4_mega_moe`, :func:`get_token_alignment_for_nvfp4_mega_moe`, and
+vLLM's staging function :func:`prepare_megamoe_nvfp4_inputs`
+(``model_executor/layers/fused_moe/prepare_megamoe.py``), in torch.
+
+Where it differs from ``fp8_fp4_mega_moe`` (SPEC 1.5):
+
+- Routed inputs are NVFP4 on the wire: E2M1, one E4M3 scale per 16, optional per-token
+  FP32 ``x_scales``; weights are NVFP4 too, with a per-expert FP32 ``l1_alpha`` /
+  ``l2_alpha`` applied to the GEMM accumulators before the BF16 rounding.
+- The L2 input is **not** router-weighted: a combine row is the unweighted expert output.
+- The combine is ``acc = fma(float(row), w_slot, acc)`` in FP32 over the valid slots in
+  ascending order, a fused shared expert (stored at slot ``k``) last with weight 1.0, then
+  one BF16 rounding (``impls/sm100_nvfp4_mega_moe.cuh`` ~l.1746-1807).
+- Its own buffer layout (``include/deep_gemm/layout/nvfp4_mega_moe.cuh``): the combine region
+  starts where the L2 scale region (``l2_acts_sf``) ends, and the per-token ``x_scales``
+  regions **follow** it, so the combine region is not the buffer's last region.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moewire.reference import _kernel
+from moewire.reference._numerics import (
+    FP8_MAX,
+    ceil_to_ue8m0,
+    decode_e2m1,
+    pack_ue8m0,
+    scale_groups,
+    unpack_ue8m0,
+)
+from moewire.reference._nvfp4_numerics import (
+    dequantize_nvfp4,
+    fma_f32,
+    pack_e4m3,
+    pack_fp4_codes,
+    quantize_mxfp8_l2_input,
+    quantize_nvfp4_l2_input,
+    stage_nvfp4_per_token,
+)
+
+__all__ = [
+    "NVFP4SymmBuffer",
+    "get_block_m_for_nvfp4_mega_moe",
+    "get_token_alignment_for_nvfp4_mega_moe",
+    "nvfp4_mega_moe",
+    "prepare_megamoe_nvfp4_inputs",
+    "shared_sf_row",
+    "weighted_combine",
+]
+
+TOKEN_ALIGNMENT = 384
+# DeepGEMM's candidate BLOCK_M values (``layout/mega_moe.cuh``, kCandidateBlockM).
+CANDIDATE_BLOCK_M = (8, 16, 32, 64, 96, 128, 192, 240)
+_MIN_BLOCK_M = 8
+SHARED_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
+ACTIVATIONS = ("swiglu", "swiglustep")
+
+
+def get_token_alignment_for_nvfp4_mega_moe() -> int:
+    """Token alignment of the NVFP4 buffer's capacity (the stand-in uses 384)."""
+    return TOKEN_ALIGNMENT
+
+
+def get_block_m_for_nvfp4_mega_moe(
+    num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_tokens: int,
+    num_topk: int,
+) -> int:
+    """BLOCK_M the kernel runs ``num_tokens`` local tokens with (DeepGEMM's signature).
+
+    vLLM lays the fused shared expert's MXFP8 input scales out by it
+    (:func:`shared_sf_row`). The real heuristic is compiled into DeepGEMM's ``_C``; the
+    stand-in's: the smallest candidate BLOCK_M holding the expected rows per expert,
+    ``ceil(num_ranks * num_tokens * num_topk / num_experts)`` (240 at most). The kernel
+    and the staging call it with the same arguments, so they agree by construction.
+    """
+    expected = -(-num_ranks * max(num_tokens, 1) * num_topk // max(num_experts, 1))
+    return next((c for c in CANDIDATE_BLOCK_M if c >= expected), CANDIDATE_BLOCK_M[-1])
+
+
+def shared_sf_row(token: torch.Tensor, block_m: int) -> torch.Tensor:
+    """Row of ``token`` in the shared expert's MN-major (UTCCP) scale pages.
+
+    vLLM's ``prepare_megamoe.py::_shared_sf_row``: pages of ``ceil(block_m / 128) * 128``
+    rows per BLOCK_M tokens; inside a page, token ``m`` goes to row
+    ``(m // 128) * 128 + (m % 32) * 4 + (m % 128) // 32``.
+    """
+    aligned = -(-block_m // 128) * 128
+    block, m = token // block_m, token % block_m
+    return block * aligned + (m // 128) * 128 + (m % 32) * 4 + (m % 128) // 32
+
+
+def _num_max_shared_sf_tokens(tmax: int) -> int:
+    """``layout/mega_moe.cuh::get_num_max_shared_sf_tokens``: pages for the smallest BLOCK_M."""
+    return -(-tmax // _MIN_BLOCK_M) * 128
+
+
+def _align(x: int, y: int) -> int:
+    return (x + y - 1) // y * y
+
+
+def _fail(where: str, message: str, exc: type[Exception] = ValueError) -> None:
+    raise exc(f"{where}: {message}")
+
+
+def _group_size_rank(group: Any, where: str) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    if not isinstance(group, dist.ProcessGroup):
+        _fail(
+            where,
+            f"group must be a torch.distributed.ProcessGroup or None (one rank), got "
+            f"{type(group).__name__}",
+            TypeError,
+        )
+    return group.size(), group.rank()
+
+
+def _positive_int(value: Any, name: str, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(where, f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class NVFP4SymmBuffer:
+    """One rank's NVFP4 Mega-MoE buffer: a flat int8 tensor and typed views into it.
+
+    Constructor as DeepGEMM's (``mega/nvfp4.py``), plus the keyword ``device``. Regions in
+    the order of ``layout/nvfp4_mega_moe.cuh`` (``R`` ranks, ``Tmax`` the aligned capacity,
+    ``Is = num_shared_experts * I``, ``N = R * Tmax * k`` ring rows: every row a rank can
+    receive; the real ring is smaller and reused):
+
+    ``workspace`` (int32 ``[align(E_local, 4)]``: rows received per local expert by the
+    last call), ``x`` (int8 ``[Tmax, H/2]``, packed E2M1), ``x_sf`` (int32 ``[Tmax,
+    H/64]``, four E4M3 bytes per int), ``topk_idx`` (int64 ``[Tmax, k]``), ``topk_weights``
+    (FP32 ``[Tmax, k]``), ``shared_l1_acts`` (``shared_dtype`` ``[Tmax, H]``),
+    ``shared_l1_acts_sf`` (int32 ``[ceil(Tmax/8) * 128, H/128]``, rows by
+    :func:`shared_sf_row`), ``shared_l2_acts`` (``[Tmax, Is]``), ``shared_l2_acts_sf``
+    (int32 ``[ceil(Tmax/8) * 128, Is/128]``; the stand-in fills its first ``T`` rows in
+    token order) -- the four shared views are empty without a fused shared expert, the
+    ``_sf`` ones also for BF16 --, ``l1_acts`` / ``l1_acts_sf`` (``[N, H/2]`` /
+    ``[N, H/64]``), ``l2_acts`` / ``l2_acts_sf`` (``[N, I/2]`` / ``[N, I/64]``), the
+    combine region (BF16 ``[num_slots, Tmax, H]``, no view: it starts where
+    ``l2_acts_sf`` ends), ``x_scales`` (FP32 ``[Tmax]``), then the received rows' per-token
+    scales (FP32 ``[N]``, no view).
+
+    Attributes:
+        group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+        num_shared_experts, shared_dtype: as given (``num_max_tokens_per_rank`` aligned).
+        mma_type: ``"nvfp4"``; activation: ``"swiglu"``.
+        buffer: int8 ``[nbytes]``; handle: the symmetric-memory handle or None.
+        num_ranks, rank, num_experts_per_rank, num_slots: derived.
+        _moewire_regions: ``{name: (byte offset, byte size)}`` of every region.
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        num_topk: int,
+        hidden: int,
+        intermediate_hidden: int,
+        num_shared_experts: int = 0,
+        base: NVFP4SymmBuffer | None = None,
+        shared_dtype: torch.dtype = torch.float8_e4m3fn,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        where = "NVFP4SymmBuffer"
+        num_ranks, rank = _group_size_rank(group, where)
+        for name, value in (
+            ("num_experts", num_experts),
+            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+            ("num_topk", num_topk),
+            ("hidden", hidden),
+            ("intermediate_hidden", intermediate_hidden),
+        ):
+            _positive_int(value, name, where)
+        _positive_int(num_shared_experts, "num_shared_experts", where, minimum=0)
+        if num_experts % num_ranks:
+            _fail(
+                where,
+                f"num_experts={num_experts} is not divisible by the group size {num_ranks}; "
+                "experts are split evenly over the ranks",
+            )
+        if num_topk > num_experts:
+            _fail(where, f"num_topk={num_topk} exceeds num_experts={num_experts}")
+        if num_topk + (num_shared_experts > 0) > 32:
+            _fail(where, f"num_topk={num_topk} (+1 fused shared slot) must fit one warp (32)")
+        for name, value in (("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
+            if value % 128:
+                _fail(where, f"{name}={value} must be a multiple of 128")
+        if shared_dtype not in SHARED_DTYPES:
+            _fail(
+                where,
+                f"shared_dtype must be torch.float8_e4m3fn (MXFP8 shared expert) or "
+                f"torch.bfloat16, got {shared_dtype!r}",
+            )
+
+        self.group = group
+        self.num_ranks, self.rank = num_ranks, rank
+        self.num_experts = num_experts
+        self.num_experts_per_rank = num_experts // num_ranks
+        self.num_max_tokens_per_rank = _align(num_max_tokens_per_rank, TOKEN_ALIGNMENT)
+        self.num_topk = num_topk
+        self.hidden = hidden
+        self.intermediate_hidden = intermediate_hidden
+        self.num_shared_experts = num_shared_experts
+        self.mma_type = "nvfp4"
+        self.activation = "swiglu"
+        self.shared_dtype = shared_dtype
+        self.num_slots = num_topk + (1 if num_shared_experts > 0 else 0)
+
+        regions = self._regions()
+        offsets, offset = {}, 0
+        for name, dtype, shape in regions:
+            nbytes = _numel(shape) * _itemsize(dtype)
+            offsets[name] = (offset, nbytes)
+            offset += nbytes
+        self._moewire_regions = offsets
+        if base is None:
+            if device is not None:
+                device = torch.device(device)
+            else:
+                device = _default_device(group)
+            self.buffer, self.handle = _allocate(offset, device, group, num_ranks)
+            self.buffer.zero_()
+            if num_ranks > 1:
+                dist.barrier(group=group)
+        else:
+            if not isinstance(base, NVFP4SymmBuffer) or base.buffer is None:
+                _fail(where, "base must be a live NVFP4SymmBuffer (not destroyed)")
+            if base.group is not group:
+                _fail(where, "base was built for another process group; pass one of the same")
+            if offset > base.buffer.numel():
+                _fail(
+                    where,
+                    f"this configuration needs {offset} bytes but base holds "
+                    f"{base.buffer.numel()}; build it without base",
+                )
+            self.buffer, self.handle = base.buffer, base.handle
+        for name, dtype, shape in regions:
+            start, nbytes = offsets[name]
+            if name in _VIEWS:
+                setattr(self, name, self.buffer[start : start + nbytes].view(dtype).view(shape))
+
+    def _regions(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        tmax, k, h, i = (
+            self.num_max_tokens_per_rank, self.num_topk, self.hidden, self.intermediate_hidden
+        )
+        ring = self.num_ranks * tmax * k
+        shared = self.num_shared_experts > 0
+        shared_i = self.num_shared_experts * i
+        shared_tokens = tmax if shared else 0
+        sf_tokens = _num_max_shared_sf_tokens(tmax) if shared and self.shared_with_sf else 0
+        return [
+            ("workspace", torch.int32, (_align(self.num_experts_per_rank, 4),)),
+            ("x", torch.int8, (tmax, h // 2)),
+            ("x_sf", torch.int32, (tmax, h // 64)),
+            ("topk_idx", torch.int64, (tmax, k)),
+            ("topk_weights", torch.float32, (tmax, k)),
+            ("shared_l1_acts", self.shared_dtype, (shared_tokens, h)),
+            ("shared_l1_acts_sf", torch.int32, (sf_tokens, h // 128)),
+            ("shared_l2_acts", self.shared_dtype, (shared_tokens, shared_i)),
+            ("shared_l2_acts_sf", torch.int32, (sf_tokens, shared_i // 128)),
+            ("l1_acts", torch.int8, (ring, h // 2)),
+            ("l1_acts_sf", torch.int32, (ring, h // 64)),
+            ("l2_acts", torch.int8, (ring, i // 2)),
+            ("l2_acts_sf", torch.int32, (ring, i // 64)),
+            ("combine", torch.bfloat16, (self.num_slots, tmax, h)),
+            ("x_scales", torch.float32, (tmax,)),
+            ("l1_x_scales", torch.float32, (ring,)),
+        ]
+
+    @property
+    def shared_with_sf(self) -> bool:
+        """True when a fused shared expert takes MXFP8 inputs (scales in the buffer)."""
+        return self.shared_dtype == torch.float8_e4m3fn
+
+    def region(self, name: str) -> torch.Tensor:
+        """The raw bytes (int8) of region ``name`` of ``_moewire_regions``."""
+        start, nbytes = self._moewire_regions[name]
+        return self.buffer[start : start + nbytes]
+
+    def combine_rows(self) -> torch.Tensor:
+        """BF16 ``[num_slots, Tmax, H]`` view of the combine region (routed slot ``s`` at
+        ``s``, a fused shared expert at ``k``)."""
+        tmax, h = self.num_max_tokens_per_rank, self.hidden
+        return self.region("combine").view(torch.bfloat16).view(self.num_slots, tmax, h)
+
+    def destroy(self) -> None:
+        """Drop the buffer and its views (DeepGEMM's ``destroy``)."""
+        for name in [*_VIEWS, "buffer", "handle", "group"]:
+            setattr(self, name, None)
+
+    def __repr__(self) -> str:
+        return (
+            f"NVFP4SymmBuffer(rank={self.rank}/{self.num_ranks}, experts={self.num_experts}, "
+            f"Tmax={self.num_max_tokens_per_rank}, k={self.num_topk}, H={self.hidden}, "
+            f"I={self.intermediate_hidden}, shared={self.num_shared_experts}, "
+            f"shared_dtype={self.shared_dtype})"
+        )
+
+
+_VIEWS = (
+    "workspace", "x", "x_sf", "topk_idx", "topk_weights", "shared_l1_acts",
+    "shared_l1_acts_sf", "shared_l2_acts", "shared_l2_acts_sf", "l1_acts", "l1_acts_sf",
+    "l2_acts", "l2_acts_sf", "x_scales",
+)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _default_device(group: Any) -> torch.device:
+    backend = None if group is None else dist.get_backend(group)
+    if torch.cuda.is_available() and backend in (None, "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _allocate(num_bytes: int, device: torch.device, group: Any, num_ranks: int):
+    """A flat int8 buffer: symmetric memory on CUDA with several ranks when torch has it."""
+    if num_ranks > 1 and device.type == "cuda":
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buffer = symm_mem.empty(num_bytes, dtype=torch.int8, device=device)
+            return buffer, symm_mem.rendezvous(buffer, group=group)
+        except Exception:  # any failure (no CUDA IPC, old torch) means: a plain tensor
+            pass
+    return torch.empty(num_bytes, dtype=torch.int8, device=device), None
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def _check_out(where: str, name: str, t: Any, dtypes: tuple, shape: tuple, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    if t.dtype not in dtypes:
+        _fail(where, f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}",
+              TypeError)
+    if tuple(t.shape) != tuple(shape):
+        _fail(where, f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        _fail(where, f"{name} is on {t.device}, hidden_states on {device}; use one device")
+
+
+def prepare_megamoe_nvfp4_inputs(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    x: torch.Tensor,
+    x_sf: torch.Tensor,
+    x_scales: torch.Tensor,
+    topk_idx_out: torch.Tensor,
+    topk_weights_out: torch.Tensor,
+    is_padding: torch.Tensor | None = None,
+    shared_x: torch.Tensor | None = None,
+    shared_x_sf: torch.Tensor | None = None,
+    shared_block_m: int | None = None,
+    w2_global_scale: torch.Tensor | None = None,
+    l2_alpha: torch.Tensor | None = None,
+    l2_activation_scale: float = 1.0,
+    eplb_state: Any = None,
+) -> None:
+    """vLLM's NVFP4 Mega-MoE staging (``prepare_megamoe.py::prepare_megamoe_nvfp4_inputs``).
+
+    Writes ``x, x_sf, x_scales`` (:func:`~moewire.reference._nvfp4_numerics.
+    stage_nvfp4_per_token`: per-token FP32 scale ``amax / 2688``, E2M1 with an E4M3 scale
+    per 16), ``topk_idx_out`` (int64, ``-1`` for padding tokens) and ``topk_weights_out``
+    (FP32, 0 for padding); a fused shared expert's input ``shared_x``: MXFP8 (E4M3 with
+    UE8M0 per 32, ``max(amax, 1e-4) * fl(1/448)`` rounded up to a power of two; scales into
+    ``shared_x_sf`` at the rows of :func:`shared_sf_row` for ``shared_block_m``) when
+    ``shared_x`` is FP8, else a BF16 copy. ``l2_alpha = fl(w2_global_scale *
+    l2_activation_scale)`` for every local expert, written even for ``T = 0``.
+
+    Args:
+        hidden_states: ``[T, H]`` floating (BF16 in vLLM).
+        topk_weights, topk_ids: ``[T, k]``.
+        x: int8/uint8 ``[T, H/2]``; x_sf: int32 ``[T, H/64]``; x_scales: FP32 ``[T]``.
+        topk_idx_out: int64 ``[T, k]``; topk_weights_out: FP32 ``[T, k]``.
+        is_padding: bool ``[>= T]`` or None.
+        shared_x: FP8 E4M3 or BF16 ``[T, H]``, or None (no fused shared expert).
+        shared_x_sf: int32 ``[rows, H/128]`` with an FP8 ``shared_x``, else None.
+        shared_block_m: the BLOCK_M of ``shared_x_sf``'s layout, with ``shared_x_sf``.
+        w2_global_scale, l2_alpha: FP32 ``[E_local]`` each, or both None.
+        l2_activation_scale: the global scale the kernel quantizes L2 inputs with.
+        eplb_state: vLLM 0.34's EPLB state; only an inactive one (no
+            ``logical_to_physical_map``) is supported by the stand-in.
+    """
+    where = "prepare_megamoe_nvfp4_inputs"
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
+        _fail(where, "hidden_states must be a 2-D tensor [T, H]", TypeError)
+    if not hidden_states.is_floating_point():
+        _fail(where, f"hidden_states must be floating, got {hidden_states.dtype}", TypeError)
+    t, h = hidden_states.shape
+    device = hidden_states.device
+    if h % 128:
+        _fail(where, f"hidden size {h} must be a multiple of 128")
+    if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
+        _fail(where, "topk_ids and topk_weights must be tensors", TypeError)
+    if topk_weights.shape != topk_ids.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        _fail(
+            where,
+            f"topk_ids and topk_weights must both be [T, k] with T={t}, got "
+            f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}",
+        )
+    if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
+        _fail(where, f"topk_ids must be an integer tensor, got {topk_ids.dtype}", TypeError)
+    k = topk_ids.shape[1]
+    _check_out(where, "x", x, (torch.int8, torch.uint8), (t, h // 2), device)
+    _check_out(where, "x_sf", x_sf, (torch.int32,), (t, h // 64), device)
+    _check_out(where, "x_scales", x_scales, (torch.float32,), (t,), device)
+    _check_out(where, "topk_idx_out", topk_idx_out, (torch.int64,), (t, k), device)
+    _check_out(where, "topk_weights_out", topk_weights_out, (torch.float32,), (t, k), device)
+    shared_mxfp8 = shared_x is not None and shared_x.dtype == torch.float8_e4m3fn
+    if shared_mxfp8 != (shared_x_sf is not None) or (shared_x_sf is None) != (
+        shared_block_m is None
+    ):
+        _fail(
+            where,
+            "shared_x_sf and shared_block_m go together, exactly with an FP8 shared_x "
+            "(a BF16 shared_x takes neither)",
+        )
+    if shared_x is not None:
+        _check_out(where, "shared_x", shared_x, SHARED_DTYPES, (t, h), device)
+    if shared_x_sf is not None:
+        if isinstance(shared_block_m, bool) or not isinstance(shared_block_m, int) or (
+            shared_block_m <= 0
+        ):
+            _fail(where, f"shared_block_m must be a positive int, got {shared_block_m!r}")
+        rows = -(-t // shared_block_m) * (-(-shared_block_m // 128) * 128)
+        if (
+            not isinstance(shared_x_sf, torch.Tensor)
+            or shared_x_sf.dtype != torch.int32
+            or shared_x_sf.dim() != 2
+            or shared_x_sf.shape[1] != h // 128
+            or shared_x_sf.shape[0] < rows
+        ):
+            _fail(
+                where,
+                f"shared_x_sf must be int32 [>= {rows}, {h // 128}] for T={t} and "
+                f"shared_block_m={shared_block_m}, got "
+                + (f"{shared_x_sf.dtype} {tuple(shared_x_sf.shape)}"
+                   if isinstance(shared_x_sf, torch.Tensor) else type(shared_x_sf).__name__),
+            )
+    if (w2_global_scale is None) != (l2_alpha is None):
+        _fail(where, "pass w2_global_scale and l2_alpha together, or neither")
+    if l2_alpha is not None:
+        if not isinstance(l2_alpha, torch.Tensor) or l2_alpha.dtype != torch.float32:
+            _fail(where, "l2_alpha must be an FP32 tensor [E_local]", TypeError)
+        _check_out(where, "w2_global_scale", w2_global_scale, (torch.float32,),
+                   tuple(l2_alpha.shape), l2_alpha.device)
+    if not (isinstance(l2_activation_scale, (int, float)) and l2_activation_scale > 0
+            and l2_activation_scale < float("inf")):
+        _fail(where, f"l2_activation_scale must be a positive finite float, got "
+                     f"{l2_activation_scale!r}")
+    if getattr(eplb_state, "logical_to_physical_map", None) is not None:
+        _fail(
+            where,
+            "the stand-in does not map EPLB replicas; run without EPLB (an inactive "
+            "eplb_state is fine)",
+            NotImplementedError,
+        )
+    if is_padding is not None and (
+        not isinstance(is_padding, torch.Tensor) or is_padding.dim() != 1
+        or is_padding.shape[0] < t
+    ):
+        _fail(where, f"is_padding must be a 1-D tensor with at least T={t} entries")
+
+    if l2_alpha is not None:
+        l2_alpha.copy_(w2_global_scale.float() * torch.tensor(float(l2_activation_scale)))
+    if t == 0:
+        return
+    ids, weights = topk_ids.long(), topk_weights.float()
+    if is_padding is not None:
+        pad = is_padding[:t].to(device=device, dtype=torch.bool).unsqueeze(1)
+        ids = torch.where(pad, torch.full_like(ids, -1), ids)
+        weights = torch.where(pad, torch.zeros_like(weights), weights)
+    q, sf, scales = stage_nvfp4_per_token(hidden_states)
+    x.copy_(q.view(x.dtype))
+    x_sf.copy_(sf)
+    x_scales.copy_(scales)
+    topk_idx_out.copy_(ids)
+    topk_weights_out.copy_(weights)
+    if shared_x is not None:
+        if shared_mxfp8:
+            groups = hidden_states.float().unflatten(-1, (-1, 32))
+            amax = groups.abs().amax(dim=-1).clamp(min=1e-4)
+            scale = ceil_to_ue8m0(amax * torch.tensor(1.0 / FP8_MAX))
+            fp8 = (groups * (1.0 / scale).unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
+            shared_x.copy_(fp8)
+            rows = shared_sf_row(torch.arange(t, device=device), shared_block_m)
+            shared_x_sf[rows] = pack_ue8m0(scale)
+        else:
+            shared_x.copy_(hidden_states)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+class _NVFP4Experts:
+    """Routed NVFP4 weights handing out dense ``[N, K]`` (the interface of
+    ``_kernel._Experts``): E2M1 times E4M3, exact in FP32 and in BF16."""
+
+    def __init__(self, weights: tuple, is_l1: bool, num_experts: int, n: int, k: int) -> None:
+        self.weights = weights
+        self.is_l1 = is_l1
+        self.n = n
+        device = weights[0].device
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.dense = _kernel.WEIGHT_CACHE.get(
+            tuple(weights),
+            lambda: self._dequantize(0, num_experts).to(self.dtype),
+            num_experts * n * k * self.dtype.itemsize,
+            device,
+        )
+
+    def _dequantize(self, first: int, last: int) -> torch.Tensor:
+        w, sf = self.weights[0][first:last], self.weights[1][first:last]
+        dense = dequantize_nvfp4(w, _kernel._untranspose_sf(sf.contiguous()))
+        return _kernel._uninterleave_gate_up(dense) if self.is_l1 else dense
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense[e].float()
+        return self._dequantize(e, e + 1)[0]
+
+
+def _matmul_f32(x: torch.Tensor, experts: Any, ends: torch.Tensor) -> torch.Tensor:
+    """FP32 ``x[rows of e] @ W[e].T`` for rows grouped by expert (``ends``: int32 cumulative
+    row counts), accumulated in FP32 and returned unrounded (the kernel scales the
+    accumulators by alpha before its BF16 rounding)."""
+    if experts.dense is not None and x.shape[0]:
+        try:
+            return torch._grouped_mm(
+                x.to(experts.dtype), experts.dense.transpose(1, 2), offs=ends,
+                out_dtype=torch.float32,
+            )
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            pass
+    out = torch.zeros((x.shape[0], experts.n), dtype=torch.float32, device=x.device)
+    bounds = [0, *ends.tolist()]
+    for e in range(len(bounds) - 1):
+        if bounds[e + 1] > bounds[e]:
+            rows = slice(bounds[e], bounds[e + 1])
+            torch.mm(x[rows], experts[e].t(), out=out[rows])
+    return out
+
+
+# --------------------------------------------------------------------------- math
+
+
+def _activation(
+    gu: torch.Tensor, clamp: float | None, alpha: float, beta: float, activation: str
+) -> torch.Tensor:
+    """The L1 epilogue on BF16 ``[N, 2I]`` (``[gate | up]``): FP32 ``h`` ``[N, I]``.
+
+    ``swiglu``: ``gate = min(gate, c)``, ``up = clamp(up, -c, c)`` in BF16 (``c`` rounded
+    to BF16, as ``__hmin2`` takes it), ``h = gate * sigmoid(alpha * gate) * (up + beta)``
+    with ``sigmoid`` written as ``gate / (1 + exp(-alpha * gate))`` (exact ``expf`` and
+    division: the kernel's ``fast_math`` uses ``__expf`` and an approximate reciprocal).
+    ``swiglustep``: the gate is not clamped before; ``silu(gate)`` is clamped above by ``c``
+    (FP32) after.
+    """
+    gate, up = gu.chunk(2, dim=-1)
+    if clamp is not None:
+        c16 = torch.tensor(float(clamp)).bfloat16()
+        if activation == "swiglu":
+            gate = torch.minimum(gate, c16)
+        up = torch.clamp(up, min=-c16, max=c16)
+    gate, up = gate.float(), up.float()
+    sigmoid_input = gate * alpha if alpha != 1.0 else gate
+    gated = gate / (1.0 + torch.exp(-sigmoid_input))
+    if activation == "swiglustep" and clamp is not None:
+        gated = torch.clamp(gated, max=float(clamp))
+    if beta != 0.0:
+        up = up + beta
+    return gated * up
+
+
+def _routed_rows(
+    x_packed: torch.Tensor,
+    x_sf: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    local_expert: torch.Tensor,
+    ends: torch.Tensor,
+    l1: _NVFP4Experts,
+    l2: _NVFP4Experts,
+    l1_alpha: torch.Tensor | None,
+    l2_alpha: torch.Tensor | None,
+    opts: dict,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routed expert rows for received rows grouped by local expert.
+
+    ``gu = bf16(fl(acc1 * fl(x_scale * l1_alpha[e])))`` (``x_scale`` only with
+    ``use_x_scales``), the activation, the NVFP4 cast of the unweighted ``h``
+    (:func:`quantize_nvfp4_l2_input`), ``row = bf16(fl(acc2 * l2_alpha[e]))``.
+
+    Returns:
+        ``(rows, h_packed, h_sf)``: BF16 ``[N, H]``, int8 ``[N, I/2]``, int32 ``[N, I/64]``.
+    """
+    ones = torch.ones(x_packed.shape[0], dtype=torch.float32, device=x_packed.device)
+    e = local_expert
+    scale1 = l1_alpha[e] if l1_alpha is not None else ones
+    if x_scale is not None:
+        scale1 = x_scale * scale1
+    x_in = dequantize_nvfp4(x_packed, x_sf)
+    gu = (_matmul_f32(x_in, l1, ends) * scale1.unsqueeze(1)).bfloat16()
+    h = _activation(gu, opts["clamp"], opts["alpha"], opts["beta"], opts["activation"])
+    codes, h_bs = quantize_nvfp4_l2_input(h, opts["l2_activation_scale"])
+    h_in = (decode_e2m1(codes).unflatten(-1, (-1, 16)) * h_bs.unsqueeze(-1)).flatten(-2)
+    scale2 = l2_alpha[e] if l2_alpha is not None else ones
+    rows = (_matmul_f32(h_in, l2, ends) * scale2.unsqueeze(1)).bfloat16()
+    return rows, pack_fp4_codes(codes), pack_e4m3(h_bs)
+
+
+def _shared_rows(buf: NVFP4SymmBuffer, t: int, shared_l1: Any, shared_l2: Any, opts: dict):
+    """The fused shared expert on this rank's ``T`` tokens: BF16 ``[T, H]`` rows.
+
+    Input ``shared_l1_acts[:T]`` (MXFP8 with its scales at :func:`shared_sf_row`, or BF16),
+    alpha 1, no ``x_scales``; ``h`` re-cast to E4M3 with UE8M0 per 32 (DeepGEMM's
+    ``get_ue8m0_sf_exp``) or rounded to BF16; weight 1.
+    """
+    device = buf.buffer.device
+    h, shared_i = buf.hidden, buf.num_shared_experts * buf.intermediate_hidden
+    x = buf.shared_l1_acts[:t].float()
+    if buf.shared_with_sf:
+        block_m = get_block_m_for_nvfp4_mega_moe(
+            buf.num_ranks, buf.num_experts, buf.num_max_tokens_per_rank, t, buf.num_topk
+        )
+        rows = shared_sf_row(torch.arange(t, device=device), block_m)
+        x = scale_groups(x, unpack_ue8m0(buf.shared_l1_acts_sf[rows]))
+    s1 = _kernel._Experts(shared_l1, True, 1, 2 * shared_i, h)
+    s2 = _kernel._Experts(shared_l2, False, 1, h, shared_i)
+    ends = torch.full((1,), t, dtype=torch.int32, device=device)
+    gu = _matmul_f32(x, s1, ends).bfloat16()
+    act = _activation(gu, opts["clamp"], opts["alpha"], opts["beta"], opts["activation"])
+    if buf.shared_with_sf:
+        q, sf = quantize_mxfp8_l2_input(act)
+        buf.shared_l2_acts[:t].copy_(q)
+        buf.shared_l2_acts_sf[:t].copy_(pack_ue8m0(sf))
+        act_in = scale_groups(q.float(), sf)
+    else:
+        act_in = act.bfloat16()
+        buf.shared_l2_acts[:t].copy_(act_in)
+        act_in = act_in.float()
+    return _matmul_f32(act_in, s2, ends).bfloat16()
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_pair(where, name, pair, dtypes, shape, sf_shape, device) -> None:
+    if not isinstance(pair, tuple) or len(pair) != 2:
+        _fail(where, f"{name} must be a (weight, scale) tuple", TypeError)
+    _kernel._check_tensor(where, f"{name}[0]", pair[0], dtypes, shape, device)
+    _kernel._check_tensor(where, f"{name}[1]", pair[1], torch.int32, sf_shape, device)
+
+
+def _validate(y, l1, l2, buf, shared_l1, shared_l2, stats, clamp, fast_math, alpha, beta,
+              l1_alpha, l2_alpha, l2_scale, use_x_scales, activation) -> int:
+    where = "nvfp4_mega_moe"
+    if not isinstance(buf, NVFP4SymmBuffer):
+        _fail(
+            where,
+            f"sym_buffer must be an NVFP4SymmBuffer, got {type(buf).__name__} (NVFP4 requires "
+            "NVFP4SymmBuffer; fp8_fp4_mega_moe takes get_symm_buffer_for_mega_moe's)",
+            TypeError,
+        )
+    if buf.buffer is None:
+        _fail(where, "sym_buffer was destroyed; allocate a new one")
+    if activation not in ACTIVATIONS:
+        _fail(where, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    for name, value in (("activation_alpha", alpha), ("activation_beta", beta)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+            value
+        ):
+            _fail(where, f"{name} must be a finite float, got {value!r}")
+    if activation == "swiglustep" and (alpha != 1.0 or beta != 0.0 or buf.num_shared_experts):
+        _fail(
+            where,
+            "swiglustep takes activation_alpha=1, activation_beta=0 and routed experts only "
+            "(no fused shared expert)",
+        )
+    if clamp is not None and not (
+        isinstance(clamp, (int, float)) and not isinstance(clamp, bool) and clamp > 0
+    ):
+        _fail(where, f"activation_clamp must be a positive float or None, got {clamp!r}")
+    if not isinstance(fast_math, bool):
+        _fail(where, f"fast_math must be a bool, got {fast_math!r}", TypeError)
+    if not isinstance(use_x_scales, bool):
+        _fail(where, f"use_x_scales must be a bool, got {use_x_scales!r}", TypeError)
+    if isinstance(l2_scale, bool) or not isinstance(l2_scale, (int, float)) or not (
+        0 < l2_scale < float("inf")
+    ):
+        _fail(where, f"l2_activation_scale must be a positive finite float, got {l2_scale!r}")
+    device = buf.buffer.device
+    h, i, e = buf.hidden, buf.intermediate_hidden, buf.num_experts_per_rank
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        _fail(where, "y must be a 2-D BF16 tensor [T, H]", TypeError)
+    t = y.shape[0]
+    if t > buf.num_max_tokens_per_rank:
+        _fail(
+            where,
+            f"y has T={t} tokens but the symm buffer holds at most num_max_tokens_per_rank="
+            f"{buf.num_max_tokens_per_rank}; allocate a larger buffer or split the batch",
+        )
+    _kernel._check_tensor(where, "y", y, torch.bfloat16, (t, h), device)
+    if not y.is_contiguous():
+        _fail(where, "y must be contiguous")
+    fp4 = (torch.int8, torch.uint8)
+    _check_pair(where, "l1_weights", l1, fp4, (e, 2 * i, h // 2), (e, 2 * i, h // 64), device)
+    _check_pair(where, "l2_weights", l2, fp4, (e, h, i // 2), (e, h, i // 64), device)
+    for name, alpha_t in (("l1_alpha", l1_alpha), ("l2_alpha", l2_alpha)):
+        if alpha_t is not None:
+            _kernel._check_tensor(where, name, alpha_t, torch.float32, (e,), device)
+    if stats is not None:
+        _kernel._check_tensor(
+            where, "cumulative_local_expert_recv_stats", stats, torch.int32, (e,), device
+        )
+    if (shared_l1 is None) != (shared_l2 is None):
+        _fail(where, "pass both shared_l1_weights and shared_l2_weights, or neither")
+    if buf.num_shared_experts and shared_l1 is None:
+        _fail(
+            where,
+            f"sym_buffer was built with num_shared_experts={buf.num_shared_experts}; pass "
+            "shared_l1_weights and shared_l2_weights",
+        )
+    if not buf.num_shared_experts and shared_l1 is not None:
+        _fail(
+            where,
+            "shared_l1_weights given but sym_buffer has no shared slot; build it with "
+            "num_shared_experts > 0",
+        )
+    if shared_l1 is not None:
+        shared_i = buf.num_shared_experts * i
+        if buf.shared_with_sf:
+            fp8 = (torch.float8_e4m3fn,)
+            _check_pair(where, "shared_l1_weights", shared_l1, fp8, (2 * shared_i, h),
+                        (2 * shared_i, h // 128), device)
+            _check_pair(where, "shared_l2_weights", shared_l2, fp8, (h, shared_i),
+                        (h, shared_i // 128), device)
+        else:
+            for name, w, shape in (("shared_l1_weights", shared_l1, (2 * shared_i, h)),
+                                   ("shared_l2_weights", shared_l2, (h, shared_i))):
+                _kernel._check_tensor(where, name, w, torch.bfloat16, shape, device)
+    return t
+
+
+def _as_bf16_shared(w: Any) -> Any:
+    """DeepGEMM accepts a BF16 shared weight as ``(tensor, None)`` too."""
+    if isinstance(w, tuple) and len(w) == 2 and w[1] is None:
+        return w[0]
+    return w
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def nvfp4_mega_moe(
+    y: torch.Tensor,
+    l1_weights: tuple[torch.Tensor, torch.Tensor],
+    l2_weights: tuple[torch.Tensor, torch.Tensor],
+    sym_buffer: NVFP4SymmBuffer,
+    shared_l1_weights: Any = None,
+    shared_l2_weights: Any = None,
+    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+    activation_clamp: float | None = None,
+    fast_math: bool = True,
+    activation_alpha: float = 1.0,
+    activation_beta: float = 0.0,
+    l1_alpha: torch.Tensor | None = None,
+    l2_alpha: torch.Tensor | None = None,
+    l2_activation_scale: float = 1.0,
+    use_x_scales: bool = False,
+    activation: str = "swiglu",
+) -> None:
+    """The fused NVFP4 Mega-MoE: dispatch, L1, SwiGLU, L2, weighted combine; writes ``y``.
+
+    Reads the ``T = y.shape[0]`` staged tokens of ``sym_buffer``. For every valid slot
+    (``topk_idx >= 0``) of every token, on the rank owning expert ``e``:
+
+    1. ``x = e2m1 * e4m3`` (exact); ``gu = bf16(fl(acc * fl(x_scale * l1_alpha[e])))`` with
+       ``acc`` the FP32 accumulator of ``x @ W1[e].T`` (``x_scale`` only with
+       ``use_x_scales``; a missing alpha is 1).
+    2. The activation (see ``_activation``); the router weight is **not** applied.
+    3. ``h`` cast to NVFP4 with ``l2_activation_scale``
+       (:func:`~moewire.reference._nvfp4_numerics.quantize_nvfp4_l2_input`).
+    4. ``row = bf16(fl(acc2 * l2_alpha[e]))``, written to the source rank's combine region
+       at (slot, token). Rows of invalid slots are not written.
+
+    A fused shared expert runs on this rank's tokens (``shared_l1_acts``) into slot ``k``.
+    Then ``y[t] = bf16(acc)`` with ``acc = +0.0``, ``acc = fma(float(row_s), w[t, s], acc)``
+    over the valid slots in ascending order, and the shared row last
+    (``fma(row, 1.0, acc)``, an FP32 add). ``DG_COMM_KERNEL_DEBUG=1`` zeroes the buffer.
+
+    Args:
+        y: BF16 ``[T, H]``, written in place.
+        l1_weights: ``(int8 [E_local, 2I, H/2], int32 [E_local, 2I, H/64])``: E2M1 packed
+            two per byte and E4M3 scales per 16 packed four per int32, transformed by
+            ``transform_weights_for_mega_moe`` (gate/up interleaved by 8, scale rows in
+            UTCCP order); any strides (vLLM's scales are MN-major).
+        l2_weights: ``(int8 [E_local, H, I/2], int32 [E_local, H, I/64])``, transformed.
+        sym_buffer: an :class:`NVFP4SymmBuffer`.
+        shared_l1_weights, shared_l2_weights: with ``shared_dtype`` FP8: ``(FP8 [2Is, H],
+            int32 [2Is, H/128])`` and ``(FP8 [H, Is], int32 [H, Is/128])`` (UE8M0 per 32);
+            with BF16: BF16 ``[2Is, H]`` and ``[H, Is]`` (or ``(tensor, None)``).
+        cumulative_local_expert_recv_stats: optional int32 ``[E_local]``, incremented by the
+            rows each local expert received.
+        activation_clamp: ``c`` or None. fast_math: accepted (the stand-in is exact).
+        activation_alpha, activation_beta: ``gate * sigmoid(alpha * gate) * (up + beta)``.
+        l1_alpha, l2_alpha: FP32 ``[E_local]`` or None (1).
+        l2_activation_scale: the routed L2 input's global scale (include it in l2_alpha).
+        use_x_scales: multiply the L1 accumulator by the token's ``x_scales`` entry.
+        activation: ``"swiglu"`` or ``"swiglustep"``.
+    """
+    shared_l1_weights = _as_bf16_shared(shared_l1_weights)
+    shared_l2_weights = _as_bf16_shared(shared_l2_weights)
+    t = _validate(
+        y, l1_weights, l2_weights, sym_buffer, shared_l1_weights, shared_l2_weights,
+        cumulative_local_expert_recv_stats, activation_clamp, fast_math, activation_alpha,
+        activation_beta, l1_alpha, l2_alpha, l2_activation_scale, use_x_scales, activation,
+    )
+    buf = sym_buffer
+    e_local, h, i, k = buf.num_experts_per_rank, buf.hidden, buf.intermediate_hidden, buf.num_topk
+    topk_idx = buf.topk_idx[:t]
+    bad = (topk_idx < -1) | (topk_idx >= buf.num_experts)
+    if bool(bad.any()):
+        _fail(
+            "nvfp4_mega_moe",
+            f"sym_buffer.topk_idx[:{t}] holds expert ids outside [-1, {buf.num_experts}); "
+            "stage valid ids (padding slots get -1)",
+        )
+    opts = {
+        "clamp": activation_clamp, "alpha": float(activation_alpha),
+        "beta": float(activation_beta), "activation": activation,
+        "l2_activation_scale": float(l2_activation_scale),
+    }
+    region = buf.combine_rows()
+    l1 = _NVFP4Experts(l1_weights, True, e_local, 2 * i, h)
+    l2 = _NVFP4Experts(l2_weights, False, e_local, h, i)
+    args = (buf, t, l1, l2, l1_alpha, l2_alpha, use_x_scales, opts, region)
+    counts = _routed_one_rank(*args) if buf.num_ranks == 1 else _routed_expert_parallel(*args)
+    if cumulative_local_expert_recv_stats is not None:
+        cumulative_local_expert_recv_stats += counts.to(torch.int32)
+    buf.workspace[:e_local].copy_(counts.to(torch.int32))
+    if shared_l1_weights is not None and t:
+        region[k, :t].copy_(_shared_rows(buf, t, shared_l1_weights, shared_l2_weights, opts))
+
+    y.copy_(weighted_combine(region, topk_idx, buf.topk_weights[:t], t,
+                             shared=shared_l1_weights is not None))
+    if os.environ.get("DG_COMM_KERNEL_DEBUG", "0").strip() not in ("", "0"):
+        buf.buffer.zero_()
+
+
+def weighted_combine(
+    rows: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_tokens: int,
+    shared: bool,
+) -> torch.Tensor:
+    """The NVFP4 kernel's combine (``impls/sm100_nvfp4_mega_moe.cuh`` ~l.1746-1807).
+
+    Per token, ``acc = +0.0`` (FP32); for each valid slot ``s`` (``topk_idx >= 0``) in
+    ascending order ``acc = fma(float(rows[s, t]), topk_weights[t, s], acc)`` (``__ffma2_rn``:
+    one rounding); the shared row (slot ``k``) last with weight 1.0, which is the FP32 add
+    ``acc + row``; then one BF16 rounding (RNE). Invalid slots are selected away, never
+    multiplied by a mask: their rows are stale and may hold NaN.
+
+    Args:
+        rows: BF16 ``[k (+1), >= T, H]``.
+        topk_idx: int ``[T, k]``; topk_weights: FP32 ``[T, k]``.
+        num_tokens: ``T``.
+        shared: whether slot ``k`` holds a fused shared expert's row.
+
+    Returns:
+        BF16 ``[T, H]``.
+    """
+    t, k = num_tokens, topk_idx.shape[1]
+    valid = topk_idx[:t] >= 0
+    acc = torch.zeros((t, rows.shape[2]), dtype=torch.float32, device=rows.device)
+    for s in range(k):
+        fused = fma_f32(rows[s, :t].float(), topk_weights[:t, s : s + 1].float(), acc)
+        acc = torch.where(valid[:, s : s + 1], fused, acc)
+    if shared:
+        acc = acc + rows[k, :t].float()
+    return acc.bfloat16()
+
+
+def _run_experts(buf, x_packed, x_sf, x_scale, local, l1, l2, l1_alpha, l2_alpha, opts):
+    """Sort received rows by local expert, run them, stage the buffer's views; rows in the
+    received order and the per-expert counts."""
+    n = x_packed.shape[0]
+    by_expert = torch.argsort(local, stable=True)
+    counts = torch.bincount(local, minlength=buf.num_experts_per_rank)[
+        : buf.num_experts_per_rank
+    ]
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    xq, xs = x_packed[by_expert], x_sf[by_expert]
+    scale = x_scale[by_expert] if x_scale is not None else None
+    rows, h_q, h_sf = _routed_rows(xq, xs, scale, local[by_expert], ends, l1, l2, l1_alpha,
+                                   l2_alpha, opts)
+    buf.l1_acts[:n].copy_(xq.view(torch.int8))
+    buf.l1_acts_sf[:n].copy_(xs)
+    buf.l2_acts[:n].copy_(h_q)
+    buf.l2_acts_sf[:n].copy_(h_sf)
+    if x_scale is not None:
+        buf.region("l1_x_scales").view(torch.float32)[:n].copy_(scale)
+    back = torch.empty_like(rows)
+    back[by_expert] = rows
+    return back, counts
+
+
+def _routed_one_rank(buf, t, l1, l2, l1_alpha, l2_alpha, use_x_scales, opts, region):
+    token, slot = torch.nonzero(buf.topk_idx[:t] >= 0, as_tuple=True)
+    local = buf.topk_idx[:t][token, slot]
+    scale = buf.x_scales[:t][token] if use_x_scales else None
+    rows, counts = _run_experts(
+        buf, buf.x[:t][token], buf.x_sf[:t][token], scale, local, l1, l2, l1_alpha, l2_alpha,
+        opts,
+    )
+    region.view(-1, buf.hidden).index_copy_(0, slot * buf.num_max_tokens_per_rank + token, rows)
+    return counts
+
+
+def _routed_expert_parallel(buf, t, l1, l2, l1_alpha, l2_alpha, use_x_scales, opts, region):
+    """All-to-all of (packed row, scales, x_scale, local expert) to the owning ranks, the
+    expert MLPs there, and the rows back into the source rank's combine region."""
+    e_local = buf.num_experts_per_rank
+    topk_idx = buf.topk_idx[:t]
+    token, slot = torch.nonzero(topk_idx >= 0, as_tuple=True)
+    expert = topk_idx[token, slot]
+    dest = torch.div(expert, e_local, rounding_mode="floor")
+    order = torch.argsort(dest, stable=True)
+    token, slot, expert, dest = token[order], slot[order], expert[order], dest[order]
+    fields = [
+        _kernel._bytes(buf.x[:t][token]),
+        _kernel._bytes(buf.x_sf[:t][token]),
+        _kernel._bytes(buf.x_scales[:t][token].unsqueeze(1)),
+        _kernel._bytes((expert - dest * e_local).to(torch.int32).unsqueeze(1)),
+    ]
+    widths = [f.shape[1] for f in fields]
+    send_counts = torch.bincount(dest, minlength=buf.num_ranks).tolist()
+    received, recv_counts = _kernel._all_to_all(torch.cat(fields, dim=1), send_counts, buf)
+    x_packed, x_sf, x_scale, local = torch.split(received, widths, dim=1)
+    x_scale = x_scale.contiguous().view(torch.float32).squeeze(1)
+    rows, counts = _run_experts(
+        buf,
+        x_packed.contiguous().view(torch.int8),
+        x_sf.contiguous().view(torch.int32),
+        x_scale if use_x_scales else None,
+        local.contiguous().view(torch.int32).squeeze(1).long(),
+        l1, l2, l1_alpha, l2_alpha, opts,
+    )
+    back, _ = _kernel._all_to_all(_kernel._bytes(rows), recv_counts, buf)
+    dest_rows = slot * buf.num_max_tokens_per_rank + token
+    region.view(-1, buf.hidden).index_copy_(0, dest_rows, back.view(torch.bfloat16))
+    return counts

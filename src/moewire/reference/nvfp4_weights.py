@@ -1,0 +1,144 @@
+"""Seeded random weights for the stand-in NVFP4 Mega-MoE (:mod:`.nvfp4_mega_moe`).
+
+Routed experts are NVFP4 the way NVFP4 checkpoints store them (ModelOpt's
+``weight`` / ``weight_scale`` / ``weight_scale_2``) and DeepGEMM's
+``utils/nvfp4.py::per_token_cast_to_nvfp4`` quantizes them: per expert an FP32 global scale
+``gs = fl(amax * fl(1/2688))`` (gate and up share one: vLLM takes one L1 alpha per
+expert), per 16 along K ``bs = e4m3(clamp(fl(bmax / fl(6 gs)), 2^-9, 448))``,
+``code = e2m1(fl(w / fl(bs * gs)))``; the weight is ``e2m1 * bs * gs``. The kernel reads
+``e2m1 * bs`` and takes ``gs`` through ``l1_alpha`` / ``l2_alpha``.
+
+A fused shared expert is MXFP8 (E4M3, UE8M0 per 32) or BF16, as vLLM's
+``MEGA_MOE_NVFP4.shared`` allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moewire.reference import deep_gemm
+from moewire.reference._numerics import FP4_MAX, FP8_MAX, quantize_e2m1
+from moewire.reference._nvfp4_numerics import (
+    E4M3_MIN,
+    NVFP4_RANGE,
+    e4m3,
+    pack_e4m3,
+    pack_fp4_codes,
+)
+from moewire.reference.weights import _SHARED_SEED_OFFSET, _dense, _quantize
+
+__all__ = ["NVFP4MegaMoEWeights", "make_nvfp4_weights", "quantize_nvfp4_weight"]
+
+
+def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 of one expert's weight ``[N, K]`` with its own global scale.
+
+    Returns:
+        ``(packed, sf, gs)``: int8 ``[N, K/2]``, int32 ``[N, K/64]`` (E4M3 per 16, four
+        per int), FP32 ``[]`` global scale.
+    """
+    w = w.float()
+    gs = w.abs().amax().clamp(min=1e-12) * torch.tensor(1.0 / NVFP4_RANGE)
+    blocks = w.unflatten(-1, (-1, 16))
+    bmax = blocks.abs().amax(dim=-1, keepdim=True)
+    bs = e4m3((bmax / (gs * FP4_MAX)).clamp(E4M3_MIN, FP8_MAX))
+    codes = quantize_e2m1(blocks / (bs * gs)).flatten(-2)
+    return pack_fp4_codes(codes), pack_e4m3(bs.squeeze(-1)), gs
+
+
+@dataclass
+class NVFP4MegaMoEWeights:
+    """NVFP4 expert weights of one rank (or any subset of experts).
+
+    Attributes:
+        experts: the global expert ids held, in order.
+        l1, l2: ``(int8, int32)`` pairs transformed for the kernel.
+        l1_raw, l2_raw: the same before the transform (L1 rows ``[gate | up]``).
+        l1_global_scale, l2_global_scale: FP32 ``[E]``, the ``weight_scale_2`` of w13 / w2.
+        shared_dtype: ``torch.float8_e4m3fn`` or ``torch.bfloat16`` (or None).
+        shared_l1, shared_l2, shared_l1_raw, shared_l2_raw: a fused shared expert, or None.
+    """
+
+    experts: tuple[int, ...]
+    l1: tuple[torch.Tensor, torch.Tensor]
+    l2: tuple[torch.Tensor, torch.Tensor]
+    l1_raw: tuple[torch.Tensor, torch.Tensor]
+    l2_raw: tuple[torch.Tensor, torch.Tensor]
+    l1_global_scale: torch.Tensor
+    l2_global_scale: torch.Tensor
+    shared_dtype: torch.dtype | None = None
+    shared_l1: Any = None
+    shared_l2: Any = None
+    shared_l1_raw: Any = None
+    shared_l2_raw: Any = None
+
+
+def make_nvfp4_weights(
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    *,
+    experts: Iterable[int] | None = None,
+    num_shared_experts: int = 0,
+    shared_dtype: torch.dtype = torch.float8_e4m3fn,
+    seed: int = 0,
+    outlier_channels: int = 4,
+    outlier_scale: float = 16.0,
+    device: torch.device | str = "cpu",
+) -> NVFP4MegaMoEWeights:
+    """Seeded random NVFP4 expert weights (expert ``e`` from its own seed, as
+    :func:`moewire.reference.make_weights`, so a rank's subset equals a one-rank build).
+
+    Args:
+        num_experts: routed experts in the model; experts: the global ids to build.
+        hidden: H; intermediate: I per expert (multiples of 128).
+        num_shared_experts: > 0 builds a fused shared expert of ``num_shared * I``.
+        shared_dtype: ``torch.float8_e4m3fn`` (MXFP8) or ``torch.bfloat16``.
+        seed, outlier_channels, outlier_scale: as ``make_weights``.
+        device: where the tensors go.
+    """
+    ids = tuple(range(num_experts)) if experts is None else tuple(int(e) for e in experts)
+    if not ids or any(not 0 <= e < num_experts for e in ids):
+        raise ValueError(
+            f"make_nvfp4_weights: experts must be a non-empty subset of range({num_experts}), "
+            f"got {ids}"
+        )
+    if shared_dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        raise ValueError(
+            "make_nvfp4_weights: shared_dtype must be torch.float8_e4m3fn or torch.bfloat16, "
+            f"got {shared_dtype!r}"
+        )
+    device = torch.device(device)
+    parts: dict[str, list[torch.Tensor]] = {n: [] for n in ("w1", "s1", "g1", "w2", "s2", "g2")}
+    for e in ids:
+        seed_e = (seed * 1000003 + e) * 2
+        for tag, rows, cols, s in (("1", 2 * intermediate, hidden, seed_e),
+                                   ("2", hidden, intermediate, seed_e + 1)):
+            w, sf, gs = quantize_nvfp4_weight(
+                _dense(s, rows, cols, outlier_channels, outlier_scale)
+            )
+            parts["w" + tag].append(w)
+            parts["s" + tag].append(sf)
+            parts["g" + tag].append(gs)
+    stacked = {n: torch.stack(v).to(device) for n, v in parts.items()}
+    l1_raw, l2_raw = (stacked["w1"], stacked["s1"]), (stacked["w2"], stacked["s2"])
+    l1, l2 = deep_gemm.transform_weights_for_mega_moe(l1_raw, l2_raw)
+    weights = NVFP4MegaMoEWeights(ids, l1, l2, l1_raw, l2_raw, stacked["g1"], stacked["g2"])
+    if num_shared_experts:
+        shared_i = num_shared_experts * intermediate
+        base = (seed * 1000003 + _SHARED_SEED_OFFSET) * 2
+        fmt = "fp8" if shared_dtype == torch.float8_e4m3fn else "bf16"
+        s1 = _quantize(_dense(base, 2 * shared_i, hidden, outlier_channels, outlier_scale), fmt)
+        s2 = _quantize(_dense(base + 1, hidden, shared_i, outlier_channels, outlier_scale), fmt)
+        to = (lambda w: tuple(t.to(device) for t in w)) if fmt == "fp8" else (
+            lambda w: w.to(device))
+        weights.shared_dtype = shared_dtype
+        weights.shared_l1_raw, weights.shared_l2_raw = to(s1), to(s2)
+        weights.shared_l1, weights.shared_l2 = deep_gemm.transform_weights_for_mega_moe(
+            weights.shared_l1_raw, weights.shared_l2_raw
+        )
+    return weights

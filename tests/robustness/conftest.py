@@ -1,0 +1,10 @@
+"""Prints how many cases the robustness suite tried (``rb_helpers.tried``) after the run."""
+
+from __future__ import annotations
+
+from rb_helpers import TRIED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TRIED["cases"]:
+        terminalreporter.write_line(f"robustness suite: {TRIED['cases']} cases tried")
