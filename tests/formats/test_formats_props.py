@@ -46,9 +46,17 @@ def _assert_same_up_to_scale_ulp(twice, once, keep, what):
     assert worst <= 2.0**-22, f"{what}: moved by {worst:.3g} (> 2 ulps)"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+# bf16 on BF16 input is the identity, whose idempotence proves nothing (left out).
+IDEM_CASES = [
+    pytest.param(name, dtype, id=f"{name}-{dtype_id}")
+    for name in NAMES
+    for dtype, dtype_id in zip(DTYPES, DTYPE_IDS, strict=True)
+    if not (name == "bf16" and dtype == torch.bfloat16)
+]
+
+
 @pytest.mark.parametrize("kind", ["normal", "heavy", "ties", "tiny"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,dtype", IDEM_CASES)
 def test_idempotent_with_a_fixed_scale(name, kind, dtype):
     x = fmt_data.make(kind, (4, 1024), dtype, fmt_data.seed_of("idem", name, kind, dtype))
     fmt = formats.get(name)
@@ -84,6 +92,8 @@ def test_shape_and_dtype_preserved(name, shape, dtype):
     fmt = formats.get(name)
     out = fmt.qdq(x, 1.0 if fmt.needs_amax else None)
     assert out.shape == x.shape and out.dtype == dtype and out.device == x.device
+    want = fmt_oracle.expected(name, x, 1.0 if fmt.needs_amax else None)
+    fmt_oracle.assert_bits_equal(out, want, f"{name} {shape} {dtype}", seed=1)
     if x.numel():
         assert out.data_ptr() != x.data_ptr()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bitexact import same_bits  # noqa: F401 (kept importable from here)
 from moewire import formats
 from moewire.megamoe.resum import resum
 
@@ -47,13 +48,6 @@ def amax_for(fmt: str, x: torch.Tensor, scale: float = 0.75) -> torch.Tensor | N
     if fmt not in NEEDS_AMAX:
         return None
     return (x.float().abs().amax() * scale).reshape(())
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise: equal bit patterns, or both NaN (NaN payloads may differ)."""
-    a, b = a.float(), b.float()
-    bits = a.view(torch.int32) == b.view(torch.int32)
-    return bits | (torch.isnan(a) & torch.isnan(b))
 
 
 def combine_case(

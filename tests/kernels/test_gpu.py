@@ -13,11 +13,11 @@ from tests.kernels.cases import (
     amax_for,
     combine_case,
     reference_combine,
-    same_bits,
     sample,
     valid_routed_max,
 )
 
+from bitexact import assert_same_bits, seed_of
 from moewire import formats, kernels
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ CUDA = "cuda"
 
 
 def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(key) % 2**31)
+    return torch.Generator().manual_seed(seed_of(*key))
 
 
 @pytest.mark.parametrize("hidden", [4096, 7168])
@@ -36,8 +36,7 @@ def test_qdq_bit_exact_cuda(fmt, dist, hidden):
     amax = amax_for(fmt, x)
     got = kernels.qdq(x, fmt, amax)
     want = formats.get(fmt).reference(x, amax)
-    bad = ~same_bits(got, want)
-    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements differ"
+    assert_same_bits(got, want, seed=seed_of(fmt, dist, hidden), what=f"qdq {fmt}/{dist}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -45,7 +44,8 @@ def test_qdq_special_values_cuda(fmt):
     x = sample((8, 512), "normal", _gen(fmt)).to(CUDA)
     x[0, 5], x[1, 17], x[2, 100], x[3, 0] = float("nan"), float("inf"), -float("inf"), -0.0
     amax = torch.tensor(6.0, device=CUDA)
-    assert same_bits(kernels.qdq(x, fmt, amax), formats.get(fmt).reference(x, amax)).all()
+    got = kernels.qdq(x, fmt, amax)
+    assert_same_bits(got, formats.get(fmt).reference(x, amax), seed=seed_of(fmt), what=fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -54,7 +54,7 @@ def test_format_qdq_uses_the_kernel_and_agrees(fmt):
     amax = amax_for(fmt, x)
     fast = formats.get(fmt).qdq(x, amax)
     slow = formats.get(fmt).qdq(x, amax, use_kernel=False)
-    assert same_bits(fast, slow).all()
+    assert_same_bits(fast, slow, seed=seed_of("fmt", fmt), what=f"{fmt} kernel vs reference")
 
 
 @pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["noshared", "first", "last"])
@@ -69,8 +69,7 @@ def test_fused_combine_bit_exact_cuda(fmt, shared_slot):
     out = torch.full((t, hidden), float("nan"), dtype=torch.bfloat16, device=CUDA)
     kernels.fused_combine(rows, idx, t, out, fmt, amax, shared_slot)
     assert not torch.isnan(out).any(), "stale NaN leaked"
-    bad = ~same_bits(out, want)
-    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements differ"
+    assert_same_bits(out, want, seed=seed_of(fmt, shared_slot), what=f"combine {fmt}")
 
 
 @pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["noshared", "first", "last"])
@@ -87,7 +86,8 @@ def test_check_flag_and_calibration_cuda(shared_slot):
     kernels.fused_combine(rows, idx, t, out, "nvfp4", amax, shared_slot, y, flag, calib)
     assert int(flag) == 0
     assert float(calib) == float(valid_routed_max(rows, idx, t, shared_slot))
-    assert same_bits(out, reference_combine(rows, idx, t, "nvfp4", amax, shared_slot)).all()
+    want = reference_combine(rows, idx, t, "nvfp4", amax, shared_slot)
+    assert_same_bits(out, want, seed=seed_of("check", shared_slot), what="nvfp4 with check")
 
     tok, slot = (int(v) for v in (idx[:t] >= 0).nonzero()[3])
     routed_base = 1 if shared_slot == "first" else 0
@@ -120,7 +120,8 @@ def test_graph_replay_equals_eager():
     calib.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    assert same_bits(out, reference_combine(rows, idx, t, "nvfp4", amax, "last")).all()
+    want = reference_combine(rows, idx, t, "nvfp4", amax, "last")
+    assert_same_bits(out, want, seed=seed_of("graph", 2), what="nvfp4 graph replay")
     assert int(flag) == 0
     assert float(calib) == float(valid_routed_max(rows, idx, t, "last"))
     tok, slot = (int(v) for v in (idx[:t] >= 0).nonzero()[0])

@@ -14,10 +14,11 @@ from tests.kernels.cases import (
     amax_for,
     combine_case,
     reference_combine,
-    same_bits,
     sample,
     valid_routed_max,
 )
+
+from bitexact import assert_same_bits, seed_of
 
 pytest.importorskip("triton")
 if torch.cuda.is_available():
@@ -32,13 +33,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_qdq_bit_exact(fmt, dist):
-    gen = torch.Generator().manual_seed(hash((fmt, dist)) % 2**31)
+    gen = torch.Generator().manual_seed(seed_of(fmt, dist))
     x = sample((3, 256), dist, gen)
     amax = amax_for(fmt, x)
     got = kernels.qdq(x, fmt, amax)
     want = formats.get(fmt).reference(x, amax)
     assert got.dtype == x.dtype and got.shape == x.shape
-    assert same_bits(got, want).all(), f"{int((~same_bits(got, want)).sum())} elements differ"
+    assert_same_bits(got, want, seed=seed_of(fmt, dist), what=f"qdq {fmt}/{dist}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -49,7 +50,7 @@ def test_qdq_other_dtypes_and_shapes(fmt, dtype):
     amax = amax_for(fmt, x)
     got = kernels.qdq(x, fmt, amax)
     assert got.dtype == dtype and got.shape == x.shape
-    assert same_bits(got, formats.get(fmt).reference(x, amax)).all()
+    assert_same_bits(got, formats.get(fmt).reference(x, amax), seed=7, what=f"{fmt} {dtype}")
 
 
 @pytest.mark.parametrize("fmt", ["fp8_b128", "nvfp4", "nvfp4_token"])
@@ -65,7 +66,7 @@ def test_qdq_divides_by_constants_in_the_reciprocal_form(fmt):
     for row, a in zip(x, split, strict=True):
         got = kernels.qdq(row[None], fmt, a.reshape(()))
         want = formats.get(fmt).reference(row[None], a.reshape(()))
-        assert same_bits(got, want).all(), f"a={float(a)!r}"
+        assert_same_bits(got, want, seed=5, what=f"{fmt} a={float(a)!r}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -75,20 +76,21 @@ def test_qdq_special_values(fmt):
     x[0, 5], x[1, 17], x[2, 100], x[3, 0] = float("nan"), float("inf"), -float("inf"), -0.0
     amax = torch.tensor(6.0)
     got = kernels.qdq(x, fmt, amax)
-    assert same_bits(got, formats.get(fmt).reference(x, amax)).all()
+    assert_same_bits(got, formats.get(fmt).reference(x, amax), seed=3, what=f"{fmt} specials")
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_qdq_zero_amax_takes_the_fallback(fmt):
     x = sample((2, 128), "tiny", torch.Generator().manual_seed(1))
     amax = torch.tensor(0.0)
-    assert same_bits(kernels.qdq(x, fmt, amax), formats.get(fmt).reference(x, amax)).all()
+    want = formats.get(fmt).reference(x, amax)
+    assert_same_bits(kernels.qdq(x, fmt, amax), want, seed=1, what=f"{fmt} amax=0")
 
 
 @pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["noshared", "first", "last"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_combine_bit_exact(fmt, shared_slot):
-    gen = torch.Generator().manual_seed(hash((fmt, shared_slot)) % 2**31)
+    gen = torch.Generator().manual_seed(seed_of(fmt, shared_slot))
     rows, idx, amax = combine_case(
         fmt, k=3, tmax=6, num_tokens=4, hidden=256, shared_slot=shared_slot, gen=gen
     )
@@ -96,7 +98,7 @@ def test_fused_combine_bit_exact(fmt, shared_slot):
     out = torch.full((4, 256), float("nan"), dtype=torch.bfloat16)
     kernels.fused_combine(rows, idx, 4, out, fmt, amax, shared_slot, block_h=128)
     assert not torch.isnan(out).any(), "stale NaN leaked"
-    assert same_bits(out, want).all()
+    assert_same_bits(out, want, seed=seed_of(fmt, shared_slot), what=f"combine {fmt}")
 
 
 @pytest.mark.parametrize("shared_slot", [None, "last"], ids=["noshared", "last"])
@@ -113,7 +115,8 @@ def test_check_flag_and_calibration(shared_slot):
     kernels.fused_combine(rows, idx, t, out, "mxfp4", None, shared_slot, y, flag, calib)
     assert int(flag) == 0
     assert float(calib) == float(valid_routed_max(rows, idx, t, shared_slot))
-    assert same_bits(out, reference_combine(rows, idx, t, "mxfp4", None, shared_slot)).all()
+    want = reference_combine(rows, idx, t, "mxfp4", None, shared_slot)
+    assert_same_bits(out, want, seed=11, what="mxfp4 combine with check")
 
     valid = (idx[:t] >= 0).nonzero()
     tok, slot = (int(v) for v in valid[0])

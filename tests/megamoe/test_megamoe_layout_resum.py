@@ -407,6 +407,9 @@ def test_resum_allocates_when_no_out():
     rows, topk_idx = random_case(seed=9, shared_slot=None)
     y = resum(rows, topk_idx, 3)
     assert y.shape == (3, H) and y.dtype == torch.bfloat16
+    np.testing.assert_array_equal(
+        torch_bits(y), oracle_resum(rows.float().numpy(), topk_idx.numpy(), 3, None)
+    )
 
 
 @pytest.mark.parametrize(

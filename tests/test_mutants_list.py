@@ -1,0 +1,56 @@
+"""``make mutants``'s list (scripts/mutants.toml) still matches the code it mutates.
+
+A change to ``src/`` that moves a mutated line fails here, in ``make test``, naming the
+mutant to update, rather than later in ``make mutants``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _mutants_module():
+    spec = importlib.util.spec_from_file_location("mutants", ROOT / "scripts" / "mutants.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mutants"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+mutants = _mutants_module()
+LIST = mutants.load()
+
+
+@pytest.mark.parametrize("mutant", LIST, ids=[m.name for m in LIST])
+def test_mutant_matches_the_code_and_changes_it(mutant):
+    text = (ROOT / mutant.file).read_text()
+    assert mutant.apply(text) != text
+    for test in mutant.tests:
+        if test.startswith("tests/"):
+            assert (ROOT / test).exists(), f"{mutant.name}: no test file {test}"
+
+
+def test_every_critical_spot_has_a_mutant():
+    spots = {m.spot for m in LIST}
+    assert {
+        "summation order",
+        "shared slot position",
+        "E2M1 thresholds",
+        "division forms",
+        "calibration max",
+        "layout-check comparison",
+        "flavour table",
+        "fused-kernel dispatch",
+    } <= spots
+
+
+def test_a_stale_mutant_is_refused_with_its_name():
+    stale = mutants.Mutant("stale", "spot", "src/x.py", ("tests",), (("not in the file", "x"),))
+    with pytest.raises(LookupError, match="mutant 'stale': its original text occurs 0 times"):
+        stale.apply("some code")
