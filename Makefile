@@ -17,7 +17,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 test: $(VENV)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q
 
 # The edit-test loop (under 2 minutes on 2 cores): the CPU suites of the formats, the
@@ -27,14 +27,14 @@ FAST := tests/formats tests/test_quantizer.py tests/test_recipes.py \
 	tests/megamoe/test_megamoe_api.py tests/robustness tests/study/test_first_hour.py
 
 test-fast: $(VENV)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q -x -m "not slow and not vllm and not gpu and not modelopt" $(FAST)
 
 demo: $(VENV)/.installed
 	$(BIN)/moewire study
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 
 # Curated mutation check (issue 19, README "Development"): each mutant of a critical spot
 # (scripts/mutants.toml) is applied in a scratch copy and must fail its tests.
