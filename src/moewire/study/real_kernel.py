@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from moewire.study.config import StudyConfig, check_layer_shapes
-from moewire.study.data import Router, load_weights
+from moewire.study.config import StudyConfig, check_layer_shapes, router_imbalance
+from moewire.study.data import Router, load_weights, norm_gamma
 from moewire.study.errors import StudyArgumentError
-from moewire.study.layer import MoELayer, StudyLayer, _shared_from_dense, _synthetic_router
+from moewire.study.layer import MoELayer, StudyLayer, _shared_from_dense, synthetic_router
 
 __all__ = ["RealKernelLayer", "build_layer", "check"]
 
@@ -114,10 +114,10 @@ def build_layer(cfg: StudyConfig, generator: torch.Generator) -> RealKernelLayer
         shared = None
         if dense.shared_w1 is not None:
             shared = _shared_from_dense(dense.shared_w1, dense.shared_w2, device)
+        router = None
         if dense.router.numel():
-            router_w, router_b = dense.router, dense.router_bias
-        else:
-            router_w, router_b = _synthetic_router(e, h, generator)
+            router = Router(dense.router.to(device), None if dense.router_bias is None
+                            else dense.router_bias.to(device), preset.top_k, preset.gating)
         shared_inter, source = dense.num_shared_intermediate, dense.source
     else:
         e, h, i = cfg.experts or preset.num_experts, preset.hidden, preset.intermediate
@@ -126,15 +126,21 @@ def build_layer(cfg: StudyConfig, generator: torch.Generator) -> RealKernelLayer
         shared_inter = preset.num_shared * i
         shared = SharedExpert(h, shared_inter, seed=cfg.seed, device=device) if shared_inter \
             else None
-        router_w, router_b = _synthetic_router(e, h, generator)
+        router = None
         source = f"synthetic-bf16(seed={cfg.seed})"
     weights = deepgemm_sm90.quantize_weights(w1, w2, kernel)
     del w1, w2
     buffer = deepgemm_sm90.deep_gemm.get_symm_buffer_for_sm90_mega_moe(
         _one_rank_group(), e, cfg.tokens, preset.top_k, h, i)
-    router = Router(router_w.to(device), None if router_b is None else router_b.to(device),
-                    preset.top_k, preset.gating)
+    # The router and the tokens' norm weights as the stand-in study draws them.
+    gamma = norm_gamma(h, generator)
+    imbalance = None
+    if router is None:
+        imbalance = router_imbalance(cfg, e, preset.top_k)
+        router = synthetic_router(e, h, preset.top_k, preset.gating, imbalance, generator,
+                                  gamma, device)
     return RealKernelLayer(
         e, preset.top_k, h, i, shared_inter, None, shared, router, source, cfg.tokens,
-        cfg.mma, device, kernel=kernel, kernel_weights=weights, symm_buffer=buffer,
+        cfg.mma, device, imbalance, gamma, kernel=kernel, kernel_weights=weights,
+        symm_buffer=buffer,
     )
