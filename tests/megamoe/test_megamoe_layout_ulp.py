@@ -23,7 +23,7 @@ from moewire.reference import MegaMoEExperts, deep_gemm
 T = 20
 A, C = 2.0**20, 2.0**-6
 # Exactly one routed token differs: the check counts it, at one ulp as at any other size.
-ONE_TOKEN = r"layout check failed.*\(1 of \d+ routed tokens differ\)"
+ONE_TOKEN = r"layout check failed.*\(1 of \d+ compared tokens differ\)"
 
 
 @pytest.fixture(autouse=True)
