@@ -37,6 +37,12 @@ import torch
 import torch.distributed as dist
 
 from moewire.reference import _kernel
+from moewire.reference._alloc import align as _align
+from moewire.reference._alloc import allocate as _allocate
+from moewire.reference._alloc import default_device as _default_device
+from moewire.reference._alloc import group_size_rank as _group_size_rank
+from moewire.reference._alloc import itemsize as _itemsize
+from moewire.reference._alloc import numel as _numel
 from moewire.reference._numerics import FP8_MAX, ceil_to_ue8m0, pack_ue8m0
 
 __all__ = [
@@ -167,41 +173,6 @@ def get_token_alignment_for_mega_moe() -> int:
     return TOKEN_ALIGNMENT
 
 
-def _align(x: int, y: int) -> int:
-    return (x + y - 1) // y * y
-
-
-def _group_size_rank(group: Any) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"get_symm_buffer_for_mega_moe: group must be a torch.distributed.ProcessGroup or "
-            f"None (one rank), got {type(group).__name__}"
-        )
-    return group.size(), group.rank()
-
-
-def _default_device(group: Any) -> torch.device:
-    backend = None if group is None else dist.get_backend(group)
-    if torch.cuda.is_available() and backend in (None, "nccl"):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _allocate(num_bytes: int, device: torch.device, group: Any, num_ranks: int):
-    """A flat int8 buffer: symmetric memory on CUDA with several ranks when torch has it."""
-    if num_ranks > 1 and device.type == "cuda":
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            buffer = symm_mem.empty(num_bytes, dtype=torch.int8, device=device)
-            return buffer, symm_mem.rendezvous(buffer, group=group)
-        except Exception:  # any failure (no CUDA IPC, old torch) means: a plain tensor
-            pass
-    return torch.empty(num_bytes, dtype=torch.int8, device=device), None
-
-
 class SymmBuffer:
     """The Mega-MoE buffer of one rank: a flat int8 tensor and typed views into it.
 
@@ -237,7 +208,7 @@ class SymmBuffer:
         device: torch.device,
     ) -> None:
         self.group = group
-        self.num_ranks, self.rank = _group_size_rank(group)
+        self.num_ranks, self.rank = _group_size_rank(group, "get_symm_buffer_for_mega_moe")
         self.num_experts = num_experts
         self.num_experts_per_rank = num_experts // self.num_ranks
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
@@ -336,17 +307,6 @@ class SymmBuffer:
         )
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _positive_int(value: Any, name: str, where: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value!r}")
@@ -386,7 +346,7 @@ def get_symm_buffer_for_mega_moe(
         The :class:`SymmBuffer`, zero-filled.
     """
     where = "get_symm_buffer_for_mega_moe"
-    num_ranks, _ = _group_size_rank(group)
+    num_ranks, _ = _group_size_rank(group, "get_symm_buffer_for_mega_moe")
     flavour = FLAVOURS[current_flavour()]
     _positive_int(num_experts, "num_experts", where)
     _positive_int(num_max_tokens_per_rank, "num_max_tokens_per_rank", where)

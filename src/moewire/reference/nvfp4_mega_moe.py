@@ -32,6 +32,12 @@ import torch
 import torch.distributed as dist
 
 from moewire.reference import _kernel
+from moewire.reference._alloc import align as _align
+from moewire.reference._alloc import allocate as _allocate
+from moewire.reference._alloc import default_device as _default_device
+from moewire.reference._alloc import group_size_rank as _group_size_rank
+from moewire.reference._alloc import itemsize as _itemsize
+from moewire.reference._alloc import numel as _numel
 from moewire.reference._numerics import (
     FP8_MAX,
     ceil_to_ue8m0,
@@ -106,35 +112,14 @@ def _num_max_shared_sf_tokens(tmax: int) -> int:
     return -(-tmax // _MIN_BLOCK_M) * 128
 
 
-def _align(x: int, y: int) -> int:
-    return (x + y - 1) // y * y
-
-
 def _fail(where: str, message: str, exc: type[Exception] = ValueError) -> None:
     raise exc(f"{where}: {message}")
-
-
-def _group_size_rank(group: Any, where: str) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    if not isinstance(group, dist.ProcessGroup):
-        _fail(
-            where,
-            f"group must be a torch.distributed.ProcessGroup or None (one rank), got "
-            f"{type(group).__name__}",
-            TypeError,
-        )
-    return group.size(), group.rank()
 
 
 def _positive_int(value: Any, name: str, where: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         _fail(where, f"{name} must be an int >= {minimum}, got {value!r}")
     return value
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class NVFP4SymmBuffer:
@@ -323,33 +308,6 @@ _VIEWS = (
     "shared_l1_acts_sf", "shared_l2_acts", "shared_l2_acts_sf", "l1_acts", "l1_acts_sf",
     "l2_acts", "l2_acts_sf", "x_scales",
 )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _default_device(group: Any) -> torch.device:
-    backend = None if group is None else dist.get_backend(group)
-    if torch.cuda.is_available() and backend in (None, "nccl"):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _allocate(num_bytes: int, device: torch.device, group: Any, num_ranks: int):
-    """A flat int8 buffer: symmetric memory on CUDA with several ranks when torch has it."""
-    if num_ranks > 1 and device.type == "cuda":
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            buffer = symm_mem.empty(num_bytes, dtype=torch.int8, device=device)
-            return buffer, symm_mem.rendezvous(buffer, group=group)
-        except Exception:  # any failure (no CUDA IPC, old torch) means: a plain tensor
-            pass
-    return torch.empty(num_bytes, dtype=torch.int8, device=device), None
 
 
 # --------------------------------------------------------------------------- staging

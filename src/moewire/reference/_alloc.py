@@ -1,0 +1,67 @@
+"""Buffer plumbing shared by the stand-in's two buffers (``deep_gemm.SymmBuffer`` and
+``nvfp4_mega_moe.NVFP4SymmBuffer``): sizes, the rank of a group, where a buffer lives and
+how it is allocated. Imports nothing of moewire, so both buffer modules can use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def align(x: int, y: int) -> int:
+    """``x`` rounded up to a multiple of ``y``."""
+    return (x + y - 1) // y * y
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Elements of a tensor of ``shape``."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def group_size_rank(group: Any, where: str) -> tuple[int, int]:
+    """``(world size, rank)`` of an EP group; ``None`` is one rank.
+
+    Raises:
+        TypeError: ``group`` is neither ``None`` nor a ProcessGroup (``where`` names the call).
+    """
+    if group is None:
+        return 1, 0
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{where}: group must be a torch.distributed.ProcessGroup or None (one rank), got "
+            f"{type(group).__name__}"
+        )
+    return group.size(), group.rank()
+
+
+def default_device(group: Any) -> torch.device:
+    """The current CUDA device for one rank or an NCCL group, else the CPU."""
+    backend = None if group is None else dist.get_backend(group)
+    if torch.cuda.is_available() and backend in (None, "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def allocate(num_bytes: int, device: torch.device, group: Any, num_ranks: int):
+    """A flat int8 buffer and its symmetric-memory handle: symmetric memory on CUDA with
+    several ranks when torch has it, else a plain tensor (handle ``None``)."""
+    if num_ranks > 1 and device.type == "cuda":
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buffer = symm_mem.empty(num_bytes, dtype=torch.int8, device=device)
+            return buffer, symm_mem.rendezvous(buffer, group=group)
+        except Exception:  # any failure (no CUDA IPC, old torch) means: a plain tensor
+            pass
+    return torch.empty(num_bytes, dtype=torch.int8, device=device), None
