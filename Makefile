@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 # from pulling a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: test test-fast demo lint test-vllm mutants clean
+.PHONY: test test-fast demo lint test-vllm test-triton-next mutants clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,15 @@ test-vllm:
 	.venv-vllm/bin/python tests/vllm/fetch_vllm_src.py 0.33.0 .venv-vllm/vllm-0.33.0-src
 	.venv-vllm/bin/python tests/vllm/fetch_vllm_src.py 0.34.0 .venv-vllm/vllm-0.34.0-src
 	.venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
+
+# The kernel tests under the newest Triton 3.x as well as the pinned 3.6 of the H200
+# (issue 15): a small venv of their own; .ci/run calls it.
+TRITON_NEXT ?= triton==3.9.0
+test-triton-next:
+	test -x .venv-triton-next/bin/python || $(PY) -m venv .venv-triton-next
+	.venv-triton-next/bin/pip install -q "$(TORCH)"
+	.venv-triton-next/bin/pip install -q -e . "$(TRITON_NEXT)" pytest pytest-timeout hypothesis ml_dtypes
+	.venv-triton-next/bin/python -m pytest -q tests/kernels
 
 clean:
 	rm -rf $(VENV) moewire-study .pytest_cache

@@ -76,9 +76,9 @@ def combine_case(
     topk_idx = torch.randint(0, 64, (tmax, k), generator=gen)
     topk_idx[torch.rand((tmax, k), generator=gen) < 0.35] = -1
     topk_idx[min(1, num_tokens - 1)] = -1
-    routed_base = 1 if shared_slot == "first" else 0
+    # Every build stores a fused shared row at row k, wherever the sum adds it.
     for s in range(k):
-        rows[routed_base + s][topk_idx[:, s] < 0] = float("nan")
+        rows[s][topk_idx[:, s] < 0] = float("nan")
     rows[:, num_tokens:] = float("nan")
     amax = amax_for(fmt, rows[:, :num_tokens].nan_to_num(0.0))
     flat = flat.to(device)
@@ -86,27 +86,29 @@ def combine_case(
     return rows, topk_idx.to(device), None if amax is None else amax.to(device)
 
 
-def reference_combine(rows, topk_idx, num_tokens, fmt, amax, shared_slot):
-    """The torch definition: ``megamoe.resum`` with the format's reference as quantizer.
-
-    The kernel's ``"first"`` reads the shared row from slot 0; ``resum`` reads it from slot
-    ``k`` (where every build stores it), so the rows are rotated for that case.
-    """
+def reference_combine(rows, topk_idx, num_tokens, fmt, amax, shared_slot, weights=None):
+    """The torch definition: ``megamoe.resum`` with the format's reference as quantizer
+    (weighted with one FMA rounding per slot when ``weights`` is given)."""
     ref_fmt = formats.get(fmt)
-    if shared_slot == "first":
-        rows = torch.cat([rows[1:], rows[:1]])
     return resum(
         rows,
         topk_idx,
         num_tokens,
         shared_position=shared_slot,
+        weights=weights,
         row_quantizer=lambda r: ref_fmt.reference(r, amax),
     )
 
 
+def router_weights(tmax: int, k: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """FP32 router weights ``[tmax, k]`` with full 24-bit significands (softmax-like values
+    in (0, 1)), so a multiply-then-add rounds differently from one FMA on many elements."""
+    w = torch.rand((tmax, k), generator=gen, dtype=torch.float64) * 0.9 + 0.05
+    return w.float().to(device)
+
+
 def valid_routed_max(rows, topk_idx, num_tokens, shared_slot) -> torch.Tensor:
     """max |row| over the valid routed rows of the first ``num_tokens`` tokens (FP32)."""
-    routed = rows[1:] if shared_slot == "first" else rows[: topk_idx.shape[1]]
-    routed = routed[:, :num_tokens].float().abs()
+    routed = rows[: topk_idx.shape[1], :num_tokens].float().abs()
     valid = (topk_idx[:num_tokens] >= 0).T.unsqueeze(-1)
     return torch.where(valid, routed, torch.zeros_like(routed)).amax()

@@ -13,6 +13,7 @@ from tests.kernels.cases import (
     amax_for,
     combine_case,
     reference_combine,
+    router_weights,
     sample,
     valid_routed_max,
 )
@@ -72,6 +73,24 @@ def test_fused_combine_bit_exact_cuda(fmt, shared_slot):
     assert_same_bits(out, want, seed=seed_of(fmt, shared_slot), what=f"combine {fmt}")
 
 
+@pytest.mark.parametrize("shared_slot", [None, "last"], ids=["noshared", "last"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_combine_weighted_bit_exact_cuda(fmt, shared_slot):
+    """The NVFP4 kernel's unweighted rows: ``acc = fma(q, w, acc)``, one rounding a slot."""
+    t, hidden = 77, 7168
+    gen = _gen("weighted", fmt, shared_slot)
+    rows, idx, amax = combine_case(
+        fmt, k=6, tmax=96, num_tokens=t, hidden=hidden, shared_slot=shared_slot,
+        gen=gen, device=CUDA, dist="heavy",
+    )
+    weights = router_weights(96, 6, gen, device=CUDA)
+    want = reference_combine(rows, idx, t, fmt, amax, shared_slot, weights)
+    out = torch.full((t, hidden), float("nan"), dtype=torch.bfloat16, device=CUDA)
+    kernels.fused_combine(rows, idx, t, out, fmt, amax, shared_slot, weights=weights)
+    assert not torch.isnan(out).any(), "stale NaN leaked"
+    assert_same_bits(out, want, seed=seed_of("weighted", fmt), what=f"weighted {fmt}")
+
+
 @pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["noshared", "first", "last"])
 def test_check_flag_and_calibration_cuda(shared_slot):
     t, hidden = 50, 4096
@@ -90,8 +109,7 @@ def test_check_flag_and_calibration_cuda(shared_slot):
     assert_same_bits(out, want, seed=seed_of("check", shared_slot), what="nvfp4 with check")
 
     tok, slot = (int(v) for v in (idx[:t] >= 0).nonzero()[3])
-    routed_base = 1 if shared_slot == "first" else 0
-    rows[routed_base + slot, tok, 1000] += 1.0
+    rows[slot, tok, 1000] += 1.0
     kernels.fused_combine(rows, idx, t, out, "nvfp4", amax, shared_slot, y, flag)
     assert int(flag) >= 1
 

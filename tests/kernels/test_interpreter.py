@@ -14,6 +14,7 @@ from tests.kernels.cases import (
     amax_for,
     combine_case,
     reference_combine,
+    router_weights,
     sample,
     valid_routed_max,
 )
@@ -139,7 +140,7 @@ def _refusal_args(**change):
         out=torch.empty(4, 128, dtype=torch.bfloat16),
         fmt_name="mxfp4",
         amax=None,
-        shared_slot=None,
+        shared_position=None,
     )
     args.update(change)
     return args
@@ -147,12 +148,16 @@ def _refusal_args(**change):
 
 REFUSALS = {
     "unknown-format": (dict(fmt_name="logfmt10"), ValueError, "no kernel"),
-    "rows-fp32": (dict(rows=torch.randn(3, 4, 128)), ValueError, "rows must be BF16"),
-    "slot-count": (dict(shared_slot="last"), ValueError, "need 4"),
+    "rows-fp32": (dict(rows=torch.randn(3, 4, 128)), ValueError, "rows must be a BF16"),
+    "slot-count": (dict(shared_position="last"), ValueError, "needs 4"),
     "too-many-tokens": (dict(num_tokens=5), ValueError, "num_tokens=5"),
     "out-shape": (dict(out=torch.empty(3, 128, dtype=torch.bfloat16)), ValueError, "out must"),
     "fp8-no-amax": (dict(fmt_name="fp8"), ValueError, "needs an amax"),
-    "bad-shared": (dict(shared_slot="middle"), ValueError, "shared_slot"),
+    "bad-shared": (dict(shared_position="middle"), ValueError, "shared_position"),
+    "weights-fp16": (
+        dict(weights=torch.rand(4, 3).half()), ValueError, "weights must be the staged"
+    ),
+    "weights-short": (dict(weights=torch.rand(3, 3)), ValueError, r"FP32 \[>= 4, 3\]"),
     "check-without-flag": (
         dict(check_against=torch.empty(4, 128, dtype=torch.bfloat16)),
         ValueError,
@@ -177,3 +182,77 @@ def test_supports_and_available():
     assert all(kernels.supports(f) for f in FORMATS)
     assert not kernels.supports("logfmt10")
     assert kernels.available() is False  # no CUDA here
+
+
+# -- weighted (FMA) combine: the NVFP4 kernel's unweighted rows (issue 13) -------------------
+
+
+@pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["noshared", "first", "last"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_combine_weighted_bit_exact(fmt, shared_slot):
+    """``acc = fma(q(row), w, acc)`` with one rounding per slot, as ``resum(weights=)``."""
+    seed = seed_of("weighted", fmt, shared_slot)
+    gen = torch.Generator().manual_seed(seed)
+    rows, idx, amax = combine_case(
+        fmt, k=3, tmax=6, num_tokens=4, hidden=256, shared_slot=shared_slot, gen=gen
+    )
+    weights = router_weights(6, 3, gen)
+    want = reference_combine(rows, idx, 4, fmt, amax, shared_slot, weights)
+    out = torch.full((4, 256), float("nan"), dtype=torch.bfloat16)
+    kernels.fused_combine(
+        rows, idx, 4, out, fmt, amax, shared_slot, weights=weights, block_h=128
+    )
+    assert not torch.isnan(out).any(), "stale NaN leaked"
+    assert_same_bits(out, want, seed=seed, what=f"weighted combine {fmt}")
+
+
+# One crafted element where one FMA rounding and a multiply-then-add differ after the BF16
+# rounding: acc = fma(2, 0.5, 0) = 1; then r * w = 2^-8 + 2^-24 + e (0 < e < 2^-32) rounds
+# to the FP32 tie 1 + 2^-8 + 2^-24 when added after its own rounding (-> 1 + 2^-8, then
+# BF16 1.0), but lands above the tie with one rounding (-> BF16 1.0078125).
+CRAFTED_R, CRAFTED_W = 0.003936767578125, 0.9922632575035095
+
+
+def test_weighted_kernel_rounds_once_where_multiply_then_add_differs():
+    gen = torch.Generator().manual_seed(seed_of("weighted-crafted"))
+    rows, idx, _ = combine_case(
+        "bf16", k=3, tmax=6, num_tokens=4, hidden=128, shared_slot=None, gen=gen
+    )
+    weights = router_weights(6, 3, gen)
+    idx[0] = torch.tensor([5, 9, -1])
+    rows[0, 0, 0], rows[1, 0, 0] = 2.0, CRAFTED_R
+    weights[0, 0], weights[0, 1] = 0.5, CRAFTED_W
+    out = torch.empty(4, 128, dtype=torch.bfloat16)
+    kernels.fused_combine(rows, idx, 4, out, "bf16", None, None, weights=weights)
+    assert float(out[0, 0]) == 1.0078125, "the kernel does not round the weighted add once"
+    want = reference_combine(rows, idx, 4, "bf16", None, None, weights)
+    assert_same_bits(out, want, seed=None, what="weighted bf16 with the crafted element")
+    acc = torch.tensor(2.0) * torch.tensor(0.5)
+    acc = acc + torch.tensor(CRAFTED_R) * torch.tensor(CRAFTED_W)
+    assert float(acc.to(torch.bfloat16)) == 1.0, "the crafted element does not separate"
+
+
+@pytest.mark.parametrize("shared_slot", [None, "last"], ids=["noshared", "last"])
+def test_weighted_check_flag_and_calibration(shared_slot):
+    """The layout check compares the weighted unquantized sum; calibration sees the
+    unweighted rows (what the NVFP4 kernel leaves in the region)."""
+    gen = torch.Generator().manual_seed(13)
+    t = 5
+    rows, idx, amax = combine_case(
+        "nvfp4", k=3, tmax=8, num_tokens=t, hidden=128, shared_slot=shared_slot, gen=gen
+    )
+    weights = router_weights(8, 3, gen)
+    y = reference_combine(rows, idx, t, "bf16", None, shared_slot, weights)
+    flag = torch.zeros(1, dtype=torch.int32)
+    calib = torch.zeros(1, dtype=torch.float32)
+    out = torch.empty_like(y)
+    kernels.fused_combine(
+        rows, idx, t, out, "nvfp4", amax, shared_slot, y, flag, calib, weights=weights
+    )
+    assert int(flag) == 0
+    assert float(calib) == float(valid_routed_max(rows, idx, t, shared_slot))
+    want = reference_combine(rows, idx, t, "nvfp4", amax, shared_slot, weights)
+    assert_same_bits(out, want, seed=13, what="weighted nvfp4 combine with check")
+    # The unweighted sum is not the kernel's y: the check must see the difference.
+    kernels.fused_combine(rows, idx, t, out, "nvfp4", amax, shared_slot, y, flag)
+    assert int(flag) >= 1

@@ -36,8 +36,6 @@ ORDER_FORMATS = ("bf16", "mxfp8", "mxfp4", "fp8_b32_ue8m0", "fp8_b128_ue8m0")
 
 
 def _fused(rows, topk_idx, t, out, fmt, position):
-    if position == "first":  # this kernel reads a shared row added first from slot 0
-        rows = torch.cat([rows[-1:], rows[:-1]]).contiguous()
     return kernels.fused_combine(
         rows.to(DEVICE), topk_idx.to(DEVICE), t, out, fmt, None, position
     )

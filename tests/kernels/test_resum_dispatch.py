@@ -60,25 +60,35 @@ CASES = {
 }
 
 
-# A shared row added first takes the torch path until the kernel reads it from slot k.
-@pytest.mark.parametrize("position", [None, "last"], ids=["no-shared", "shared-last"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["weighted-rows", "fma-weights"])
+@pytest.mark.parametrize(
+    "position", [None, "first", "last"], ids=["no-shared", "shared-first", "shared-last"]
+)
 @pytest.mark.parametrize("fmt", CASES)
-def test_resum_dispatches_to_the_kernel_with_the_quantizers_amax(recorder, fmt, position):
-    seed = seed_of("dispatch", fmt, position)
+def test_resum_dispatches_to_the_kernel_with_the_quantizers_amax(
+    recorder, fmt, position, weighted
+):
+    seed = seed_of("dispatch", fmt, position, weighted)
     routed, shared, idx, t = make_case(seed, hidden=256)
     rows = stored_rows(routed, shared, position)
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(idx.shape, generator=gen) if weighted else None
     quantizer = WireQuantizer(fmt, **CASES[fmt])
-    want = resum(rows, idx, t, shared_position=position, row_quantizer=quantizer)
+    want = resum(
+        rows, idx, t, shared_position=position, weights=weights, row_quantizer=quantizer
+    )
     assert recorder == [], "plain CPU rows must take the torch path"
 
     out = torch.full((t, rows.shape[2]), float("nan"), dtype=torch.bfloat16)
     got = resum(
-        rows.as_subclass(LabelledCuda), idx, t, shared_position=position,
+        rows.as_subclass(LabelledCuda), idx, t, shared_position=position, weights=weights,
         row_quantizer=quantizer, out=out,
     )
     assert len(recorder) == 1, "resum did not call the fused kernel for CUDA rows"
     call = recorder[0]
     assert call["fmt_name"] == fmt
+    assert call["shared_position"] == position
+    assert call["weights"] is weights
     assert call["out"] is out and got is out
     assert call["num_tokens"] == t and call["topk_idx"] is idx
     if quantizer.fmt.needs_amax:

@@ -6,9 +6,10 @@ Two entry points, each bit-exact to the torch definitions in ``moewire.formats``
 - :func:`qdq`: fake quantization of ``[..., H]`` tensors (the dispatch quantizer);
 - :func:`fused_combine`: the combine re-sum in one pass over the combine rows: each valid
   row is loaded once, fake-quantized in registers, accumulated in FP32 in ascending slot
-  order with the fused shared slot in its place, rounded once to BF16 and written to
-  ``out``; in the same pass, optionally, the layout check (the unquantized sum compared
-  bitwise with the kernel's ``y``) and the calibration max over valid rows.
+  order (router-weighted with one FMA rounding for the NVFP4 kernel's unweighted rows)
+  with the fused shared row in its place, rounded once to BF16 and written to ``out``; in
+  the same pass, optionally, the layout check (the unquantized sum compared bitwise with
+  the kernel's ``y``) and the calibration max over valid rows.
 
 Both are CUDA-graph safe: no host synchronisation, and the grid depends only on shapes.
 This package imports nothing from moewire's other packages: a format comes in as its name
@@ -28,7 +29,15 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["SUPPORTED_FORMATS", "available", "fused_combine", "qdq", "supports"]
+__all__ = [
+    "SHARED_POSITIONS",
+    "SUPPORTED_FORMATS",
+    "available",
+    "check_combine_args",
+    "fused_combine",
+    "qdq",
+    "supports",
+]
 
 SUPPORTED_FORMATS = (
     "bf16",
@@ -41,7 +50,10 @@ SUPPORTED_FORMATS = (
     "nvfp4",
     "nvfp4_token",
 )
-_SHARED_SLOTS = (None, "first", "last")
+# Where a fused shared row (stored at row ``k`` in every build) is added to the combine sum:
+# not at all, before the routed slots, or after them. The one definition; ``megamoe``
+# re-exports it.
+SHARED_POSITIONS = (None, "first", "last")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Columns per program: a power of two holding whole blocks of every format; nvfp4_token
 # takes the whole row (its global scale is the row's amax).
@@ -104,7 +116,7 @@ def _amax_tensor(
     fmt_name: str, amax: torch.Tensor | float | None, device: torch.device
 ) -> torch.Tensor | None:
     """The FP32 ``[1]`` amax on ``device`` for ``fp8``/``nvfp4``, else ``None``."""
-    if fmt_name not in ("fp8", "nvfp4"):
+    if fmt_name not in _impl().NEEDS_AMAX:
         return None
     if amax is None:
         raise ValueError(
@@ -198,53 +210,105 @@ def _triton_mod() -> ModuleType:
     return triton
 
 
-def _check_combine_args(
+def check_combine_args(
+    where: str,
     rows: torch.Tensor,
     topk_idx: torch.Tensor,
     num_tokens: int,
-    out: torch.Tensor,
-    shared_slot: str | None,
-    check_against: torch.Tensor | None,
-    check_flag: torch.Tensor | None,
-    calib_amax: torch.Tensor | None,
+    shared_position: str | None,
+    out: torch.Tensor | None,
+    weights: torch.Tensor | None = None,
 ) -> None:
-    where = "moewire.kernels.fused_combine"
+    """Validate the arguments of a combine re-sum (shared by ``megamoe.resum`` and
+    :func:`fused_combine`); ``where`` names the caller in the message. Device-agnostic:
+    the kernel adds its own device and stride checks."""
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bfloat16 or rows.dim() != 3:
-        raise ValueError(f"{where}: rows must be BF16 [num_slots, Tmax, H], got {_desc(rows)}")
-    if rows.stride(2) != 1:
         raise ValueError(
-            f"{where}: rows must be contiguous along H (a view of the combine region), got "
-            f"strides {rows.stride()}"
-        )
-    _check_device(rows, "rows")
-    if shared_slot not in _SHARED_SLOTS:
-        raise ValueError(
-            f"{where}: shared_slot must be None, 'first' or 'last', got {shared_slot!r}"
+            f"{where}: rows must be a BF16 tensor [num_slots, Tmax, H] (the combine region "
+            f"from combine_rows), got {_desc(rows)}"
         )
     if (
         not isinstance(topk_idx, torch.Tensor)
         or topk_idx.dim() != 2
         or topk_idx.is_floating_point()
-        or topk_idx.device != rows.device
     ):
         raise ValueError(
-            f"{where}: topk_idx must be an integer tensor [>= T, k] on {rows.device}, got "
-            f"{_desc(topk_idx)}"
+            f"{where}: topk_idx must be an integer tensor [>= T, k], got {_desc(topk_idx)}"
+        )
+    if shared_position not in SHARED_POSITIONS:
+        raise ValueError(
+            f"{where}: shared_position must be None, 'first' or 'last', got "
+            f"{shared_position!r}"
         )
     k = topk_idx.shape[1]
-    if rows.shape[0] != k + (shared_slot is not None):
+    expected = k + (shared_position is not None)
+    if rows.shape[0] != expected:
         raise ValueError(
-            f"{where}: rows has {rows.shape[0]} slots, but k={k} and shared_slot="
-            f"{shared_slot!r} need {k + (shared_slot is not None)}"
+            f"{where}: rows has {rows.shape[0]} slots but topk_idx has k={k} and "
+            f"shared_position={shared_position!r}, which needs {expected} (a fused shared row "
+            "is stored at row k); pass fused_shared to combine_rows exactly when the kernel "
+            "fuses a shared expert"
         )
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise TypeError(f"{where}: num_tokens must be an int, got {type(num_tokens).__name__}")
     limit = min(rows.shape[1], topk_idx.shape[0])
     if not 0 <= num_tokens <= limit:
-        raise ValueError(f"{where}: num_tokens={num_tokens} must lie in [0, {limit}]")
+        raise ValueError(
+            f"{where}: num_tokens={num_tokens} must lie in [0, {limit}]"
+            f" (rows hold {rows.shape[1]} tokens, topk_idx {topk_idx.shape[0]})"
+        )
+    if topk_idx.device != rows.device:
+        raise ValueError(f"{where}: topk_idx is on {topk_idx.device}, rows on {rows.device}")
+    if weights is not None and (
+        not isinstance(weights, torch.Tensor)
+        or weights.dtype != torch.float32
+        or weights.dim() != 2
+        or weights.shape[1] != k
+        or weights.shape[0] < num_tokens
+        or weights.device != rows.device
+    ):
+        raise ValueError(
+            f"{where}: weights must be the staged router weights, FP32 [>= {num_tokens}, {k}] "
+            f"on {rows.device} (the buffer's topk_weights), got {_desc(weights)}"
+        )
+    if out is not None:
+        want = (num_tokens, rows.shape[2])
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dtype != torch.bfloat16
+            or tuple(out.shape) != want
+            or out.device != rows.device
+        ):
+            raise ValueError(
+                f"{where}: out must be BF16 {list(want)} on {rows.device} (the kernel's y), "
+                f"got {_desc(out)}"
+            )
+
+
+def _check_kernel_args(
+    rows: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_tokens: int,
+    out: torch.Tensor,
+    shared_position: str | None,
+    check_against: torch.Tensor | None,
+    check_flag: torch.Tensor | None,
+    calib_amax: torch.Tensor | None,
+    weights: torch.Tensor | None,
+) -> None:
+    where = "moewire.kernels.fused_combine"
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"{where}: out must be a BF16 tensor [T, H], got {_desc(out)}")
+    check_combine_args(where, rows, topk_idx, num_tokens, shared_position, out, weights)
+    _check_device(rows, "rows")
+    if rows.stride(2) != 1:
+        raise ValueError(
+            f"{where}: rows must be contiguous along H (a view of the combine region), got "
+            f"strides {rows.stride()}"
+        )
     want = (num_tokens, rows.shape[2])
     for name, t in (("out", out), ("check_against", check_against)):
-        if t is None and name == "check_against":
+        if t is None:
             continue
         if (
             not isinstance(t, torch.Tensor)
@@ -286,38 +350,42 @@ def fused_combine(
     out: torch.Tensor,
     fmt_name: str,
     amax: torch.Tensor | float | None,
-    shared_slot: str | None,
+    shared_position: str | None,
     check_against: torch.Tensor | None = None,
     check_flag: torch.Tensor | None = None,
     calib_amax: torch.Tensor | None = None,
     *,
+    weights: torch.Tensor | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
     unroll: bool | None = None,
 ) -> torch.Tensor:
     """Fake-quantize and re-sum the combine rows in one pass, the kernel's order.
 
-    For each token ``t < num_tokens`` (``q`` = ``fmt_name``'s fake quant, a BF16 row)::
+    For each token ``t < num_tokens`` (``q`` = ``fmt_name``'s fake quant, a BF16 row;
+    ``add(v, s)`` is ``acc + v``, or ``fma(v, weights[t, s], acc)`` with one FP32 rounding
+    when ``weights`` is given)::
 
         acc = +0.0 (FP32)
-        acc += float(rows[0, t])              if shared_slot == "first" (unquantized)
+        acc += float(rows[k, t])              if shared_position == "first" (unquantized)
         for s in 0..k-1 ascending, if topk_idx[t, s] >= 0:
-            acc += float(q(rows[routed s, t]))
-        acc += float(rows[k, t])              if shared_slot == "last"
+            acc = add(float(q(rows[s, t])), s)
+        acc += float(rows[k, t])              if shared_position == "last"
         out[t] = bf16(acc)                    (one RNE rounding)
 
-    Routed slot ``s`` lives at row ``s + 1`` when the shared slot is first, else at ``s``.
-    Invalid rows are never read (stale NaN cannot leak).
+    Routed slot ``s`` is row ``s``; a fused shared row is row ``k`` wherever it is added
+    (every build stores it there). Invalid rows are never read (stale NaN cannot leak).
 
     Optionally, in the same pass:
 
     - ``check_against`` (BF16 ``[T, H]``, the kernel's ``y``; may be ``out`` itself) and
-      ``check_flag`` (int32 device tensor): the *unquantized* sum, rounded to BF16, is
-      compared bitwise with ``check_against`` over tokens with at least one valid routed
-      slot; the number of mismatching elements is **added** to ``check_flag[0]`` (zero it
-      first; it stays 0 when the layout is right).
+      ``check_flag`` (int32 device tensor): the *unquantized* sum (weighted the same way),
+      rounded to BF16, is compared bitwise with ``check_against`` over tokens with at least
+      one valid routed slot; the number of mismatching elements is **added** to
+      ``check_flag[0]`` (zero it first; it stays 0 when the layout is right).
     - ``calib_amax`` (FP32 device tensor): ``calib_amax[0] = max(calib_amax[0],
-      max |rows|)`` over the valid routed rows (atomic max; the shared row is excluded).
+      max |rows|)`` over the valid routed rows, unweighted (atomic max; the shared row is
+      excluded).
 
     Args:
         rows: BF16 ``[k (+1), Tmax, H]`` (a strided view into the buffer, H contiguous).
@@ -326,16 +394,19 @@ def fused_combine(
         out: BF16 ``[T, H]``, written in place.
         fmt_name: one of :data:`SUPPORTED_FORMATS` (``bf16``: no quantization).
         amax: FP32 one-element device tensor for ``fp8`` and ``nvfp4`` (static scale).
-        shared_slot: ``None``, ``"first"`` or ``"last"``.
+        shared_position: ``None``, ``"first"`` or ``"last"`` (:data:`SHARED_POSITIONS`).
         check_against, check_flag, calib_amax: see above.
+        weights: ``None`` (rows already router-weighted), or FP32 ``[>= T, k]``, the staged
+            ``topk_weights`` of a kernel that leaves unweighted rows (``nvfp4_mega_moe``).
         block_h, num_warps, unroll: tuning only (``unroll``: load all k rows up front).
 
     Returns:
         ``out``.
     """
     _check_format(fmt_name)
-    _check_combine_args(
-        rows, topk_idx, num_tokens, out, shared_slot, check_against, check_flag, calib_amax
+    _check_kernel_args(
+        rows, topk_idx, num_tokens, out, shared_position, check_against, check_flag,
+        calib_amax, weights,
     )
     impl = _impl()
     hidden = rows.shape[2]
@@ -352,16 +423,21 @@ def fused_combine(
     grid = (num_tokens, _triton_mod().cdiv(hidden, bh))
     check = check_against is not None
     dummy = out
+    weighted = weights is not None
     impl.combine_kernel[grid](
-        rows, topk_idx, out,
+        rows, topk_idx,
+        weights if weighted else dummy,
+        out,
         check_against if check else dummy,
         check_flag if check else dummy,
         calib_amax if calib_amax is not None else dummy,
         amax_t if amax_t is not None else dummy,
         hidden, rows.stride(0), rows.stride(1), topk_idx.stride(0), topk_idx.stride(1),
+        weights.stride(0) if weighted else 0, weights.stride(1) if weighted else 0,
         out.stride(0), check_against.stride(0) if check else 0,
-        K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_slot],
-        FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, CHECK=check,
+        K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_position],
+        FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, WEIGHTED=weighted,
+        CHECK=check,
         CALIB=calib_amax is not None, BLOCK_H=bh, HW_CAST=rows.is_cuda,
         UNROLL=(fmt_name in _UNROLLED) if unroll is None else unroll,
         num_warps=_num_warps(bh, num_warps), enable_fp_fusion=False,

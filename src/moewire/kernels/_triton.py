@@ -13,7 +13,13 @@ Every format's math here is the math of its torch reference in ``moewire.formats
 - block maxima propagate NaN, as ``torch.amax`` does;
 - E4M3 rounding clamps to ±448 then casts (RNE); E2M1 rounding is RNE onto
   {0, 0.5, 1, 1.5, 2, 3, 4, 6} by adding and subtracting a power-of-two "magic" number
-  whose ulp is the grid step, which gives exactly the reference's tie rules.
+  whose ulp is the grid step, which gives exactly the reference's tie rules;
+- NVFP4's per-element quotient ``fl(|x| / bs)`` is computed without a per-element division
+  (:func:`_div_by_block`): one exact reciprocal per 16-element block, then Markstein's
+  correction (two FMAs), which gives the correctly rounded quotient bit for bit;
+- an FMA is one rounding: ``tl.fma`` on the GPU; under the interpreter (whose ``fma`` is a
+  multiply then an add, two roundings) :func:`_fma` computes it exactly in FP64 with
+  round-to-odd.
 
 Format codes (``FMT``) are the indices of :data:`FORMAT_CODES`.
 """
@@ -48,6 +54,7 @@ BLOCK_SIZES = {
     "nvfp4_token": 16,
 }
 NEEDS_AMAX = frozenset({"fp8", "nvfp4"})
+# Where the fused shared row (stored at row ``k`` in every build) is added to the sum.
 SHARED_CODES = {None: 0, "first": 1, "last": 2}
 
 # FP32 reciprocals of the constants the references divide by, each one FP32 division.
@@ -102,6 +109,52 @@ def _round_bf16(v, HW_CAST: tl.constexpr):
 
 
 @triton.jit
+def _fma(a, b, c, HW_CAST: tl.constexpr):
+    """``fl(a * b + c)`` in FP32 with one rounding (CUDA's ``fmaf``, RNE).
+
+    ``HW_CAST``: ``tl.fma`` (the GPU's ``fma.rn.f32``). Otherwise (the interpreter's
+    ``fma`` rounds twice) exactly from FP64: the product of two FP32 values is exact in
+    FP64; ``s = p + c`` and its exact error (TwoSum) give the round-to-odd FP64 sum, and
+    round-to-odd FP64 (53 >= 24 + 2 bits) rounded to FP32 is the correctly rounded result.
+    """
+    if HW_CAST:
+        out = tl.fma(a, b, c)
+    else:
+        p = a.to(tl.float64) * b.to(tl.float64)
+        c64 = c.to(tl.float64)
+        s = p + c64
+        z = s - c64
+        err = (c64 - (s - z)) + (p - z)
+        bits = s.to(tl.int64, bitcast=True)
+        # Round to odd: an inexact sum with an even last bit moves one ulp towards the
+        # exact value (away from zero when err has the sign of s, else towards it).
+        step = tl.where((err > 0) == (s > 0), 1, -1).to(tl.int64)
+        fix = (err != 0) & ((bits & 1) == 0) & (s == s) & (tl.abs(s) < float("inf"))
+        out = tl.where(fix, bits + step, bits).to(tl.float64, bitcast=True).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _div_by_block(a, bs, HW_CAST: tl.constexpr):
+    """``fl(a / bs)`` (FP32, RNE) for ``a`` [NB, 16] and one divisor ``bs`` [NB, 1] per block.
+
+    One exact division per block, ``r = fl(1 / bs)``; per element ``q = fl(a * r)`` is
+    within an ulp of the quotient, the remainder ``e = a - q * bs`` is exact in FP32 and
+    ``fl(q + e * r)`` is the correctly rounded quotient (Markstein's theorem: ``r`` correctly
+    rounded, ``q`` faithful; checked in ``tests/kernels/test_division_free.py`` against
+    FP32 division). Where ``e`` is NaN (``a`` or ``bs`` infinite, or ``a`` NaN) ``q`` is
+    already the IEEE quotient (inf, 0 or NaN) and is kept. A subnormal quotient (below
+    2^-126, where the theorem's no-underflow premise fails) may be an ulp off: E2M1 maps
+    every quotient below 0.25 to 0, so the NVFP4 result is the reference's there too.
+    """
+    r = tl.math.div_rn(tl.full(bs.shape, 1.0, tl.float32), bs)
+    q = a * r
+    e = _fma(-q, bs + tl.zeros_like(a), a, HW_CAST)
+    q2 = _fma(e, r + tl.zeros_like(a), q, HW_CAST)
+    return tl.where(e == e, q2, q)
+
+
+@triton.jit
 def _e2m1_magnitude(a):
     """a >= 0 (or NaN) -> RNE onto the E2M1 magnitudes, saturating at 6."""
     magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
@@ -133,7 +186,7 @@ def _nvfp4_blocks(xb, gs, HW_CAST: tl.constexpr):
     bs = _e4m3(tl.minimum(tl.math.div_rn(bmax, gs6 + tl.zeros_like(bmax)), 448.0,
                           propagate_nan=_NAN), HW_CAST) * gs
     bs = tl.where(bs < 1e-5, 1.0, bs)
-    q = _e2m1_magnitude(tl.math.div_rn(tl.abs(xb), bs + tl.zeros_like(xb)))
+    q = _e2m1_magnitude(_div_by_block(tl.abs(xb), bs, HW_CAST))
     sign = tl.where(xb > 0, 1.0, tl.where(xb < 0, -1.0, 0.0))
     return sign * q * bs
 
@@ -222,18 +275,27 @@ def qdq_kernel(
 
 @triton.jit
 def _combine_slot(
-    row_base, idx_row, s, stride_rs, stride_ik, cmask, amax, acc, raw, cmax, routed,
-    SHARED: tl.constexpr, FMT: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
-    BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
+    row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax, acc, raw,
+    cmax, routed, FMT: tl.constexpr, WEIGHTED: tl.constexpr, CHECK: tl.constexpr,
+    CALIB: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
 ):
-    """Routed slot ``s`` of one token: load it if valid, quantize, accumulate."""
-    slot = s + 1 if SHARED == 1 else s
+    """Routed slot ``s`` of one token (stored at row ``s``): load it if valid, quantize,
+    accumulate (``acc += q`` or, weighted, ``acc = fma(q, w, acc)``)."""
     valid = tl.load(idx_row + s * stride_ik) >= 0
-    x = tl.load(row_base + slot * stride_rs, mask=cmask & valid, other=0.0).to(tl.float32)
+    # The mask is a block of booleans (Triton >= 3.9 refuses a scalar-and-block mask mix).
+    mask = cmask & (tl.zeros_like(cmask.to(tl.int32)) + valid.to(tl.int32) != 0)
+    x = tl.load(row_base + s * stride_rs, mask=mask, other=0.0).to(tl.float32)
     q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, HW_CAST), HW_CAST)
-    acc = tl.where(valid, acc + q, acc)
-    if CHECK:
-        raw = tl.where(valid, raw + x, raw)
+    if WEIGHTED:
+        w = tl.load(w_row + s * stride_wk, mask=valid, other=0.0).to(tl.float32)
+        w_block = w + tl.zeros_like(x)
+        acc = tl.where(valid, _fma(q, w_block, acc, HW_CAST), acc)
+        if CHECK:
+            raw = tl.where(valid, _fma(x, w_block, raw, HW_CAST), raw)
+    else:
+        acc = tl.where(valid, acc + q, acc)
+        if CHECK:
+            raw = tl.where(valid, raw + x, raw)
     if CALIB:
         cmax = tl.where(valid, tl.maximum(cmax, tl.abs(x), propagate_nan=_NAN), cmax)
     routed += valid.to(tl.int32)
@@ -242,17 +304,19 @@ def _combine_slot(
 
 @triton.jit
 def combine_kernel(
-    rows_ptr, idx_ptr, out_ptr, check_ptr, flag_ptr, calib_ptr, amax_ptr,
-    H, stride_rs, stride_rt, stride_it, stride_ik, stride_o, stride_c,
+    rows_ptr, idx_ptr, w_ptr, out_ptr, check_ptr, flag_ptr, calib_ptr, amax_ptr,
+    H, stride_rs, stride_rt, stride_it, stride_ik, stride_wt, stride_wk, stride_o, stride_c,
     K: tl.constexpr, SHARED: tl.constexpr, FMT: tl.constexpr, HAS_AMAX: tl.constexpr,
-    CHECK: tl.constexpr, CALIB: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
-    UNROLL: tl.constexpr,
+    WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
+    BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One program per (token, column chunk): quantize, re-sum, check, calibrate.
 
-    ``acc`` starts at +0.0 (FP32); the shared row (SHARED: 1 first, 2 last) is added
-    unquantized in its place; each valid routed slot (``topk_idx >= 0``) in ascending
-    order adds ``float(bf16(qdq(row)))``; invalid rows are never loaded and selected away.
+    ``acc`` starts at +0.0 (FP32); the shared row (stored at row ``K``; SHARED: 1 added
+    first, 2 added last) is added unquantized in its place (``acc + row``, which is
+    ``fma(row, 1.0, acc)``); each valid routed slot (``topk_idx >= 0``) in ascending order
+    adds ``float(bf16(qdq(row)))``, times its router weight with one rounding when
+    WEIGHTED; invalid rows are never loaded and selected away.
     """
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -266,8 +330,10 @@ def combine_kernel(
     cmax = tl.zeros((BLOCK_H,), tl.float32)
     routed = tl.full((), 0, tl.int32)
     row_base = rows_ptr + t * stride_rt + cols
+    idx_row = idx_ptr + t * stride_it
+    w_row = w_ptr + t * stride_wt
     if SHARED == 1:
-        shared = tl.load(row_base, mask=cmask, other=0.0).to(tl.float32)
+        shared = tl.load(row_base + K * stride_rs, mask=cmask, other=0.0).to(tl.float32)
         acc += shared
         raw += shared
     if not UNROLL:
@@ -275,13 +341,13 @@ def combine_kernel(
         # all K rows are loaded up front (and whole-row programs compile much faster).
         for s in range(K):
             acc, raw, cmax, routed = _combine_slot(
-                row_base, idx_ptr + t * stride_it, s, stride_rs, stride_ik, cmask, amax,
-                acc, raw, cmax, routed, SHARED, FMT, CHECK, CALIB, BLOCK_H, HW_CAST)
+                row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
+                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST)
     else:
         for s in tl.static_range(K):
             acc, raw, cmax, routed = _combine_slot(
-                row_base, idx_ptr + t * stride_it, s, stride_rs, stride_ik, cmask, amax,
-                acc, raw, cmax, routed, SHARED, FMT, CHECK, CALIB, BLOCK_H, HW_CAST)
+                row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
+                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST)
     if SHARED == 2:
         shared = tl.load(row_base + K * stride_rs, mask=cmask, other=0.0).to(tl.float32)
         acc += shared

@@ -26,82 +26,7 @@ from moewire import kernels
 
 __all__ = ["SHARED_POSITIONS", "resum"]
 
-SHARED_POSITIONS = (None, "first", "last")
-
-
-def _check(
-    rows: torch.Tensor,
-    topk_idx: torch.Tensor,
-    num_tokens: int,
-    shared_position: str | None,
-    out: torch.Tensor | None,
-    weights: torch.Tensor | None = None,
-) -> None:
-    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bfloat16 or rows.dim() != 3:
-        raise ValueError(
-            "resum: rows must be a BF16 tensor [num_slots, Tmax, H] (the combine region from "
-            f"combine_rows), got {_describe(rows)}"
-        )
-    if (
-        not isinstance(topk_idx, torch.Tensor)
-        or topk_idx.dim() != 2
-        or topk_idx.is_floating_point()
-    ):
-        raise ValueError(
-            f"resum: topk_idx must be an integer tensor [T, k], got {_describe(topk_idx)}"
-        )
-    if shared_position not in SHARED_POSITIONS:
-        raise ValueError(
-            f"resum: shared_position must be None, 'first' or 'last', got {shared_position!r}"
-        )
-    k = topk_idx.shape[1]
-    expected = k + (shared_position is not None)
-    if rows.shape[0] != expected:
-        raise ValueError(
-            f"resum: rows has {rows.shape[0]} slots but topk_idx has k={k} and "
-            f"shared_position={shared_position!r}, which needs {expected}; pass fused_shared "
-            "to combine_rows exactly when the kernel fuses a shared expert"
-        )
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-        raise TypeError(f"resum: num_tokens must be an int, got {type(num_tokens).__name__}")
-    limit = min(rows.shape[1], topk_idx.shape[0])
-    if not 0 <= num_tokens <= limit:
-        raise ValueError(
-            f"resum: num_tokens={num_tokens} must lie in [0, {limit}]"
-            f" (rows hold {rows.shape[1]} tokens, topk_idx {topk_idx.shape[0]})"
-        )
-    if topk_idx.device != rows.device:
-        raise ValueError(f"resum: topk_idx is on {topk_idx.device}, rows on {rows.device}")
-    if weights is not None and (
-        not isinstance(weights, torch.Tensor)
-        or weights.dtype != torch.float32
-        or weights.dim() != 2
-        or weights.shape[1] != k
-        or weights.shape[0] < num_tokens
-        or weights.device != rows.device
-    ):
-        raise ValueError(
-            f"resum: weights must be the staged router weights, FP32 [>= {num_tokens}, {k}] on "
-            f"{rows.device} (the buffer's topk_weights), got {_describe(weights)}"
-        )
-    if out is not None:
-        want = (num_tokens, rows.shape[2])
-        if (
-            not isinstance(out, torch.Tensor)
-            or out.dtype != torch.bfloat16
-            or tuple(out.shape) != want
-            or out.device != rows.device
-        ):
-            raise ValueError(
-                f"resum: out must be BF16 {list(want)} on {rows.device} (the kernel's y), got "
-                f"{_describe(out)}"
-            )
-
-
-def _describe(t: object) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{t.dtype} {list(t.shape)} on {t.device}"
-    return type(t).__name__
+SHARED_POSITIONS = kernels.SHARED_POSITIONS
 
 
 def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -128,6 +53,7 @@ def _fused_combine(
     topk_idx: torch.Tensor,
     num_tokens: int,
     shared_position: str | None,
+    weights: torch.Tensor | None,
     row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None,
     out: torch.Tensor,
 ) -> bool:
@@ -136,14 +62,10 @@ def _fused_combine(
     The Triton kernel takes a format name and an FP32 device amax (or ``None``); it runs
     for a quantizer in quantize mode (``row_quantizer.mode == "quantize"``, its format in
     ``row_quantizer.fmt``, its amax in ``row_quantizer.static_amax``) on CUDA, when
-    ``kernels.available()`` and ``kernels.supports(fmt.name)``. Everything else (CPU, plain
-    callables, unsupported formats) takes the torch path below, which is the definition the
-    kernel is tested against. The kernel's ``"first"`` reads the shared row from slot 0,
-    while every build stores it at slot ``k``: a shared row added first takes the torch
-    path until the kernel learns the storage slot.
+    ``kernels.available()`` and ``kernels.supports(fmt.name)``, for every shared position
+    and for weighted sums. Everything else (CPU, plain callables, unsupported formats) takes
+    the torch path below, which is the definition the kernel is tested against.
     """
-    if shared_position == "first":
-        return False
     if not rows.is_cuda or getattr(row_quantizer, "mode", None) != "quantize":
         return False
     fmt = getattr(row_quantizer, "fmt", None)
@@ -153,7 +75,9 @@ def _fused_combine(
         return False
     # The kernel takes an amax for global-scale formats only (fp8, nvfp4).
     amax = row_quantizer.static_amax if fmt.needs_amax else None
-    kernels.fused_combine(rows, topk_idx, num_tokens, out, fmt.name, amax, shared_position)
+    kernels.fused_combine(
+        rows, topk_idx, num_tokens, out, fmt.name, amax, shared_position, weights=weights
+    )
     return True
 
 
@@ -195,13 +119,12 @@ def resum(
     Returns:
         ``out`` (or the new BF16 ``[T, H]`` tensor).
     """
-    _check(rows, topk_idx, num_tokens, shared_position, out, weights)
+    kernels.check_combine_args(
+        "resum", rows, topk_idx, num_tokens, shared_position, out, weights
+    )
     if out is None:
         out = torch.empty((num_tokens, rows.shape[2]), dtype=torch.bfloat16, device=rows.device)
-    # The fused Triton kernel has no weighted (FMA) mode yet: weighted sums take this path.
-    if weights is None and _fused_combine(
-        rows, topk_idx, num_tokens, shared_position, row_quantizer, out
-    ):
+    if _fused_combine(rows, topk_idx, num_tokens, shared_position, weights, row_quantizer, out):
         return out
     k = topk_idx.shape[1]
     routed = rows[:k, :num_tokens]
