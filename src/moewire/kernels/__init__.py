@@ -380,9 +380,10 @@ def fused_combine(
 
     - ``check_against`` (BF16 ``[T, H]``, the kernel's ``y``; may be ``out`` itself) and
       ``check_flag`` (int32 device tensor): the *unquantized* sum (weighted the same way),
-      rounded to BF16, is compared bitwise with ``check_against`` over tokens with at least
-      one valid routed slot; the number of mismatching elements is **added** to
-      ``check_flag[0]`` (zero it first; it stays 0 when the layout is right).
+      rounded to BF16, is compared bitwise with ``check_against`` over the tokens with a
+      valid routed slot, or every token when a shared row is fused; the number of
+      mismatching elements is **added** to ``check_flag[0]`` (zero it first; it stays 0
+      when the layout is right).
     - ``calib_amax`` (FP32 device tensor): ``calib_amax[0] = max(calib_amax[0],
       max |rows|)`` over the valid routed rows, unweighted (atomic max; the shared row is
       excluded).

@@ -354,7 +354,9 @@ def combine_kernel(
         raw += shared
     if CHECK:
         got = _round_bf16(raw, HW_CAST).to(tl.bfloat16).to(tl.int16, bitcast=True)
-        bad = (got != expect.to(tl.int16, bitcast=True)) & cmask & (routed > 0)
+        # Compared tokens: a routed row, or a fused shared row (every token has one).
+        compared = (routed > 0) | (SHARED != 0)
+        bad = (got != expect.to(tl.int16, bitcast=True)) & cmask & compared
         nbad = tl.sum(bad.to(tl.int32), 0)
         tl.atomic_add(flag_ptr, nbad, mask=nbad > 0)
     if CALIB:

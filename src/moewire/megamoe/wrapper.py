@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moewire import kernels
 from moewire.megamoe import flavours as _flavours
 from moewire.megamoe.layout import combine_rows
 from moewire.megamoe.registry import (
@@ -513,6 +514,11 @@ class QuantExperts:
         num_tokens = y.shape[0]
         _on_device(quantizer, y.device, name, "combine_quantizer")
         state = _buffer_state(symm_buffer)
+        if not state.checked and _one_pass(quantizer, y):
+            self._moewire_check_in_one_pass(
+                state, rows, topk_idx, num_tokens, shared, y, flavour, kernel, weights
+            )
+            return
         if not state.checked:
             self._moewire_check(
                 state, rows, topk_idx, num_tokens, shared, y, flavour, kernel, weights
@@ -527,6 +533,60 @@ class QuantExperts:
             return
         resum(rows, topk_idx, num_tokens, shared_position=shared, weights=weights,
               row_quantizer=quantizer, out=y)
+
+    def _moewire_check_in_one_pass(
+        self,
+        state: _BufferCheck,
+        rows: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_tokens: int,
+        shared: str | None,
+        y: torch.Tensor,
+        flavour: _flavours.Flavour,
+        kernel: str,
+        weights: torch.Tensor | None,
+    ) -> None:
+        """Check and quantize in one pass over the rows (CUDA, the fused kernel).
+
+        The fused kernel re-sums the quantized rows into a scratch output and, in the same
+        pass, compares the unquantized re-sum with ``y`` over the compared tokens (as
+        :meth:`_moewire_check`), counting mismatching elements on the device. Eager: one
+        host read of that count; ``y`` is replaced only when it is 0, and a mismatch is
+        reported by the torch check (``y`` is intact), which names the tokens. Inside a CUDA
+        graph capture the count feeds a device-side assert, and ``y`` is replaced. The
+        proof of which stored row is the shared one still needs its alternative readings
+        (eager, until refuted), as in :meth:`_moewire_check`.
+        """
+        quantizer = self.combine_quantizer
+        fmt = quantizer.fmt
+        out = torch.empty_like(y)
+        flag = torch.zeros(1, dtype=torch.int32, device=y.device)
+        amax = quantizer.static_amax if fmt.needs_amax else None
+        kernels.fused_combine(
+            rows, topk_idx, num_tokens, out, fmt.name, amax, shared, y, flag, weights=weights
+        )
+        if _capturing(y):
+            self._moewire_assert_in_graph(state, flag[0] == 0, flavour)
+            y.copy_(out)
+            return
+        has_routed, bad = torch.stack(
+            [(topk_idx[:num_tokens] >= 0).any().to(torch.int32), flag[0]]
+        ).tolist()
+        if has_routed and bad:
+            # The torch check names the mismatching tokens (and raises).
+            self._moewire_check(
+                state, rows, topk_idx, num_tokens, shared, y, flavour, kernel, weights
+            )
+            raise RuntimeError(
+                f"{self._moewire_name}: the fused kernel's layout check counted {bad} "
+                "mismatching elements, but the torch check found none: a moewire bug; set "
+                "MOEWIRE_DISABLE_KERNELS=1 and report it"
+            )
+        if has_routed:
+            self._moewire_refute_shared_readings(
+                state, rows, topk_idx, num_tokens, shared, y, weights
+            )
+        y.copy_(out)
 
     def _moewire_check(
         self,
@@ -556,35 +616,8 @@ class QuantExperts:
         routed = (topk_idx[:num_tokens] >= 0).any(dim=1)
         compared = routed | (shared is not None)
         differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & compared
-        where = (
-            f"{self._moewire_name}: the Mega-MoE layout check failed: the unquantized re-sum "
-            f"of the combine rows of {kernel} read with kernel flavour {flavour.name!r} (combine "
-            f"base {flavour.layout(kernel).base_rule}, fused shared row added "
-            f"{shared if shared else '- (none fused)'}) does not reproduce the kernel output"
-        )
-        causes = (
-            "Likely causes: DG_COMM_KERNEL_DEBUG=1 (it zeroes the buffer after every call); "
-            "a DeepGEMM build that changed the combine layout or order; or the wrong flavour "
-            f"for this build (registered: {', '.join(_flavours.names())}; set it in the "
-            "experts adapter)."
-        )
         if _capturing(y):
-            if not state.graph_warned:
-                state.graph_warned = True
-                warnings.warn(
-                    f"{self._moewire_name}: the layout check of this Mega-MoE buffer runs inside "
-                    "the CUDA graph being captured (no eager batch with a routed row came "
-                    "first); a replay that stops with 'device-side assert triggered' is this "
-                    f"check failing. {causes}",
-                    stacklevel=2,
-                )
-            # torch caps a device-assert message at 254 characters; the warning above
-            # carries the full explanation.
-            short = (
-                f"{self._moewire_name}: the Mega-MoE layout check failed (flavour "
-                f"{flavour.name!r}); see moewire's capture-time warning"
-            )
-            torch._assert_async(~differs.any(), short[:254])
+            self._moewire_assert_in_graph(state, ~differs.any(), flavour)
             return
         has_routed, bad, total = torch.stack(
             [routed.any().long(), differs.sum(), compared.sum()]
@@ -593,9 +626,53 @@ class QuantExperts:
             return
         if bad:
             raise RuntimeError(
-                f"{where} ({bad} of {total} compared tokens differ).{_debug_env_hint()} "
-                f"{causes}"
+                f"{self._layout_failure(flavour, kernel, shared)} ({bad} of {total} compared "
+                f"tokens differ).{_debug_env_hint()} {_layout_causes()}"
             )
+        self._moewire_refute_shared_readings(state, rows, topk_idx, num_tokens, shared, y, weights)
+
+    def _layout_failure(self, flavour: _flavours.Flavour, kernel: str, shared: str | None) -> str:
+        return (
+            f"{self._moewire_name}: the Mega-MoE layout check failed: the unquantized re-sum "
+            f"of the combine rows of {kernel} read with kernel flavour {flavour.name!r} (combine "
+            f"base {flavour.layout(kernel).base_rule}, fused shared row added "
+            f"{shared if shared else '- (none fused)'}) does not reproduce the kernel output"
+        )
+
+    def _moewire_assert_in_graph(
+        self, state: _BufferCheck, ok: torch.Tensor, flavour: _flavours.Flavour
+    ) -> None:
+        """Record the layout check in the CUDA graph being captured: a device-side assert."""
+        if not state.graph_warned:
+            state.graph_warned = True
+            warnings.warn(
+                f"{self._moewire_name}: the layout check of this Mega-MoE buffer runs inside "
+                "the CUDA graph being captured (no eager batch with a routed row came "
+                "first); a replay that stops with 'device-side assert triggered' is this "
+                f"check failing. {_layout_causes()}",
+                stacklevel=3,
+            )
+        # torch caps a device-assert message at 254 characters; the warning above
+        # carries the full explanation.
+        short = (
+            f"{self._moewire_name}: the Mega-MoE layout check failed (flavour "
+            f"{flavour.name!r}); see moewire's capture-time warning"
+        )
+        torch._assert_async(ok, short[:254])
+
+    def _moewire_refute_shared_readings(
+        self,
+        state: _BufferCheck,
+        rows: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_tokens: int,
+        shared: str | None,
+        y: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> None:
+        """After a passing check: mark the buffer checked, or, with a fused shared expert,
+        once every other reading of the shared row has failed to reproduce ``y`` (every
+        token has its shared row, so every token is compared)."""
         if shared is not None:
             k = topk_idx.shape[1]
             if state.unrefuted is None:
@@ -606,12 +683,34 @@ class QuantExperts:
                 alternative = resum(
                     rows[order], topk_idx, num_tokens, shared_position=shared, weights=weights
                 )
-                if bool(((alternative.view(torch.int16) != y.view(torch.int16)).any(1)
-                         & compared).any()):
+                if bool((alternative.view(torch.int16) != y.view(torch.int16)).any()):
                     state.unrefuted.discard(j)
             if state.unrefuted:
                 return
         state.checked = True
+
+
+def _layout_causes() -> str:
+    return (
+        "Likely causes: DG_COMM_KERNEL_DEBUG=1 (it zeroes the buffer after every call); "
+        "a DeepGEMM build that changed the combine layout or order; or the wrong flavour "
+        f"for this build (registered: {', '.join(_flavours.names())}; set it in the "
+        "experts adapter)."
+    )
+
+
+def _one_pass(quantizer: Any, y: torch.Tensor) -> bool:
+    """Whether the fused kernel can check and quantize this combine in one pass: a CUDA
+    output, the kernels available, and a quantizer in quantize mode whose format has a
+    kernel (the same conditions under which ``resum`` takes the kernel)."""
+    fmt = getattr(quantizer, "fmt", None)
+    return (
+        y.is_cuda
+        and quantizer.mode == "quantize"
+        and fmt is not None
+        and kernels.available()
+        and kernels.supports(fmt.name)
+    )
 
 
 def amax_rows(module: nn.Module) -> str | None:
