@@ -86,8 +86,9 @@ def test_a_corrupted_buffer_fails_the_replay_in_a_subprocess(tmp_path):
 @pytest.mark.parametrize(
     "fmt,amax", [("nvfp4", 0.5), ("fp8", 0.5), ("mxfp8", None)], ids=["nvfp4", "fp8", "mxfp8"]
 )
-@pytest.mark.parametrize("shared_slot", [None, "last"], ids=["none", "last"])
-def test_resum_fused_kernel_equals_the_torch_path(fmt, amax, shared_slot, monkeypatch):
+@pytest.mark.parametrize("weighted", [False, True], ids=["weighted-rows", "fma-weights"])
+@pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["none", "first", "last"])
+def test_resum_fused_kernel_equals_the_torch_path(fmt, amax, shared_slot, weighted, monkeypatch):
     from moewire import kernels
     from moewire.megamoe.resum import resum
     from moewire.quantizer import WireQuantizer
@@ -101,39 +102,20 @@ def test_resum_fused_kernel_equals_the_torch_path(fmt, amax, shared_slot, monkey
     ).bfloat16()
     topk = torch.randint(0, 16, (tmax, k), device="cuda", generator=g)
     topk[torch.rand(tmax, k, device="cuda", generator=g) < 0.3] = -1
+    weights = torch.rand(tmax, k, device="cuda", generator=g) if weighted else None
     quantizer = WireQuantizer(fmt, constant_amax=amax).cuda()
     calls = []
     real = kernels.fused_combine
     monkeypatch.setattr(
         kernels, "fused_combine", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
-    fused = resum(rows, topk, t, shared_position=shared_slot, row_quantizer=quantizer)
+    fused = resum(
+        rows, topk, t, shared_position=shared_slot, weights=weights, row_quantizer=quantizer
+    )
     assert calls == [1]
     monkeypatch.setenv("MOEWIRE_DISABLE_KERNELS", "1")
-    plain = resum(rows, topk, t, shared_position=shared_slot, row_quantizer=quantizer)
+    plain = resum(
+        rows, topk, t, shared_position=shared_slot, weights=weights, row_quantizer=quantizer
+    )
     assert calls == [1]
     np.testing.assert_array_equal(bits(fused), bits(plain))
-
-
-def test_resum_shared_added_first_takes_the_torch_path(monkeypatch):
-    # The current kernel reads a "first" shared row from slot 0; every build stores it at k.
-    from moewire import kernels
-    from moewire.megamoe.resum import resum
-    from moewire.quantizer import WireQuantizer
-
-    if not kernels.available():
-        pytest.skip("moewire.kernels unavailable (no Triton)")
-    g = torch.Generator(device="cuda").manual_seed(1)
-    k, tmax, hidden, t = 4, 48, 256, 40
-    rows = torch.randn(k + 1, tmax, hidden, device="cuda", generator=g).bfloat16()
-    topk = torch.randint(0, 16, (tmax, k), device="cuda", generator=g)
-    calls = []
-    real = kernels.fused_combine
-    monkeypatch.setattr(
-        kernels, "fused_combine", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
-    quantizer = WireQuantizer("mxfp8").cuda()
-    got = resum(rows, topk, t, shared_position="first", row_quantizer=quantizer)
-    assert calls == []
-    want = resum(rows.cpu(), topk.cpu(), t, shared_position="first", row_quantizer=quantizer.cpu())
-    np.testing.assert_array_equal(bits(got), bits(want))

@@ -38,11 +38,13 @@ def _batch(t: int, name: str, masked: float = 0.25):
 
 
 class _Model(nn.Module):
-    def __init__(self, fused: int = 0, shared_dtype=torch.float8_e4m3fn, seed: int = 0):
+    def __init__(
+        self, fused: int = 0, shared_dtype=torch.float8_e4m3fn, seed: int = 0, device="cpu"
+    ):
         super().__init__()
         self.experts = NVFP4MegaMoEExperts(
             E, K, H, INTER, TMAX, num_fused_shared_experts=fused, shared_dtype=shared_dtype,
-            l2_activation_scale=0.5, seed=seed, device="cpu",
+            l2_activation_scale=0.5, seed=seed, device=device,
         )
 
     def forward(self, x, w, ids):
@@ -95,7 +97,7 @@ def _oracle(rows, ids, w, t, shared, mode="fma", order="ascending", shared_at="l
 
 
 def _bits(y: torch.Tensor) -> np.ndarray:
-    return y.view(torch.int16).numpy().view(np.uint16)
+    return y.view(torch.int16).cpu().numpy().view(np.uint16)
 
 
 def _crafted():
@@ -381,3 +383,41 @@ def test_every_packaged_recipe_runs_on_the_nvfp4_kernel(name):
         want = resum(rows, buf.topk_idx[:12], 12, weights=buf.topk_weights,
                      row_quantizer=lambda r: combine.fmt.qdq(r, combine.static_amax))
         assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "fp8"])
+@pytest.mark.parametrize("fused", [0, 1], ids=["routed", "fused-shared"])
+def test_nvfp4_kernel_layer_on_cuda_takes_the_weighted_fused_kernel(fmt, fused, monkeypatch):
+    """On CUDA the NVFP4 layer's combine runs the fused kernel's weighted mode (the
+    one-pass check and quantize, then the plain kernel path once checked) and gives the
+    bits of the torch path (``MOEWIRE_DISABLE_KERNELS=1``) on the same rows."""
+    from moewire import kernels
+
+    if not kernels.available():
+        pytest.skip("moewire.kernels unavailable (no Triton)")
+    amax = 40.0 if formats.get(fmt).needs_amax else None
+    x, w, ids = _batch(19, f"cuda{fmt}{fused}")
+    x, w, ids = x.cuda(), w.cuda(), ids.cuda()
+    outs = []
+    for disable in ("0", "1"):
+        monkeypatch.setenv("MOEWIRE_DISABLE_KERNELS", disable)
+        wrapper.reset_layout_checks()
+        model = _Model(fused=fused, device="cuda")
+        moewire.quantize(model, _combine_recipe(fmt, amax))
+        calls = []
+        real = kernels.fused_combine
+
+        def recording(*a, _calls=calls, _real=real, **kw):
+            _calls.append(kw.get("weights"))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(kernels, "fused_combine", recording)
+        outs.append([model(x, w, ids) for _ in range(2)])
+        monkeypatch.setattr(kernels, "fused_combine", real)
+        if disable == "0":
+            assert len(calls) == 2 and all(c is not None for c in calls), "weighted kernel"
+        else:
+            assert calls == []
+    for fast, slow in zip(outs[0], outs[1], strict=True):
+        np.testing.assert_array_equal(_bits(fast), _bits(slow))
