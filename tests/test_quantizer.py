@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moewire import formats
-from moewire.quantizer import CFG_KEYS, CfgError, QuantizerSpec, WireQuantizer, parse_cfg
+from moewire.config import CFG_KEYS, CfgError, QuantizerSpec, modelopt_table, parse_cfg
+from moewire.quantizer import WireQuantizer
 
 NVFP4_BLOCKS = {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}
 MX_BLOCKS = {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}
@@ -390,6 +391,32 @@ def test_from_cfg_maps(cfg, name):
     q = WireQuantizer.from_cfg(cfg)
     assert q.fmt is formats.get(name)
     assert q.enabled == cfg.get("enable", True)
+
+
+@pytest.mark.parametrize("name", formats.names())
+def test_each_modelopt_spelling_maps_back_to_its_format(name):
+    spelled = formats.get(name).modelopt_cfg()
+    if spelled is None:
+        assert name not in modelopt_table().values()
+    else:
+        assert parse_cfg(spelled).fmt == name
+
+
+def test_a_new_format_declares_its_spelling_in_one_place(monkeypatch):
+    """Registering a format with a spelling is all parse_cfg needs to accept it."""
+    from moewire.formats import base
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+
+    class FP6(formats.WireFormat):
+        name = "fp6_e3m2"
+        element_bits = 6
+        modelopt_spelling = formats.ModelOptSpelling(num_bits=(3, 2))
+
+    formats.register(FP6)
+    assert parse_cfg({"num_bits": [3, 2]}).fmt == "fp6_e3m2"
+    with pytest.raises(CfgError, match="-> fp6_e3m2"):
+        parse_cfg({"num_bits": (5, 2)})
 
 
 def test_from_cfg_options():

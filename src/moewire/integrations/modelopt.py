@@ -54,7 +54,7 @@ except ImportError as err:  # pragma: no cover - exercised only without modelopt
     ) from err
 
 from moewire import formats
-from moewire.quantizer import CfgError, parse_cfg
+from moewire.config import CfgError, parse_cfg
 
 __all__ = [
     "BACKEND",
@@ -82,7 +82,7 @@ _MATHS = ("moewire", "modelopt")
 def format_name(quantizer: TensorQuantizer) -> str | None:
     """The moewire format a ``TensorQuantizer``'s attributes spell, or ``None``.
 
-    The spelling is moewire's own (``moewire.quantizer.parse_cfg``: ``num_bits``,
+    The spelling is moewire's own (``moewire.config.parse_cfg``: ``num_bits``,
     ``block_sizes``, ``axis``), so the same cfg entry names the same format in ``mtq.quantize``
     and in ``moewire.quantize``. Integer, unsigned, per-channel and top-level dynamic
     quantizers return ``None``.
@@ -123,7 +123,7 @@ def _math_of(quantizer: TensorQuantizer, where: str) -> str:
             f"{where}: moewire's math was asked for, but the quantizer attributes "
             f"(num_bits={quantizer._num_bits}, block_sizes={quantizer._block_sizes}, "
             f"axis={quantizer._axis}) name no moewire format (the table is in "
-            "moewire.quantizer.parse_cfg); drop the request to use ModelOpt's math"
+            "moewire.config.parse_cfg); drop the request to use ModelOpt's math"
         )
     return asked
 
