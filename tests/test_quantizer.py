@@ -11,7 +11,7 @@ import torch
 
 from moewire import formats
 from moewire.config import CFG_KEYS, CfgError, QuantizerSpec, modelopt_table, parse_cfg
-from moewire.quantizer import WireQuantizer
+from moewire.quantizer import WireQuantizer, WireQuantizerLike
 
 NVFP4_BLOCKS = {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}
 MX_BLOCKS = {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}
@@ -60,6 +60,16 @@ def test_mode_setter_refuses_unknown_mode():
     q = WireQuantizer("fp8")
     with pytest.raises(ValueError, match="mode 'train' is not one of"):
         q.mode = "train"
+
+
+def contract_members() -> list[str]:
+    return [n for n in vars(WireQuantizerLike) if not n.startswith("_") or n == "__call__"]
+
+
+def test_wire_quantizer_implements_the_contract():
+    q = WireQuantizer("nvfp4")
+    assert len(contract_members()) == 14
+    assert [n for n in contract_members() if not hasattr(q, n)] == []
 
 
 def test_disabled_passes_values_through():
@@ -174,17 +184,17 @@ def test_fixed_scale_is_idempotent(name, amax, dtype):
     assert torch.equal(q(once), once)
 
 
-def test_static_scale_and_kernel_spec():
+def test_static_scale_and_what_a_kernel_reads():
+    """A fused kernel reads mode, fmt and static_amax (moewire.megamoe.resum)."""
     fp8 = WireQuantizer("fp8")
-    assert fp8.kernel_spec() == (None, None)
+    assert not fp8.is_static_scale() and fp8.static_amax is None
     fp8.load_amax(2.0)
-    name, amax = fp8.kernel_spec()
-    assert name == "fp8" and amax is fp8.amax and fp8.static_amax is fp8.amax
+    assert fp8.fmt.name == "fp8" and fp8.static_amax is fp8.amax
     assert fp8.is_static_scale()
     mx = WireQuantizer("mxfp4")
-    assert mx.is_static_scale() and mx.kernel_spec() == ("mxfp4", None)
+    assert mx.is_static_scale() and mx.static_amax is None and mx.fmt.name == "mxfp4"
     mx.disable()
-    assert mx.kernel_spec() == (None, None)
+    assert mx.mode == "disabled"
     assert mx.scale_amax(torch.ones(32)) is None
 
 
@@ -239,8 +249,9 @@ def test_collect_and_calibrate_forward_never_sync(monkeypatch):
     q(x)
     q.mode = "quantize"
     dynamic = q.scale_amax(x)
-    q.kernel_spec()
+    static = (q.is_static_scale(), q.static_amax)
     monkeypatch.undo()
+    assert static == (False, None)
     assert float(dynamic) == float(x.abs().amax())
     assert float(q.calib_amax) == _oracle_max([(x, None)])
 

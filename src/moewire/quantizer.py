@@ -26,9 +26,13 @@ collected amax is NaN or inf. moewire cannot read values while collecting, so
 ``load_calib_amax`` then warns with the count. An inf is kept in the max, and
 ``load_calib_amax`` refuses it.
 
+What callers may use is written down once, as the Protocol :class:`WireQuantizerLike`
+(ModelOpt's ``WireTensorQuantizer`` implements it too), and every calibration runs through
+:func:`calibration`: collect, then sync across ranks, then load.
+
 ModelOpt-style configuration dicts map to formats in :mod:`moewire.config`
 (:func:`~moewire.config.parse_cfg`); :meth:`WireQuantizer.from_cfg` builds the quantizer from
-one.
+one. Imports ``formats`` and ``config`` only.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ import contextlib
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -48,9 +52,136 @@ from moewire import formats
 # parse_cfg and CfgError are imported from here too, as 0.1.0 documented them here.
 from moewire.config import CfgError, parse_cfg, positive_amax
 
-__all__ = ["MODES", "CfgError", "WireQuantizer", "parse_cfg"]
+__all__ = ["MODES", "CfgError", "WireQuantizer", "WireQuantizerLike", "calibration", "parse_cfg"]
 
 MODES = ("quantize", "calibrate", "disabled")
+
+
+class WireQuantizerLike(Protocol):
+    """The quantizer contract: what moewire calls on a dispatch or combine quantizer.
+
+    Two classes implement it: :class:`WireQuantizer` and ModelOpt's
+    ``moewire.integrations.modelopt.WireTensorQuantizer``. The Mega-MoE wrapper, the re-sum,
+    ``moewire.megamoe.api`` and the integrations use these members only (plus
+    ``nn.Module``'s ``buffers()`` and ``to()``).
+    """
+
+    @property
+    def mode(self) -> str:
+        """``"quantize"``, ``"calibrate"`` (collect, pass values through) or ``"disabled"``."""
+
+    @property
+    def fmt(self) -> formats.WireFormat | None:
+        """The wire format whose math runs, or ``None`` when another library's runs."""
+
+    @property
+    def static_amax(self) -> torch.Tensor | None:
+        """The fixed amax (calibrated, constant or loaded), FP32 ``[]`` on the device."""
+
+    @property
+    def constant_amax(self) -> float | None:
+        """The amax a cfg pinned (calibration and loading leave it), or ``None``."""
+
+    @property
+    def amax_source(self) -> str | None:
+        """Where the amax came from (``"calibrated"``, ``"constant"``, ``"loaded"``), if known."""
+
+    @property
+    def calibratable(self) -> bool:
+        """Whether calibration sets the amax (:func:`calibration` loads it then)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Fake-quantize ``x`` (quantize), collect it and return it (calibrate), or ``x``."""
+
+    def is_static_scale(self) -> bool:
+        """Whether every scale of a row depends on that row alone (the combine needs it)."""
+
+    def collect(self, x: torch.Tensor) -> None:
+        """Fold ``max|x|`` into the collected max (the caller passes valid rows only)."""
+
+    def begin_calibration(self) -> None:
+        """Forget the collected max and collect from now on (calibrate mode); no nesting."""
+
+    def end_calibration(self) -> None:
+        """Stop collecting: the mode from before :meth:`begin_calibration` comes back."""
+
+    def sync_amax(self, group: Any) -> None:
+        """Max-reduce the collected max and the fixed amax over ``group`` (every rank calls)."""
+
+    def load_calib_amax(self) -> torch.Tensor | None:
+        """The collected max becomes the amax; ``None`` (amax kept) when no data was seen."""
+
+    def load_amax(self, amax: torch.Tensor | float) -> None:
+        """Fix the amax to a saved value."""
+
+
+@contextlib.contextmanager
+def calibration(members: Iterable[tuple[WireQuantizerLike, Sequence[Any]]]) -> Iterator[None]:
+    """moewire's one calibration: collect, then sync across ranks, then load.
+
+    Inside, every enabled quantizer collects ``max|x|`` of what it sees while values pass
+    through unquantized (ModelOpt's semantics). On a normal exit, in this order:
+
+    1. collecting stops and each quantizer's previous mode comes back;
+    2. each quantizer's collected max (and fixed amax) is max-reduced over each of its
+       groups in turn (``None`` entries skipped); every rank makes the same calls, also a
+       rank that saw no data, which then gets the group's max instead of none;
+    3. the max becomes the amax of each quantizer whose amax calibration sets
+       (``calibratable``; with no data on any rank it warns and keeps its amax).
+
+    If the body raises, the modes come back and nothing is synced or loaded. Disabled
+    quantizers are left alone.
+
+    Args:
+        members: ``(quantizer, groups)`` pairs; ``groups`` are ``torch.distributed`` process
+            groups (an experts module's EP group, the DP group), in the order to reduce over.
+
+    Raises:
+        RuntimeError: a quantizer is already calibrating (calibration does not nest).
+    """
+    active = [(q, tuple(groups)) for q, groups in members if q.mode != "disabled"]
+    started: list[WireQuantizerLike] = []
+    try:
+        for quantizer, _ in active:
+            quantizer.begin_calibration()
+            started.append(quantizer)
+        yield
+    finally:
+        for quantizer in started:
+            quantizer.end_calibration()
+    for quantizer, groups in active:
+        for group in groups:
+            if group is not None:
+                quantizer.sync_amax(group)
+    for quantizer, _ in active:
+        if quantizer.calibratable:
+            quantizer.load_calib_amax()
+
+
+def max_all_reduce(group: Any, device: torch.device, *values: torch.Tensor) -> list[float] | None:
+    """One ``MAX`` all-reduce of FP32 scalars over ``group``; ``None`` without a group.
+
+    0 is neutral for a max of magnitudes, so a rank sends 0 for what it lacks. A NaN is sent
+    as inf, so a bad rank makes every rank refuse the result instead of poisoning the max
+    silently. ``None``: no initialised group of more than one rank (nothing to reduce).
+
+    Args:
+        group: a ``torch.distributed`` process group (``None``: the default group).
+        device: where the values live (NCCL needs CUDA: CPU values are moved there).
+        values: FP32 ``[]`` tensors.
+
+    Returns:
+        The reduced values, in order.
+    """
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    packed = torch.stack([v.detach().float().reshape(()) for v in values]).to(device)
+    packed = torch.where(torch.isnan(packed), torch.inf, packed)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return packed.tolist()
 
 
 def _host_amax(value: torch.Tensor | float, what: str) -> torch.Tensor:
@@ -128,6 +259,7 @@ class WireQuantizer(nn.Module):
         self.amax_source: str | None = None
         self.constant_amax: float | None = None
         self._mode = "quantize" if enable else "disabled"
+        self._mode_before_calibration = self._mode
         if constant_amax is not None:
             self.set_constant_amax(constant_amax)
 
@@ -210,16 +342,6 @@ class WireQuantizer(nn.Module):
             "none (allow_dynamic=False forbids a per-call amax); calibrate it (with "
             "q.calibrating(): run data) or set constant_amax"
         )
-
-    def kernel_spec(self) -> tuple[str | None, torch.Tensor | None]:
-        """``(format name, amax or None)`` for a fused kernel, or ``(None, None)``.
-
-        Only a quantizer in quantize mode with a static scale (:meth:`is_static_scale`)
-        can be handed to a kernel that takes a format name and an FP32 device amax.
-        """
-        if self._mode != "quantize" or not self.is_static_scale():
-            return None, None
-        return self.fmt.name, (self.amax if self.fmt.needs_amax else None)
 
     def set_constant_amax(self, value: float) -> None:
         """Fix the amax to ``value`` (finite, > 0); calibration will not change it."""
@@ -344,38 +466,45 @@ class WireQuantizer(nn.Module):
         self.calib_seen.zero_()
         self.calib_nan.zero_()
 
-    def _calibratable(self) -> bool:
+    @property
+    def calibratable(self) -> bool:
+        """Whether calibration sets the amax: a global-amax format without ``constant_amax``."""
         return self.fmt.needs_amax and self.constant_amax is None
+
+    def begin_calibration(self) -> None:
+        """Reset the collected state and switch to calibrate mode (see :func:`calibration`).
+
+        Raises:
+            RuntimeError: already calibrating (calibration does not nest).
+        """
+        if self._mode == "calibrate":
+            raise RuntimeError(
+                f"{self._label()}: already calibrating; calibrating() does not nest"
+            )
+        self._mode_before_calibration = self._mode
+        self.reset_calibration()
+        self._mode = "calibrate"
+
+    def end_calibration(self) -> None:
+        """Leave calibrate mode: the mode from before :meth:`begin_calibration` comes back."""
+        self._mode = self._mode_before_calibration
 
     @contextlib.contextmanager
     def calibrating(self) -> Iterator[WireQuantizer]:
         """Calibrate mode inside (values pass through), then :meth:`load_calib_amax`.
 
-        A disabled quantizer stays disabled and collects nothing. The collected state is
-        reset on entry. On a normal exit the previous mode comes back and, for a format
-        with a global amax and no ``constant_amax``, the max is loaded (with no data seen
-        it warns and keeps the quantizer as it was). If the body raises, the mode comes
-        back and nothing is loaded.
+        :func:`calibration` for this quantizer alone (no process group): a disabled
+        quantizer stays disabled and collects nothing; the collected state is reset on
+        entry; on a normal exit the previous mode comes back and, for a format with a global
+        amax and no ``constant_amax``, the max is loaded (with no data seen it warns and
+        keeps the quantizer as it was). If the body raises, the mode comes back and nothing
+        is loaded.
 
         Raises:
             RuntimeError: already calibrating (calibration does not nest).
         """
-        if self._mode == "disabled":
+        with calibration([(self, ())]):
             yield self
-            return
-        if self._mode == "calibrate":
-            raise RuntimeError(
-                f"{self._label()}: already calibrating; calibrating() does not nest"
-            )
-        previous = self._mode
-        self.reset_calibration()
-        self._mode = "calibrate"
-        try:
-            yield self
-        finally:
-            self._mode = previous
-        if self._calibratable():
-            self.load_calib_amax()
 
     def load_calib_amax(self) -> torch.Tensor | None:
         """Finish calibration: copy the collected max into ``amax`` (host-side checks).
@@ -434,11 +563,11 @@ class WireQuantizer(nn.Module):
 
         Every rank must call it (exactly one collective per call, whatever its state). One
         FP32 ``[4]`` tensor ``[amax if has_amax else 0, has_amax, calib_amax, calib_seen]``
-        is reduced with ``MAX``: 0 is neutral for a max of magnitudes, so a rank that saw
-        no data neither hangs nor lowers the result, and the flags become "any rank".
-        A NaN is sent as inf, so a bad rank makes every rank refuse in
-        :meth:`load_calib_amax` instead of poisoning the max silently. Called before or
-        after :meth:`load_calib_amax`. No-op without an initialised group of > 1 ranks.
+        is reduced with ``MAX`` (:func:`max_all_reduce`): a rank that saw no data neither
+        hangs nor lowers the result, the flags become "any rank", and a NaN (sent as inf)
+        makes every rank refuse in :meth:`load_calib_amax`. :func:`calibration` calls it
+        before :meth:`load_calib_amax`; after it works too. No-op without an initialised
+        group of > 1 ranks.
 
         Args:
             group: a ``torch.distributed`` process group (``None``: the default group).
@@ -446,24 +575,14 @@ class WireQuantizer(nn.Module):
         Raises:
             RuntimeError: (after the collective) ranks disagree on ``constant_amax``.
         """
-        dist = torch.distributed
-        if not dist.is_available() or not dist.is_initialized():
-            return
-        if dist.get_world_size(group) == 1:
-            return
-        device = self.amax.device
-        if dist.get_backend(group) == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
         zero = torch.zeros((), dtype=torch.float32, device=self.amax.device)
-        packed = torch.stack([
-            self.amax if self.has_amax else zero,
-            zero + self.has_amax,
-            self.calib_amax,
-            self.calib_seen.float(),
-        ]).to(device)
-        packed = torch.where(torch.isnan(packed), torch.inf, packed)
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-        amax, any_amax, calib, any_seen = packed.tolist()
+        reduced = max_all_reduce(
+            group, self.amax.device, self.amax if self.has_amax else zero,
+            zero + self.has_amax, self.calib_amax, self.calib_seen.float(),
+        )
+        if reduced is None:
+            return
+        amax, any_amax, calib, any_seen = reduced
         self.calib_amax.fill_(calib)
         self.calib_seen.fill_(any_seen > 0)
         if not any_amax:
@@ -473,7 +592,7 @@ class WireQuantizer(nn.Module):
                 f"{self._label()}: constant_amax={self.constant_amax} here, but another rank "
                 f"holds amax={amax}; build every rank's quantizer from the same recipe"
             )
-        self.amax.copy_(packed[0])
+        self.amax.fill_(amax)
         self.has_amax = True
         self.amax_source = self.amax_source or "calibrated"
 
