@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moewire import formats
-from moewire.quantizer import CFG_KEYS, CfgError, QuantizerSpec, WireQuantizer, parse_cfg
+from moewire.config import CFG_KEYS, CfgError, QuantizerSpec, modelopt_table, parse_cfg
+from moewire.quantizer import WireQuantizer, WireQuantizerLike
 
 NVFP4_BLOCKS = {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}
 MX_BLOCKS = {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}
@@ -59,6 +60,16 @@ def test_mode_setter_refuses_unknown_mode():
     q = WireQuantizer("fp8")
     with pytest.raises(ValueError, match="mode 'train' is not one of"):
         q.mode = "train"
+
+
+def contract_members() -> list[str]:
+    return [n for n in vars(WireQuantizerLike) if not n.startswith("_") or n == "__call__"]
+
+
+def test_wire_quantizer_implements_the_contract():
+    q = WireQuantizer("nvfp4")
+    assert len(contract_members()) == 14
+    assert [n for n in contract_members() if not hasattr(q, n)] == []
 
 
 def test_disabled_passes_values_through():
@@ -173,17 +184,17 @@ def test_fixed_scale_is_idempotent(name, amax, dtype):
     assert torch.equal(q(once), once)
 
 
-def test_static_scale_and_kernel_spec():
+def test_static_scale_and_what_a_kernel_reads():
+    """A fused kernel reads mode, fmt and static_amax (moewire.megamoe.resum)."""
     fp8 = WireQuantizer("fp8")
-    assert fp8.kernel_spec() == (None, None)
+    assert not fp8.is_static_scale() and fp8.static_amax is None
     fp8.load_amax(2.0)
-    name, amax = fp8.kernel_spec()
-    assert name == "fp8" and amax is fp8.amax and fp8.static_amax is fp8.amax
+    assert fp8.fmt.name == "fp8" and fp8.static_amax is fp8.amax
     assert fp8.is_static_scale()
     mx = WireQuantizer("mxfp4")
-    assert mx.is_static_scale() and mx.kernel_spec() == ("mxfp4", None)
+    assert mx.is_static_scale() and mx.static_amax is None and mx.fmt.name == "mxfp4"
     mx.disable()
-    assert mx.kernel_spec() == (None, None)
+    assert mx.mode == "disabled"
     assert mx.scale_amax(torch.ones(32)) is None
 
 
@@ -238,8 +249,9 @@ def test_collect_and_calibrate_forward_never_sync(monkeypatch):
     q(x)
     q.mode = "quantize"
     dynamic = q.scale_amax(x)
-    q.kernel_spec()
+    static = (q.is_static_scale(), q.static_amax)
     monkeypatch.undo()
+    assert static == (False, None)
     assert float(dynamic) == float(x.abs().amax())
     assert float(q.calib_amax) == _oracle_max([(x, None)])
 
@@ -390,6 +402,32 @@ def test_from_cfg_maps(cfg, name):
     q = WireQuantizer.from_cfg(cfg)
     assert q.fmt is formats.get(name)
     assert q.enabled == cfg.get("enable", True)
+
+
+@pytest.mark.parametrize("name", formats.names())
+def test_each_modelopt_spelling_maps_back_to_its_format(name):
+    spelled = formats.get(name).modelopt_cfg()
+    if spelled is None:
+        assert name not in modelopt_table().values()
+    else:
+        assert parse_cfg(spelled).fmt == name
+
+
+def test_a_new_format_declares_its_spelling_in_one_place(monkeypatch):
+    """Registering a format with a spelling is all parse_cfg needs to accept it."""
+    from moewire.formats import base
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+
+    class FP6(formats.WireFormat):
+        name = "fp6_e3m2"
+        element_bits = 6
+        modelopt_spelling = formats.ModelOptSpelling(num_bits=(3, 2))
+
+    formats.register(FP6)
+    assert parse_cfg({"num_bits": [3, 2]}).fmt == "fp6_e3m2"
+    with pytest.raises(CfgError, match="-> fp6_e3m2"):
+        parse_cfg({"num_bits": (5, 2)})
 
 
 def test_from_cfg_options():

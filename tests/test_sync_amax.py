@@ -1,4 +1,5 @@
-"""WireQuantizer.sync_amax over real gloo groups in spawned processes, one rank without data."""
+"""WireQuantizer.sync_amax and calibration() over real gloo groups in spawned processes, one
+rank without data."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moewire.quantizer import WireQuantizer
+from moewire.quantizer import WireQuantizer, calibration
 
 TIMEOUT_S = 240  # 2 shared CPU cores: spawning 4 torch processes can take a minute
 EMPTY_RANK = 1
@@ -61,6 +62,16 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         result["after_warned"] = any("saw no data" in str(w.message) for w in caught)
         after.sync_amax()
         result["after"] = _state(after)
+        # The one calibration context: collect, sync, load; the rank without data gets the
+        # group's max and no warning.
+        driven = WireQuantizer("nvfp4")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with calibration([(driven, (None, dist.group.WORLD))]):
+                if rank != EMPTY_RANK:
+                    driven(_rank_data(rank))
+        result["driven"] = _state(driven)
+        result["driven_warned"] = any("saw no data" in str(w.message) for w in caught)
         # A constant amax survives the sync.
         fixed = WireQuantizer("fp8", constant_amax=448.0)
         fixed.sync_amax()
@@ -119,13 +130,14 @@ def test_sync_amax_with_a_rank_without_data(world, tmp_path):
         float(_rank_data(rank).abs().float().max()) for rank in range(world) if rank != EMPTY_RANK
     )
     for r in results:
-        for key in ("before", "after"):
+        for key in ("before", "after", "driven"):
             state = r[key]
             assert state["amax"] == expected, (key, r)
             assert state["has_amax"] and state["source"] == "calibrated", (key, r)
         assert r["before"]["seen"] and r["before"]["same_buffer"], r
         assert r["before_loaded"], r
         assert r["fixed"] == 448.0, r
+        assert not r["driven_warned"], r
         assert "held inf" in r["poisoned"], r
         empty = r["rank"] == EMPTY_RANK
         assert r["after_loaded"] == (not empty) and r["after_warned"] == empty, r

@@ -2,7 +2,8 @@
 
 import pytest
 
-from moewire.quantizer import USE_CONSTANT_AMAX, CfgError, WireQuantizer, parse_cfg
+from moewire.config import USE_CONSTANT_AMAX, CfgError, parse_cfg
+from moewire.quantizer import WireQuantizer
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,13 @@ collected amax is NaN or inf. moewire cannot read values while collecting, so
 ``load_calib_amax`` then warns with the count. An inf is kept in the max, and
 ``load_calib_amax`` refuses it.
 
-ModelOpt-style configuration dicts map to formats with :func:`parse_cfg` (the table is in
-its docstring); :meth:`WireQuantizer.from_cfg` builds the quantizer from one.
+What callers may use is written down once, as the Protocol :class:`WireQuantizerLike`
+(ModelOpt's ``WireTensorQuantizer`` implements it too), and every calibration runs through
+:func:`calibration`: collect, then sync across ranks, then load.
+
+ModelOpt-style configuration dicts map to formats in :mod:`moewire.config`
+(:func:`~moewire.config.parse_cfg`); :meth:`WireQuantizer.from_cfg` builds the quantizer from
+one. Imports ``formats`` and ``config`` only.
 """
 
 from __future__ import annotations
@@ -36,303 +41,147 @@ import contextlib
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from moewire import formats
 
-__all__ = ["CFG_KEYS", "MODES", "USE_CONSTANT_AMAX", "CfgError", "QuantizerSpec", "WireQuantizer",
-           "parse_cfg"]
+# parse_cfg and CfgError are imported from here too, as 0.1.0 documented them here.
+from moewire.config import CfgError, parse_cfg, positive_amax
+
+__all__ = ["MODES", "CfgError", "WireQuantizer", "WireQuantizerLike", "calibration", "parse_cfg"]
 
 MODES = ("quantize", "calibrate", "disabled")
 
-#: Keys a quantizer cfg may hold: ModelOpt's attribute names plus moewire's own
-#: ``format`` and ``allow_dynamic``.
-CFG_KEYS = ("num_bits", "block_sizes", "axis", "constant_amax", "use_constant_amax", "enable",
-            "format", "allow_dynamic")
-#: The amax ModelOpt's ``use_constant_amax: true`` pins (the FP8 E4M3 maximum).
-USE_CONSTANT_AMAX = 448.0
 
-_BLOCK_KEYS = (-1, "type", "scale_bits")
-_FP32_MAX = float(torch.finfo(torch.float32).max)
-_FP32_TINY = float(torch.finfo(torch.float32).smallest_normal)
-_NAMED_BITS = {"e4m3": (4, 3), "e2m1": (2, 1), "e8m0": (8, 0)}
-_PER_TOKEN_AXES = (0, -2)
+class WireQuantizerLike(Protocol):
+    """The quantizer contract: what moewire calls on a dispatch or combine quantizer.
 
-# (num_bits, block size along the last dim, block scale_bits, "tensor"/"token") -> format.
-_CFG_TABLE: dict[tuple[tuple[int, int], int | None, tuple[int, int] | None, str], str] = {
-    ((4, 3), None, None, "tensor"): "fp8",
-    ((2, 1), 16, (4, 3), "tensor"): "nvfp4",
-    ((2, 1), 16, (4, 3), "token"): "nvfp4_token",
-    ((4, 3), 128, None, "tensor"): "fp8_b128",
-    ((4, 3), 128, (8, 0), "tensor"): "fp8_b128_ue8m0",
-    ((4, 3), 32, (8, 0), "tensor"): "mxfp8",
-    ((2, 1), 32, (8, 0), "tensor"): "mxfp4",
-}
-
-
-def _describe_table() -> str:
-    lines = []
-    for (bits, block, scale_bits, axis), name in _CFG_TABLE.items():
-        parts = [f"num_bits: {list(bits)}"]
-        if block is not None:
-            blocks = f"{{-1: {block}, type: dynamic"
-            if scale_bits is not None:
-                blocks += f", scale_bits: {list(scale_bits)}"
-            parts.append(f"block_sizes: {blocks}}}")
-        if axis == "token":
-            parts.append("axis: 0")
-        lines.append(f"{', '.join(parts)} -> {name}")
-    return "; ".join(lines)
-
-
-class CfgError(ValueError):
-    """A quantizer cfg moewire cannot map; ``key`` is the path of the offending key.
-
-    ``key`` is a tuple such as ``("num_bits",)`` or ``("block_sizes", "scale_bits")``
-    (empty when the cfg as a whole is wrong), so a recipe loader can point at the line.
+    Two classes implement it: :class:`WireQuantizer` and ModelOpt's
+    ``moewire.integrations.modelopt.WireTensorQuantizer``. The Mega-MoE wrapper, the re-sum,
+    ``moewire.megamoe.api`` and the integrations use these members only (plus
+    ``nn.Module``'s ``buffers()`` and ``to()``).
     """
 
-    def __init__(self, message: str, key: tuple[Any, ...] = ()) -> None:
-        super().__init__(message)
-        self.key = key
+    @property
+    def mode(self) -> str:
+        """``"quantize"``, ``"calibrate"`` (collect, pass values through) or ``"disabled"``."""
+
+    @property
+    def fmt(self) -> formats.WireFormat | None:
+        """The wire format whose math runs, or ``None`` when another library's runs."""
+
+    @property
+    def static_amax(self) -> torch.Tensor | None:
+        """The fixed amax (calibrated, constant or loaded), FP32 ``[]`` on the device."""
+
+    @property
+    def constant_amax(self) -> float | None:
+        """The amax a cfg pinned (calibration and loading leave it), or ``None``."""
+
+    @property
+    def amax_source(self) -> str | None:
+        """Where the amax came from (``"calibrated"``, ``"constant"``, ``"loaded"``), if known."""
+
+    @property
+    def calibratable(self) -> bool:
+        """Whether calibration sets the amax (:func:`calibration` loads it then)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Fake-quantize ``x`` (quantize), collect it and return it (calibrate), or ``x``."""
+
+    def is_static_scale(self) -> bool:
+        """Whether every scale of a row depends on that row alone (the combine needs it)."""
+
+    def collect(self, x: torch.Tensor) -> None:
+        """Fold ``max|x|`` into the collected max (the caller passes valid rows only)."""
+
+    def begin_calibration(self) -> None:
+        """Forget the collected max and collect from now on (calibrate mode); no nesting."""
+
+    def end_calibration(self) -> None:
+        """Stop collecting: the mode from before :meth:`begin_calibration` comes back."""
+
+    def sync_amax(self, group: Any) -> None:
+        """Max-reduce the collected max and the fixed amax over ``group`` (every rank calls)."""
+
+    def load_calib_amax(self) -> torch.Tensor | None:
+        """The collected max becomes the amax; ``None`` (amax kept) when no data was seen."""
+
+    def load_amax(self, amax: torch.Tensor | float) -> None:
+        """Fix the amax to a saved value."""
 
 
-@dataclass(frozen=True)
-class QuantizerSpec:
-    """What a cfg maps to: the :class:`WireQuantizer` constructor arguments."""
+@contextlib.contextmanager
+def calibration(members: Iterable[tuple[WireQuantizerLike, Sequence[Any]]]) -> Iterator[None]:
+    """moewire's one calibration: collect, then sync across ranks, then load.
 
-    fmt: str
-    constant_amax: float | None = None
-    enable: bool = True
-    allow_dynamic: bool = True
+    Inside, every enabled quantizer collects ``max|x|`` of what it sees while values pass
+    through unquantized (ModelOpt's semantics). On a normal exit, in this order:
 
+    1. collecting stops and each quantizer's previous mode comes back;
+    2. each quantizer's collected max (and fixed amax) is max-reduced over each of its
+       groups in turn (``None`` entries skipped); every rank makes the same calls, also a
+       rank that saw no data, which then gets the group's max instead of none;
+    3. the max becomes the amax of each quantizer whose amax calibration sets
+       (``calibratable``; with no data on any rank it warns and keeps its amax).
 
-def _bits(value: Any, key: tuple[Any, ...]) -> tuple[int, int]:
-    if isinstance(value, str) and value.lower() in _NAMED_BITS:
-        return _NAMED_BITS[value.lower()]
-    if (
-        isinstance(value, (list, tuple))
-        and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        return (value[0], value[1])
-    if isinstance(value, int) and not isinstance(value, bool):
-        raise CfgError(
-            f"{'.'.join(map(str, key))}={value!r} is integer quantization, which no moewire "
-            "wire format implements; use a float format, e.g. num_bits: [4, 3] (FP8 E4M3) "
-            "or [2, 1] (FP4 E2M1)",
-            key,
-        )
-    raise CfgError(
-        f"{'.'.join(map(str, key))}={value!r} is not a pair (exponent bits, mantissa "
-        "bits); write it as a list, e.g. [4, 3] for E4M3, [2, 1] for E2M1, [8, 0] for E8M0",
-        key,
-    )
-
-
-def _blocks(value: Any) -> tuple[int | None, tuple[int, int] | None]:
-    if value is None:
-        return None, None
-    if not isinstance(value, Mapping):
-        raise CfgError(
-            f"block_sizes={value!r} must be a mapping such as "
-            "{-1: 16, type: dynamic, scale_bits: [4, 3]}",
-            ("block_sizes",),
-        )
-    for key in value:
-        if key not in _BLOCK_KEYS:
-            raise CfgError(
-                f"block_sizes has the key {key!r}; moewire's blocks run along the last dim "
-                f"only, so the accepted keys are {list(_BLOCK_KEYS)}",
-                ("block_sizes", key),
-            )
-    size = value.get(-1)
-    if not isinstance(size, int) or isinstance(size, bool):
-        raise CfgError(
-            f"block_sizes[-1]={size!r}: give the block size along the last dim as an "
-            "integer (16 for NVFP4, 32 for MX, 128 for FP8 1x128)",
-            ("block_sizes", -1),
-        )
-    kind = value.get("type")
-    if kind != "dynamic":
-        raise CfgError(
-            f"block_sizes type={kind!r}: moewire's block scales are computed from each block "
-            "(ModelOpt's 'dynamic'); set type: dynamic",
-            ("block_sizes", "type"),
-        )
-    scale_bits = value.get("scale_bits")
-    if scale_bits is not None:
-        scale_bits = _bits(scale_bits, ("block_sizes", "scale_bits"))
-    return size, scale_bits
-
-
-def _axis(value: Any) -> str:
-    if value is None:
-        return "tensor"
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]
-    if isinstance(value, int) and not isinstance(value, bool) and value in _PER_TOKEN_AXES:
-        return "token"
-    raise CfgError(
-        f"axis={value!r} has no moewire format: moewire takes axis: null (one amax per "
-        "tensor) or a per-token axis (0 or -2: one scale per row, NVFP4 only -> nvfp4_token); "
-        "per-channel amax (axis: -1) is not a wire format",
-        ("axis",),
-    )
-
-
-def _positive_amax(value: Any, key: tuple[Any, ...]) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise CfgError(
-            f"{key[0]}={value!r} must be a number, e.g. constant_amax: 2688.0", key
-        )
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise CfgError(
-            f"{key[0]}={value!r} must be finite and > 0 (2688.0 = 6 * 448 makes the NVFP4 "
-            "global scale 1)",
-            key,
-        )
-    # The amax is an FP32 buffer: a value FP32 rounds to inf or to 0 would be stored as
-    # something else than what was asked for.
-    if not _FP32_TINY <= value <= _FP32_MAX:
-        raise CfgError(
-            f"{key[0]}={value!r} is outside FP32's range [{_FP32_TINY:.4g}, {_FP32_MAX:.4g}] "
-            "(the amax is stored in FP32); give a value in that range, e.g. 2688.0",
-            key,
-        )
-    return value
-
-
-def _flag(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = cfg.get(key, default)
-    if not isinstance(value, bool):
-        raise CfgError(f"{key}={value!r} must be true or false", (key,))
-    return value
-
-
-def parse_cfg(cfg: Mapping[str, Any]) -> QuantizerSpec:
-    """Map a ModelOpt-style quantizer cfg to a moewire format and options.
-
-    Accepted keys (:data:`CFG_KEYS`): ``num_bits``, ``block_sizes``, ``axis``,
-    ``constant_amax``, ``use_constant_amax``, ``enable`` (ModelOpt's attribute names), and
-    moewire's own ``format`` (a registered format name) and ``allow_dynamic``.
-    ``use_constant_amax: true`` pins the amax to 448.0 (:data:`USE_CONSTANT_AMAX`, ModelOpt's
-    FP8 E4M3 range), i.e. ``constant_amax: 448.0``; the two keys are mutually exclusive, as
-    in ModelOpt. The mapping:
-
-    ============  ====================================================  ============
-    num_bits      block_sizes                                           format
-    ============  ====================================================  ============
-    (4, 3)        none (``axis`` None)                                  fp8
-    (2, 1)        {-1: 16, type: dynamic, scale_bits: (4, 3)}           nvfp4
-    (2, 1)        same, with a per-token ``axis`` (0 or -2)             nvfp4_token
-    (4, 3)        {-1: 128, type: dynamic}                              fp8_b128
-    (4, 3)        {-1: 128, type: dynamic, scale_bits: (8, 0)}          fp8_b128_ue8m0
-    (4, 3)        {-1: 32, type: dynamic, scale_bits: (8, 0)}           mxfp8
-    (2, 1)        {-1: 32, type: dynamic, scale_bits: (8, 0)}           mxfp4
-    ============  ====================================================  ============
-
-    ``num_bits`` and ``scale_bits`` are pairs (a tuple, or a list in YAML) or the names
-    ``"e4m3"``, ``"e2m1"``, ``"e8m0"``. ``fp8_b32_ue8m0``, ``logfmt10`` and ``bf16`` have no
-    ModelOpt spelling: name them with ``format``. ``format`` together with ``num_bits``
-    must name the same format. A cfg with ``enable: false`` and no format maps to ``bf16``
-    (disabled; identity if enabled later).
+    If the body raises, the modes come back and nothing is synced or loaded. Disabled
+    quantizers are left alone.
 
     Args:
-        cfg: the cfg mapping (one recipe entry's ``cfg``).
-
-    Returns:
-        The :class:`QuantizerSpec` (format name, ``constant_amax``, ``enable``,
-        ``allow_dynamic``).
+        members: ``(quantizer, groups)`` pairs; ``groups`` are ``torch.distributed`` process
+            groups (an experts module's EP group, the DP group), in the order to reduce over.
 
     Raises:
-        CfgError: (a ``ValueError``) an unknown key, a value of the wrong type, a
-            combination with no moewire format, ``constant_amax`` on a format without a
-            global amax, or an unregistered format; ``.key`` names the offending key.
+        RuntimeError: a quantizer is already calibrating (calibration does not nest).
     """
-    if not isinstance(cfg, Mapping):
-        raise CfgError(f"a quantizer cfg must be a mapping, got {type(cfg).__name__}: {cfg!r}")
-    for key in cfg:
-        if key not in CFG_KEYS:
-            raise CfgError(
-                f"unknown cfg key {key!r}; accepted keys: {', '.join(CFG_KEYS)}", (key,)
-            )
-    enable = _flag(cfg, "enable", True)
-    allow_dynamic = _flag(cfg, "allow_dynamic", True)
-    derived = None
-    if any(cfg.get(key) is not None for key in ("num_bits", "block_sizes", "axis")):
-        if cfg.get("num_bits") is None:
-            raise CfgError(
-                "block_sizes/axis are given without num_bits; add num_bits, e.g. [4, 3]",
-                ("num_bits",),
-            )
-        bits = _bits(cfg["num_bits"], ("num_bits",))
-        block, scale_bits = _blocks(cfg.get("block_sizes"))
-        axis = _axis(cfg.get("axis"))
-        derived = _CFG_TABLE.get((bits, block, scale_bits, axis))
-        if derived is None:
-            blocks = cfg.get("block_sizes")
-            raise CfgError(
-                f"num_bits={list(bits)}, block_sizes={blocks!r}, axis={cfg.get('axis')!r} "
-                f"name no moewire format; accepted: {_describe_table()}; or format: <name> "
-                f"({', '.join(formats.names())})",
-                ("block_sizes",) if blocks is not None and bits in ((4, 3), (2, 1))
-                else ("num_bits",),
-            )
-    name = cfg.get("format")
-    if name is not None:
-        if not isinstance(name, str) or name not in formats.names():
-            raise CfgError(
-                f"format={name!r} is not a registered wire format; known formats: "
-                f"{', '.join(formats.names())}",
-                ("format",),
-            )
-        if derived is not None and derived != name:
-            raise CfgError(
-                f"format={name!r} disagrees with num_bits/block_sizes/axis, which name "
-                f"{derived!r}; keep one of the two, or make them agree",
-                ("format",),
-            )
-    name = name or derived
-    if name is None:
-        if enable:
-            raise CfgError(
-                "the cfg names no format: add num_bits (ModelOpt spelling, e.g. [4, 3]) or "
-                "format (e.g. format: nvfp4), or set enable: false",
-                (),
-            )
-        name = "bf16"
-    if name not in formats.names():
-        raise CfgError(
-            f"the cfg maps to format {name!r}, which is not registered in this build "
-            f"(known: {', '.join(formats.names())})",
-            ("format",) if "format" in cfg else ("num_bits",),
-        )
-    constant = cfg.get("constant_amax")
-    if constant is not None:
-        constant = _positive_amax(constant, ("constant_amax",))
-    if _flag(cfg, "use_constant_amax", False):
-        if constant is not None:
-            raise CfgError(
-                "use_constant_amax and constant_amax are both set; they are mutually exclusive "
-                "(as in ModelOpt): keep use_constant_amax (amax 448) or constant_amax",
-                ("use_constant_amax",),
-            )
-        constant = USE_CONSTANT_AMAX
-    if constant is not None and not formats.get(name).needs_amax:
-        key = "constant_amax" if "constant_amax" in cfg else "use_constant_amax"
-        raise CfgError(
-            f"{key} is set but format {name!r} has no global amax (its scales "
-            f"come from each block or row); remove {key}",
-            (key,),
-        )
-    return QuantizerSpec(name, constant, enable, allow_dynamic)
+    active = [(q, tuple(groups)) for q, groups in members if q.mode != "disabled"]
+    started: list[WireQuantizerLike] = []
+    try:
+        for quantizer, _ in active:
+            quantizer.begin_calibration()
+            started.append(quantizer)
+        yield
+    finally:
+        for quantizer in started:
+            quantizer.end_calibration()
+    for quantizer, groups in active:
+        for group in groups:
+            if group is not None:
+                quantizer.sync_amax(group)
+    for quantizer, _ in active:
+        if quantizer.calibratable:
+            quantizer.load_calib_amax()
+
+
+def max_all_reduce(group: Any, device: torch.device, *values: torch.Tensor) -> list[float] | None:
+    """One ``MAX`` all-reduce of FP32 scalars over ``group``; ``None`` without a group.
+
+    0 is neutral for a max of magnitudes, so a rank sends 0 for what it lacks. A NaN is sent
+    as inf, so a bad rank makes every rank refuse the result instead of poisoning the max
+    silently. ``None``: no initialised group of more than one rank (nothing to reduce).
+
+    Args:
+        group: a ``torch.distributed`` process group (``None``: the default group).
+        device: where the values live (NCCL needs CUDA: CPU values are moved there).
+        values: FP32 ``[]`` tensors.
+
+    Returns:
+        The reduced values, in order.
+    """
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    packed = torch.stack([v.detach().float().reshape(()) for v in values]).to(device)
+    packed = torch.where(torch.isnan(packed), torch.inf, packed)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return packed.tolist()
 
 
 def _host_amax(value: torch.Tensor | float, what: str) -> torch.Tensor:
@@ -410,12 +259,13 @@ class WireQuantizer(nn.Module):
         self.amax_source: str | None = None
         self.constant_amax: float | None = None
         self._mode = "quantize" if enable else "disabled"
+        self._mode_before_calibration = self._mode
         if constant_amax is not None:
             self.set_constant_amax(constant_amax)
 
     @classmethod
     def from_cfg(cls, cfg: Mapping[str, Any], *, name: str | None = None) -> WireQuantizer:
-        """Build a quantizer from a ModelOpt-style cfg dict (see :func:`parse_cfg`).
+        """Build a quantizer from a ModelOpt-style cfg dict (:func:`moewire.config.parse_cfg`).
 
         Raises:
             CfgError: (``ValueError``) the cfg cannot be mapped; the message names the key.
@@ -493,16 +343,6 @@ class WireQuantizer(nn.Module):
             "q.calibrating(): run data) or set constant_amax"
         )
 
-    def kernel_spec(self) -> tuple[str | None, torch.Tensor | None]:
-        """``(format name, amax or None)`` for a fused kernel, or ``(None, None)``.
-
-        Only a quantizer in quantize mode with a static scale (:meth:`is_static_scale`)
-        can be handed to a kernel that takes a format name and an FP32 device amax.
-        """
-        if self._mode != "quantize" or not self.is_static_scale():
-            return None, None
-        return self.fmt.name, (self.amax if self.fmt.needs_amax else None)
-
     def set_constant_amax(self, value: float) -> None:
         """Fix the amax to ``value`` (finite, > 0); calibration will not change it."""
         if not self.fmt.needs_amax:
@@ -511,7 +351,7 @@ class WireQuantizer(nn.Module):
                 "come from each block or row); constant_amax does not apply, remove it"
             )
         try:
-            value = _positive_amax(value, ("constant_amax",))
+            value = positive_amax(value, ("constant_amax",))
         except CfgError as err:
             raise ValueError(f"{self._label()}: {err}") from None
         self.amax.fill_(value)
@@ -626,38 +466,45 @@ class WireQuantizer(nn.Module):
         self.calib_seen.zero_()
         self.calib_nan.zero_()
 
-    def _calibratable(self) -> bool:
+    @property
+    def calibratable(self) -> bool:
+        """Whether calibration sets the amax: a global-amax format without ``constant_amax``."""
         return self.fmt.needs_amax and self.constant_amax is None
+
+    def begin_calibration(self) -> None:
+        """Reset the collected state and switch to calibrate mode (see :func:`calibration`).
+
+        Raises:
+            RuntimeError: already calibrating (calibration does not nest).
+        """
+        if self._mode == "calibrate":
+            raise RuntimeError(
+                f"{self._label()}: already calibrating; calibrating() does not nest"
+            )
+        self._mode_before_calibration = self._mode
+        self.reset_calibration()
+        self._mode = "calibrate"
+
+    def end_calibration(self) -> None:
+        """Leave calibrate mode: the mode from before :meth:`begin_calibration` comes back."""
+        self._mode = self._mode_before_calibration
 
     @contextlib.contextmanager
     def calibrating(self) -> Iterator[WireQuantizer]:
         """Calibrate mode inside (values pass through), then :meth:`load_calib_amax`.
 
-        A disabled quantizer stays disabled and collects nothing. The collected state is
-        reset on entry. On a normal exit the previous mode comes back and, for a format
-        with a global amax and no ``constant_amax``, the max is loaded (with no data seen
-        it warns and keeps the quantizer as it was). If the body raises, the mode comes
-        back and nothing is loaded.
+        :func:`calibration` for this quantizer alone (no process group): a disabled
+        quantizer stays disabled and collects nothing; the collected state is reset on
+        entry; on a normal exit the previous mode comes back and, for a format with a global
+        amax and no ``constant_amax``, the max is loaded (with no data seen it warns and
+        keeps the quantizer as it was). If the body raises, the mode comes back and nothing
+        is loaded.
 
         Raises:
             RuntimeError: already calibrating (calibration does not nest).
         """
-        if self._mode == "disabled":
+        with calibration([(self, ())]):
             yield self
-            return
-        if self._mode == "calibrate":
-            raise RuntimeError(
-                f"{self._label()}: already calibrating; calibrating() does not nest"
-            )
-        previous = self._mode
-        self.reset_calibration()
-        self._mode = "calibrate"
-        try:
-            yield self
-        finally:
-            self._mode = previous
-        if self._calibratable():
-            self.load_calib_amax()
 
     def load_calib_amax(self) -> torch.Tensor | None:
         """Finish calibration: copy the collected max into ``amax`` (host-side checks).
@@ -716,11 +563,11 @@ class WireQuantizer(nn.Module):
 
         Every rank must call it (exactly one collective per call, whatever its state). One
         FP32 ``[4]`` tensor ``[amax if has_amax else 0, has_amax, calib_amax, calib_seen]``
-        is reduced with ``MAX``: 0 is neutral for a max of magnitudes, so a rank that saw
-        no data neither hangs nor lowers the result, and the flags become "any rank".
-        A NaN is sent as inf, so a bad rank makes every rank refuse in
-        :meth:`load_calib_amax` instead of poisoning the max silently. Called before or
-        after :meth:`load_calib_amax`. No-op without an initialised group of > 1 ranks.
+        is reduced with ``MAX`` (:func:`max_all_reduce`): a rank that saw no data neither
+        hangs nor lowers the result, the flags become "any rank", and a NaN (sent as inf)
+        makes every rank refuse in :meth:`load_calib_amax`. :func:`calibration` calls it
+        before :meth:`load_calib_amax`; after it works too. No-op without an initialised
+        group of > 1 ranks.
 
         Args:
             group: a ``torch.distributed`` process group (``None``: the default group).
@@ -728,24 +575,14 @@ class WireQuantizer(nn.Module):
         Raises:
             RuntimeError: (after the collective) ranks disagree on ``constant_amax``.
         """
-        dist = torch.distributed
-        if not dist.is_available() or not dist.is_initialized():
-            return
-        if dist.get_world_size(group) == 1:
-            return
-        device = self.amax.device
-        if dist.get_backend(group) == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
         zero = torch.zeros((), dtype=torch.float32, device=self.amax.device)
-        packed = torch.stack([
-            self.amax if self.has_amax else zero,
-            zero + self.has_amax,
-            self.calib_amax,
-            self.calib_seen.float(),
-        ]).to(device)
-        packed = torch.where(torch.isnan(packed), torch.inf, packed)
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-        amax, any_amax, calib, any_seen = packed.tolist()
+        reduced = max_all_reduce(
+            group, self.amax.device, self.amax if self.has_amax else zero,
+            zero + self.has_amax, self.calib_amax, self.calib_seen.float(),
+        )
+        if reduced is None:
+            return
+        amax, any_amax, calib, any_seen = reduced
         self.calib_amax.fill_(calib)
         self.calib_seen.fill_(any_seen > 0)
         if not any_amax:
@@ -755,7 +592,7 @@ class WireQuantizer(nn.Module):
                 f"{self._label()}: constant_amax={self.constant_amax} here, but another rank "
                 f"holds amax={amax}; build every rank's quantizer from the same recipe"
             )
-        self.amax.copy_(packed[0])
+        self.amax.fill_(amax)
         self.has_amax = True
         self.amax_source = self.amax_source or "calibrated"
 

@@ -122,6 +122,17 @@ def test_register_refuses_duplicates_and_empty_names():
         formats.register(Nameless)
 
 
+def test_register_refuses_a_modelopt_spelling_another_format_has():
+    class FP8Again(formats.WireFormat):
+        name = "fp8_again"
+        needs_amax = True
+        modelopt_spelling = formats.ModelOptSpelling(num_bits=(4, 3))
+
+    with pytest.raises(ValueError, match="'fp8' already has, so a ModelOpt cfg could not tell"):
+        formats.register(FP8Again)
+    assert "fp8_again" not in formats.names()
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.bfloat16, torch.float16, torch.int32], ids=["bf16", "fp16", "int32"]
 )

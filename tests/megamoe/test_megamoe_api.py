@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import mm_oracles as oracles
@@ -13,7 +14,7 @@ from torch import nn
 
 import moewire
 from moewire.megamoe import wrapper
-from moewire.megamoe.api import quantizers
+from moewire.megamoe.api import calibrating, quantizers
 from moewire.reference import forward_context
 
 T = 16
@@ -124,6 +125,23 @@ def calibrated_model():
             m(x, w, ids)
 
     return moewire.quantize(model, RECIPE, forward_loop=loop)
+
+
+def test_calibrating_context_may_span_calls_as_calibrate_does():
+    """The two-RPC shape: enter in one call, run the engine, close in another."""
+    want = calibrated_model()
+    model = moewire.quantize(Model(n=2), RECIPE)
+    stack = contextlib.ExitStack()
+    stack.enter_context(calibrating(model))
+    assert model.layers[0].experts.combine_quantizer.mode == "calibrate"
+    x, w, ids, pad = padded_batch(seed=40)
+    with forward_context(is_padding=pad):
+        model(x, w, ids)
+    stack.close()
+    amaxes = [[None if q.static_amax is None else float(q.static_amax)
+               for _, _, q in quantizers(m)] for m in (model, want)]
+    assert amaxes[0] == amaxes[1] and amaxes[0][1] is not None
+    assert moewire.summary(model) == moewire.summary(want)
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".json"], ids=["safetensors", "json"])

@@ -1,4 +1,5 @@
-"""ModelOpt's max_calibrate over a real gloo EP group: the same amax on every rank."""
+"""ModelOpt's max_calibrate and moewire's calibration of the same quantizers over a real gloo
+EP group: the same amax on every rank."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         from torch import nn
 
         from moewire.integrations import modelopt as mw_mo
+        from moewire.megamoe.api import calibrate
+        from moewire.quantizer import calibration
         from moewire.reference import MegaMoEExperts, forward_context
 
         torch.set_num_threads(1)
@@ -98,6 +101,18 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             "ep_group_used": model.experts.parallel_state.expert_model_parallel_group
             .is_initialized(),
         }
+        # moewire's calibration of the same WireTensorQuantizers: collect, EP sync, load.
+        calibrate(model, loop)
+        result["moewire"] = {
+            "dispatch": float(model.experts.dispatch_quantizer.static_amax),
+            "combine": float(model.experts.combine_quantizer.static_amax),
+        }
+        # One that collected nothing on the idle rank gets the group's max, nobody hangs.
+        lone = mw_mo.WireTensorQuantizer(mw_mo.QuantizerAttributeConfig(num_bits=(4, 3)))
+        with calibration([(lone, (dist.group.WORLD,))]):
+            if not idle:
+                lone.collect(torch.full((2, 4), float(rank + 1)))
+        result["lone"] = float(lone.static_amax)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()
         dist.destroy_process_group()
@@ -116,3 +131,5 @@ def test_max_calibrate_reduces_amax_over_the_ep_group(tmp_path):
         want = max(r["local"][key] for r in results)
         assert want > 0
         assert {r[key] for r in results} == {want}, (key, results)
+        assert {r["moewire"][key] for r in results} == {want}, (key, results)
+    assert {r["lone"] for r in results} == {float(world - 1)}, results

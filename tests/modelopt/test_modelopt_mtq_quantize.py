@@ -273,6 +273,14 @@ def test_scales_move_from_moewire_to_modelopt_and_back(tmp_path):
     assert torch.equal(_bits(_run(again, EVAL)), _bits(_run(ours, EVAL)))
 
 
+def test_scales_interchange_refuses_a_foreign_quantizer():
+    model = Layer()
+    moewire.quantize(model, {"quant_cfg": _cfg(FP8, None)["quant_cfg"]})
+    model.experts.combine_quantizer = nn.Identity()
+    with pytest.raises(TypeError, match="is a Identity, neither moewire's WireQuantizer nor"):
+        mw_mo.to_modelopt_state(model)
+
+
 @pytest.mark.parametrize(
     ("state", "match"),
     [

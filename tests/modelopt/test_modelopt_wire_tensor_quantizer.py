@@ -12,6 +12,7 @@ from modelopt.torch.quantization.nn import TensorQuantizer  # noqa: E402
 
 import moewire  # noqa: E402
 from moewire.integrations.modelopt import BACKEND, WireTensorQuantizer, format_name  # noqa: E402
+from moewire.quantizer import WireQuantizerLike  # noqa: E402
 
 FP8 = {"num_bits": (4, 3)}
 NVFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
@@ -71,13 +72,23 @@ def test_math_choice(cfg, math):
         ({**INT8, "backend_extra_args": {"math": "moewire"}}, "name no moewire format"),
         ({**INT8, "backend": BACKEND}, "name no moewire format"),
         ({**FP8, "backend_extra_args": {"math": "triton"}}, "use 'moewire'"),
-        ({**FP8, "use_constant_amax": True}, "constant_amax=448.0"),
     ],
-    ids=["int8-asks-moewire", "int8-backend-moewire", "unknown-math", "use-constant-amax"],
+    ids=["int8-asks-moewire", "int8-backend-moewire", "unknown-math"],
 )
 def test_math_refusals(cfg, match):
     with pytest.raises(ValueError, match=match):
         _ = _wtq(cfg).math
+
+
+def test_use_constant_amax_pins_448_as_constant_amax_does():
+    x = _x(8) * 40
+    q = _wtq({**FP8, "use_constant_amax": True})
+    assert q.math == "moewire" and q.constant_amax == 448.0 and q.amax_source == "constant"
+    assert q.static_amax.dtype == torch.float32 and float(q.static_amax) == 448.0
+    with q.calibrating():
+        q(x * 100)
+    assert float(q.static_amax) == 448.0 and not q.calibratable
+    assert torch.equal(q(x), moewire.WireQuantizer("fp8", constant_amax=448.0)(x))
 
 
 def test_backend_refuses_unknown_format_on_plain_tensor_quantizer():
@@ -183,3 +194,35 @@ def test_calibrating_on_no_rows_gives_amax_zero():
     with q.calibrating():
         q.collect(x[:0])
     assert q.has_amax and float(q.static_amax) == 0.0
+
+
+def test_wire_tensor_quantizer_implements_the_contract():
+    members = [n for n in vars(WireQuantizerLike) if not n.startswith("_") or n == "__call__"]
+    q = _wtq(FP8)
+    assert len(members) == 14 and [n for n in members if not hasattr(q, n)] == []
+
+
+def test_calibrating_does_not_nest():
+    q = _wtq(FP8)
+    with q.calibrating():
+        q(_x(1))
+        with pytest.raises(RuntimeError, match="does not nest"), q.calibrating():
+            pass
+    assert q.mode == "quantize" and q.has_amax
+
+
+def test_calibrating_starts_from_a_fresh_max():
+    q = _wtq(FP8)
+    q.collect(_x(2) * 1000)  # collected before: not part of this calibration
+    a = _x(3)
+    with q.calibrating():
+        q(a)
+    assert float(q.static_amax) == float(a.float().abs().max())
+
+
+def test_calibrating_keeps_a_constant_amax():
+    q = _wtq({**NVFP4, "constant_amax": 2688.0})
+    with q.calibrating():
+        q(_x(4) * 1e4)
+    assert float(q.static_amax) == 2688.0 and q.amax_source == "constant"
+

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from moewire.formats import bf16, fp8, logfmt, mx, nvfp4  # noqa: F401  (registers them)
-from moewire.formats.base import WireFormat, get, names, register
+from moewire.formats.base import ModelOptSpelling, WireFormat, get, names, register
 
-__all__ = ["WireFormat", "fake_quant", "get", "names", "register"]
+__all__ = ["ModelOptSpelling", "WireFormat", "fake_quant", "get", "names", "register"]
 
 
 def fake_quant(

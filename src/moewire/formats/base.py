@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,6 +41,25 @@ def _kernel_qdq(name: str, x: torch.Tensor, amax: torch.Tensor | None) -> torch.
     return None
 
 
+@dataclass(frozen=True)
+class ModelOptSpelling:
+    """How ModelOpt's quantizer attributes name a format (``moewire.config`` reads them back).
+
+    The block size is the format's own ``block_size``; ModelOpt writes it as
+    ``block_sizes={-1: block_size, "type": "dynamic", "scale_bits": scale_bits}``.
+
+    Attributes:
+        num_bits: (exponent bits, mantissa bits) of an element: ``(4, 3)`` E4M3, ``(2, 1)`` E2M1.
+        scale_bits: the block scale's pair (``(4, 3)`` E4M3, ``(8, 0)`` UE8M0), or ``None``
+            for an FP32 block scale or no block scale.
+        axis: ModelOpt's ``axis``: ``None`` (one global amax) or ``0`` (one scale per row).
+    """
+
+    num_bits: tuple[int, int]
+    scale_bits: tuple[int, int] | None = None
+    axis: int | None = None
+
+
 class WireFormat:
     """One low-precision wire format.
 
@@ -54,6 +75,8 @@ class WireFormat:
             quantize the same row agree whatever else they hold. A format that needs an
             amax is row-local only once that amax is fixed (calibrated or constant).
         row_scale_bits: extra bits per row for a per-row scale (``nvfp4_token``), else 0.
+        modelopt_spelling: the ModelOpt attributes that name the format, or ``None`` when
+            ModelOpt has none (a cfg then names it with ``format``); see :meth:`modelopt_cfg`.
     """
 
     name: str = ""
@@ -63,6 +86,7 @@ class WireFormat:
     needs_amax: bool = False
     row_local: bool = True
     row_scale_bits: int = 0
+    modelopt_spelling: ModelOptSpelling | None = None
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         """The definition: plain torch, CPU and CUDA.
@@ -118,6 +142,24 @@ class WireFormat:
         """Bits one row of ``hidden`` elements occupies on the wire, scales included."""
         blocks = 0 if self.block_size is None else math.ceil(hidden / self.block_size)
         return self.element_bits * hidden + self.scale_bits * blocks + self.row_scale_bits
+
+    def modelopt_cfg(self) -> dict[str, Any] | None:
+        """ModelOpt's attributes for this format, a fresh dict, or ``None`` without a spelling.
+
+        ``{"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)},
+        "axis": None}`` for ``nvfp4``; ``block_sizes`` is left out for a format without blocks.
+        """
+        spelling = self.modelopt_spelling
+        if spelling is None:
+            return None
+        cfg: dict[str, Any] = {"num_bits": spelling.num_bits}
+        if self.block_size is not None:
+            blocks: dict[Any, Any] = {-1: self.block_size, "type": "dynamic"}
+            if spelling.scale_bits is not None:
+                blocks["scale_bits"] = spelling.scale_bits
+            cfg["block_sizes"] = blocks
+        cfg["axis"] = spelling.axis
+        return cfg
 
     # -- validation shared by every format ---------------------------------------------
 
@@ -198,6 +240,14 @@ def register(fmt: WireFormat | type[WireFormat]) -> Callable | WireFormat:
         raise ValueError("a wire format needs a non-empty name")
     if inst.name in _REGISTRY:
         raise ValueError(f"wire format {inst.name!r} is already registered")
+    spelled = inst.modelopt_cfg()
+    for other in _REGISTRY.values():
+        if spelled is not None and other.modelopt_cfg() == spelled:
+            raise ValueError(
+                f"wire format {inst.name!r} has the ModelOpt spelling {spelled}, which "
+                f"{other.name!r} already has, so a ModelOpt cfg could not tell them apart; "
+                "set modelopt_spelling = None on one (a cfg then names it with format:)"
+            )
     _REGISTRY[inst.name] = inst
     return fmt
 

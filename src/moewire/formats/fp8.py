@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from moewire.formats._numerics import E4M3_MAX, ceil_pow2_ue8m0, e4m3, mul_recip, split_blocks
-from moewire.formats.base import WireFormat, register
+from moewire.formats.base import ModelOptSpelling, WireFormat, register
 
 # ModelOpt's guard for a vanishing amax (the smallest FP16 subnormal).
 _MODELOPT_TINY_AMAX = 2.0**-24
@@ -43,6 +43,7 @@ class FP8PerTensor(WireFormat):
     scale_bits = 0
     needs_amax = True
     row_local = True
+    modelopt_spelling = ModelOptSpelling(num_bits=(4, 3))
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         safe = torch.where(amax > _MODELOPT_TINY_AMAX, amax, torch.ones_like(amax))
@@ -83,9 +84,12 @@ class FP8Block(WireFormat):
     - UE8M0 scale: ``ceil_to_ue8m0`` maps an inf/NaN ``sf`` to 2^127, so a NaN element
       stays NaN, ±inf saturates to ``±448 * 2^127`` = ±inf in FP32, and the finite
       elements of that block flush to (signed) zero unless |x| > 2^117.
+
+    ``spelled=False``: ModelOpt's attributes for it name another format (E4M3 with UE8M0
+    scales per 32 is ``mxfp8``), so a cfg names it with ``format``.
     """
 
-    def __init__(self, name: str, block: int, ue8m0: bool) -> None:
+    def __init__(self, name: str, block: int, ue8m0: bool, spelled: bool = True) -> None:
         self.name = name
         self.block_size = block
         self.ue8m0 = ue8m0
@@ -93,6 +97,8 @@ class FP8Block(WireFormat):
         self.scale_bits = 8 if ue8m0 else 32
         self.needs_amax = False
         self.row_local = True
+        if spelled:
+            self.modelopt_spelling = ModelOptSpelling((4, 3), scale_bits=(8, 0) if ue8m0 else None)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         xb = split_blocks(x, self.block_size)
@@ -107,4 +113,4 @@ class FP8Block(WireFormat):
 register(FP8PerTensor)
 register(FP8Block("fp8_b128", 128, ue8m0=False))
 register(FP8Block("fp8_b128_ue8m0", 128, ue8m0=True))
-register(FP8Block("fp8_b32_ue8m0", 32, ue8m0=True))
+register(FP8Block("fp8_b32_ue8m0", 32, ue8m0=True, spelled=False))

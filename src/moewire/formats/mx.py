@@ -15,7 +15,7 @@ from moewire.formats._numerics import (
     pow2,
     split_blocks,
 )
-from moewire.formats.base import WireFormat, register
+from moewire.formats.base import ModelOptSpelling, WireFormat, register
 
 _MX_BLOCK = 32
 # UE8M0 encodes 2^-127 .. 2^127 (0xFF is NaN); a finite FP32 amax never needs more than
@@ -61,6 +61,9 @@ class MXFormat(WireFormat):
         self.scale_bits = 8
         self.needs_amax = False
         self.row_local = True
+        self.modelopt_spelling = ModelOptSpelling(
+            (4, 3) if element == "e4m3" else (2, 1), scale_bits=(8, 0)
+        )
 
     def _round(self, v: torch.Tensor) -> torch.Tensor:
         if self.element == "e4m3":

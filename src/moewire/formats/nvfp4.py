@@ -17,7 +17,7 @@ from moewire.formats._numerics import (
     mul_recip,
     split_blocks,
 )
-from moewire.formats.base import WireFormat, register
+from moewire.formats.base import ModelOptSpelling, WireFormat, register
 
 _NVFP4_BLOCK = 16
 # ModelOpt's global scale when the amax is <= 0.
@@ -88,6 +88,7 @@ class NVFP4(WireFormat):
     scale_bits = 8
     needs_amax = True
     row_local = True
+    modelopt_spelling = ModelOptSpelling(num_bits=(2, 1), scale_bits=(4, 3))
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         gs = torch.where(
@@ -116,6 +117,7 @@ class NVFP4Token(WireFormat):
     row_scale_bits = 32
     needs_amax = False
     row_local = True
+    modelopt_spelling = ModelOptSpelling(num_bits=(2, 1), scale_bits=(4, 3), axis=0)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         row_amax = x.to(torch.float32).abs().amax(dim=-1, keepdim=True).unsqueeze(-1)

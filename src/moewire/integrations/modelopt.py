@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 try:
+    from modelopt.torch.quantization.calib import MaxCalibrator
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
     from modelopt.torch.quantization.nn import QuantModule, QuantModuleRegistry, TensorQuantizer
     from modelopt.torch.quantization.nn.modules.tensor_quantizer import (
@@ -54,7 +55,8 @@ except ImportError as err:  # pragma: no cover - exercised only without modelopt
     ) from err
 
 from moewire import formats
-from moewire.quantizer import CfgError, parse_cfg
+from moewire.config import USE_CONSTANT_AMAX, CfgError, parse_cfg
+from moewire.quantizer import WireQuantizer, WireQuantizerLike, calibration, max_all_reduce
 
 __all__ = [
     "BACKEND",
@@ -82,7 +84,7 @@ _MATHS = ("moewire", "modelopt")
 def format_name(quantizer: TensorQuantizer) -> str | None:
     """The moewire format a ``TensorQuantizer``'s attributes spell, or ``None``.
 
-    The spelling is moewire's own (``moewire.quantizer.parse_cfg``: ``num_bits``,
+    The spelling is moewire's own (``moewire.config.parse_cfg``: ``num_bits``,
     ``block_sizes``, ``axis``), so the same cfg entry names the same format in ``mtq.quantize``
     and in ``moewire.quantize``. Integer, unsigned, per-channel and top-level dynamic
     quantizers return ``None``.
@@ -102,11 +104,6 @@ def format_name(quantizer: TensorQuantizer) -> str | None:
 
 def _math_of(quantizer: TensorQuantizer, where: str) -> str:
     """``"moewire"`` or ``"modelopt"``: who fake-quantizes for this quantizer."""
-    if quantizer._use_constant_amax:
-        raise ValueError(
-            f"{where}: use_constant_amax (ModelOpt's KV-cache switch) is not supported on a "
-            "wire quantizer; write constant_amax=448.0 to pin the amax instead"
-        )
     asked = (quantizer.backend_extra_args or {}).get(_MATH_KEY)
     if quantizer.backend == BACKEND:
         asked = "moewire"
@@ -123,7 +120,7 @@ def _math_of(quantizer: TensorQuantizer, where: str) -> str:
             f"{where}: moewire's math was asked for, but the quantizer attributes "
             f"(num_bits={quantizer._num_bits}, block_sizes={quantizer._block_sizes}, "
             f"axis={quantizer._axis}) name no moewire format (the table is in "
-            "moewire.quantizer.parse_cfg); drop the request to use ModelOpt's math"
+            "moewire.config.parse_cfg); drop the request to use ModelOpt's math"
         )
     return asked
 
@@ -150,15 +147,25 @@ class WireTensorQuantizer(TensorQuantizer):
     """A ``TensorQuantizer`` that moewire's Mega-MoE wrapper can drive.
 
     It is a plain ModelOpt quantizer for everything ModelOpt does (cfg, calibration,
-    summary, state); on top it exposes the surface ``moewire.quantizer.WireQuantizer``
-    gives the wrapper: ``mode``, ``fmt``, ``static_amax``, ``has_amax``, ``is_static_scale``,
-    ``scale_amax``, ``collect``, ``calibrating``, ``sync_amax``.
+    summary, state); on top it implements the quantizer contract
+    (``moewire.quantizer.WireQuantizerLike``) that ``moewire.quantizer.WireQuantizer``
+    implements too, so the wrapper, ``moewire.calibrate`` and ``moewire.save_scales`` drive
+    either. ``use_constant_amax`` (ModelOpt's KV-cache switch) pins the amax to 448.0, as
+    ``constant_amax: 448.0`` does.
 
     Forward (``x``: BF16/FP16/FP32, any shape; returns ``x.dtype``, same shape): ModelOpt's
     ``TensorQuantizer.forward`` (disable, calibrate then pass through, quantize), where the
     fake quant itself is ``moewire.formats.get(fmt).qdq(x, amax)`` when :attr:`math` is
     ``"moewire"``, else ModelOpt's.
     """
+
+    def set_from_attribute_config(self, attribute_cfg: Any) -> None:
+        super().set_from_attribute_config(attribute_cfg)
+        if self._use_constant_amax:
+            # ModelOpt's math reads 448 for this switch without a buffer; moewire's reads the
+            # amax buffer (it follows .to() and CUDA graphs), so pin it there, as
+            # constant_amax does.
+            self.amax = USE_CONSTANT_AMAX
 
     @property
     def math(self) -> str:
@@ -194,6 +201,19 @@ class WireTensorQuantizer(TensorQuantizer):
         """Whether an amax is fixed (``static_amax is not None``)."""
         return self.static_amax is not None
 
+    @property
+    def constant_amax(self) -> float | None:
+        """ModelOpt's ``constant_amax``, 448.0 for ``use_constant_amax``, else ``None``."""
+        if self._use_constant_amax:
+            return USE_CONSTANT_AMAX
+        return None if self._constant_amax is None else float(self._constant_amax)
+
+    @property
+    def amax_source(self) -> str | None:
+        """``"constant"`` for a pinned amax, else ``None``: ModelOpt does not record
+        whether an amax was calibrated or loaded."""
+        return "constant" if self.constant_amax is not None else None
+
     def is_static_scale(self) -> bool:
         """True when every scale of a row depends on the row alone (SPEC section 3).
 
@@ -227,16 +247,12 @@ class WireTensorQuantizer(TensorQuantizer):
             self._amax = self._amax.float()
         self.amax = value
 
-    def load_calib_amax(self, *args: Any, **kwargs: Any) -> None:
-        super().load_calib_amax(*args, **kwargs)
-        # The calibrator's max has the data's dtype (BF16); moewire keeps amax in FP32 (exact
-        # for such a max), so kernels and CUDA graphs read the buffer itself, uncast.
-        self._amax = self._amax.float()
-
     def _fake_quantize(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.backend is None and self.math == "moewire":
             return self.fmt.qdq(inputs, self.scale_amax(inputs))
         return super()._fake_quantize(inputs)
+
+    # -- calibration: the steps of moewire.quantizer.calibration ------------------------
 
     def collect(self, inputs: torch.Tensor) -> None:
         if inputs.numel() == 0:
@@ -246,24 +262,79 @@ class WireTensorQuantizer(TensorQuantizer):
             inputs = inputs.new_zeros(1)
         super().collect(inputs)
 
-    @contextlib.contextmanager
-    def calibrating(self) -> Iterator[WireTensorQuantizer]:
-        """Collect (values pass through) inside; load the max on exit."""
+    @property
+    def calibratable(self) -> bool:
+        """Whether calibration sets the amax: not dynamic, no pinned amax (as ModelOpt)."""
+        return not self._dynamic and self.constant_amax is None
+
+    def begin_calibration(self) -> None:
+        """Forget the calibrator's max, then collect with quantization off (ModelOpt's flags).
+
+        Raises:
+            RuntimeError: already calibrating (calibration does not nest).
+        """
+        if self.mode == "calibrate":
+            raise RuntimeError(
+                f"{type(self).__name__}: already calibrating; calibrating() does not nest"
+            )
+        self._calibrator.reset()
         self.disable_quant()
         self.enable_calib()
-        try:
+
+    def end_calibration(self) -> None:
+        """Quantize again, stop collecting."""
+        self.enable_quant()
+        self.disable_calib()
+
+    @contextlib.contextmanager
+    def calibrating(self) -> Iterator[WireTensorQuantizer]:
+        """Collect (values pass through) inside; load the max on exit
+        (``moewire.quantizer.calibration`` for this quantizer alone)."""
+        with calibration([(self, ())]):
             yield self
-        finally:
-            if self._calibrator.compute_amax() is not None:
-                self.load_calib_amax()
-            self.enable_quant()
-            self.disable_calib()
 
     def sync_amax(self, group: Any = None) -> None:
-        """Max-all-reduce the amax over a ``torch.distributed`` group (no-op without one)."""
-        if getattr(self, "_amax", None) is None or not torch.distributed.is_initialized():
+        """Max-all-reduce the calibrator's max and the fixed amax over a process group.
+
+        Per tensor (a wire quantizer's amax): one collective per call whatever this rank
+        holds (``moewire.quantizer.max_all_reduce``), so a rank that collected nothing
+        neither hangs nor lowers the result, and gets the group's max. A per-channel amax
+        (ModelOpt's math) is reduced in place, as ModelOpt's own sync does. No-op without
+        an initialised group of > 1 ranks.
+        """
+        amax = getattr(self, "_amax", None)
+        calib = (self._calibrator.compute_amax()
+                 if isinstance(self._calibrator, MaxCalibrator) else None)
+        present = [t for t in (calib, amax) if t is not None]
+        if any(t.numel() != 1 for t in present):
+            if torch.distributed.is_initialized():
+                for t in present:
+                    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
             return
-        torch.distributed.all_reduce(self._amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        device = present[0].device if present else torch.device("cpu")
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        reduced = max_all_reduce(
+            group, device, zero if amax is None else amax, zero + (amax is not None),
+            zero if calib is None else calib, zero + (calib is not None),
+        )
+        if reduced is None:
+            return
+        amax_max, any_amax, calib_max, any_calib = reduced
+        if any_calib:
+            like = zero if calib is None else calib
+            self._calibrator._calib_amax = torch.full_like(like, calib_max)
+        if any_amax:
+            self.amax = torch.full_like(zero if amax is None else amax, amax_max)
+
+    def load_calib_amax(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        """Load the calibrator's max as the amax, FP32; ``None`` (amax kept) without data."""
+        if not (args or kwargs) and self._calibrator.compute_amax() is None:
+            return None
+        super().load_calib_amax(*args, **kwargs)
+        # The calibrator's max has the data's dtype (BF16); moewire keeps amax in FP32 (exact
+        # for such a max), so kernels and CUDA graphs read the buffer itself, uncast.
+        self._amax = self._amax.float()
+        return self._amax
 
 
 if not is_registered_quant_backend(BACKEND):
@@ -416,9 +487,13 @@ _QUANTIZER_ATTRS = ("dispatch_quantizer", "combine_quantizer")
 _AMAX_SUFFIX = "._amax"
 
 
-def _comm_quantizers(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+def _comm_quantizers(model: torch.nn.Module) -> Iterator[tuple[str, WireQuantizerLike]]:
     """``(path, quantizer)`` for every dispatch/combine quantizer of a Mega-MoE experts
-    module (moewire- or ModelOpt-converted); ``path`` is the quantizer's module path."""
+    module (moewire- or ModelOpt-converted); ``path`` is the quantizer's module path.
+
+    Raises:
+        TypeError: a quantizer slot holds neither contract class.
+    """
     from moewire.megamoe.registry import adapter_for
 
     for name, module in model.named_modules():
@@ -426,8 +501,16 @@ def _comm_quantizers(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
             continue
         for attr in _QUANTIZER_ATTRS:
             quantizer = getattr(module, attr, None)
-            if quantizer is not None:
-                yield (f"{name}.{attr}" if name else attr), quantizer
+            if quantizer is None:
+                continue
+            path = f"{name}.{attr}" if name else attr
+            if not isinstance(quantizer, (WireQuantizer, WireTensorQuantizer)):
+                raise TypeError(
+                    f"{path}: is a {type(quantizer).__name__}, neither moewire's WireQuantizer "
+                    "nor a WireTensorQuantizer; convert the experts with moewire.quantize or "
+                    "mtq.quantize"
+                )
+            yield path, quantizer
 
 
 def to_modelopt_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -449,16 +532,6 @@ def to_modelopt_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if amax is not None:
             state[path + _AMAX_SUFFIX] = amax.detach().float().reshape(()).cpu().clone()
     return state
-
-
-def _set_amax(quantizer: Any, amax: torch.Tensor, path: str) -> None:
-    load = getattr(quantizer, "load_amax", None)
-    if load is None:
-        raise TypeError(
-            f"{path}: is a {type(quantizer).__name__}, neither moewire's WireQuantizer nor a "
-            "WireTensorQuantizer; convert the experts with moewire.quantize or mtq.quantize"
-        )
-    load(amax)
 
 
 def from_modelopt_state(
@@ -494,7 +567,7 @@ def from_modelopt_state(
         unknown = sorted(saved.keys() - quantizers.keys())
         missing = sorted(
             path for path, q in quantizers.items()
-            if path not in saved and getattr(q, "mode", "disabled") != "disabled"
+            if path not in saved and q.mode != "disabled"
         )
         if unknown or missing:
             raise KeyError(
@@ -511,6 +584,6 @@ def from_modelopt_state(
                 f"{path}: the saved amax must be one finite value >= 0, got "
                 f"{amax.flatten()[:4].tolist()} (shape {tuple(amax.shape)})"
             )
-        _set_amax(quantizers[path], amax, path)
+        quantizers[path].load_amax(amax)
         loaded.append(path)
     return loaded

@@ -399,7 +399,8 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
         plan.recipe, len(seqs), total, len(steps),
     )
 
-    def forward_loop(_model: Any) -> None:
+    # moewire's one calibration: collect, then max-reduce over EP and DP, then load.
+    with api.calibrating(model, extra_groups=(dp_group,)):
         finished: set[str] = set()
         for number, step in enumerate(steps, 1):
             batch = [(f"moewire-calib-{dp_rank}-{i}", seqs[i]) for i in step]
@@ -408,13 +409,11 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
             logger.info("moewire: calibration step %d/%d (%d sequences)", number, len(steps),
                         len(batch))
         _run_step(worker, _scheduler_output([], finished, block_sizes))
-
-    api.calibrate(model, forward_loop, extra_groups=(dp_group,))
     saved = ""
     if plan.save is not None:
         saved = f"; saved {api.save_scales(model, _rank_path(plan.save))}"
     active = [q for _, _, q in api.quantizers(model) if q.mode != "disabled"]
-    amaxes = [float(q.amax) for q in active if q.static_amax is not None]
+    amaxes = [float(q.static_amax) for q in active if q.static_amax is not None]
     line = (
         f"moewire: calibrated {len(active)} quantizers on {total} tokens in "
         f"{time.perf_counter() - started:.1f}s (EP+DP max-reduced over {dp_size} DP ranks), "

@@ -1,4 +1,4 @@
-"""The user-facing calls: quantize, calibrate, save_scales, load_scales, summary."""
+"""The user-facing calls: quantize, calibrate (calibrating), save_scales, load_scales, summary."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from moewire.megamoe.wrapper import (
     kernel_rows,
     set_amax_rows,
 )
-from moewire.quantizer import WireQuantizer
+from moewire.quantizer import WireQuantizer, WireQuantizerLike, calibration
 
-__all__ = ["calibrate", "load_scales", "quantize", "quantizers", "save_scales", "summary"]
+__all__ = ["calibrate", "calibrating", "load_scales", "quantize", "quantizers", "save_scales",
+           "summary"]
 
 SCALES_VERSION = 1
 _METADATA_KEY = "moewire_scales"
@@ -70,7 +71,7 @@ def _qualified(module_name: str, attr: str) -> str:
     return f"{module_name}.{attr}" if module_name else attr
 
 
-def quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+def quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module, WireQuantizerLike]]:
     """``(qualified name, experts module, quantizer)`` for every dispatch/combine quantizer
     of the model's converted experts modules, in module order."""
     for name, module in _experts_modules(model):
@@ -175,12 +176,12 @@ def quantize(
     return model
 
 
-def _keep_amax(old: nn.Module, new: WireQuantizer, name: str, calibrating: bool) -> None:
+def _keep_amax(old: WireQuantizerLike, new: WireQuantizer, name: str, calibrating: bool) -> None:
     """Carry ``old``'s calibrated or loaded amax over to ``new`` (same format), or refuse
     when the new format needs an amax that nothing would give it."""
-    amax = getattr(old, "static_amax", None)
-    source = getattr(old, "amax_source", None) or "calibrated"
-    if amax is None or source == "constant" or getattr(old, "constant_amax", None) is not None:
+    amax = old.static_amax
+    source = old.amax_source or "calibrated"
+    if amax is None or source == "constant" or old.constant_amax is not None:
         return
     if not new.fmt.needs_amax or new.constant_amax is not None:
         return
@@ -199,68 +200,58 @@ def _keep_amax(old: nn.Module, new: WireQuantizer, name: str, calibrating: bool)
     )
 
 
+def calibrating(
+    model: nn.Module, *, extra_groups: Sequence[Any] = ()
+) -> contextlib.AbstractContextManager[None]:
+    """The calibration context of a quantized model (``moewire.quantizer.calibration``).
+
+    Inside, every enabled quantizer collects while values pass through unquantized
+    (ModelOpt's semantics); the combine quantizer sees only valid rows and the dispatch
+    quantizer only tokens with at least one valid slot. On exit each quantizer's collected
+    max is max-reduced over its module's ``ep_group`` (the adapter's), then over each of
+    ``extra_groups`` (vLLM's data-parallel group, as ModelOpt syncs over DP and EP), in
+    module order on every rank, also on a rank whose batches routed nothing; then it
+    becomes the amax. The context may span calls (``ExitStack.enter_context`` ...
+    ``close()``), as the two calibration RPCs of a vLLM worker do.
+
+    Args:
+        model: a model converted by :func:`quantize`.
+        extra_groups: more process groups to max-reduce every amax over (``None`` entries
+            and groups of one rank are skipped).
+    """
+    return calibration(
+        (q, (module._moewire_adapter.ep_group(module), *extra_groups))
+        for _, module, q in quantizers(model)
+    )
+
+
 def calibrate(
     model: nn.Module,
     forward_loop: Callable[[nn.Module], Any],
     *,
     extra_groups: Sequence[Any] = (),
 ) -> nn.Module:
-    """Calibrate every enabled quantizer (``max``), then max-reduce over each EP group.
-
-    While ``forward_loop(model)`` runs, values pass through unquantized (ModelOpt's
-    semantics); the combine quantizer sees only valid rows and the dispatch quantizer only
-    tokens with at least one valid slot. Afterwards each quantizer's amax is max-reduced
-    over its module's ``ep_group`` (the adapter's), then over each of ``extra_groups``
-    (vLLM's data-parallel group, as ModelOpt syncs over DP and EP), in module order on every
-    rank, also on a rank whose batches routed nothing.
+    """Run ``forward_loop(model)`` inside :func:`calibrating`: collect, sync, load.
 
     Args:
         model: a model converted by :func:`quantize`.
         forward_loop: ``forward_loop(model)`` runs the calibration batches.
-        extra_groups: more process groups to max-reduce every amax over (``None`` entries
-            and groups of one rank are skipped).
+        extra_groups: more process groups to max-reduce every amax over (see
+            :func:`calibrating`).
+
+    Returns:
+        ``model``.
     """
-    active = [(n, m, q) for n, m, q in quantizers(model) if q.mode != "disabled"]
-    with contextlib.ExitStack() as stack:
-        for _, _, quantizer in active:
-            if isinstance(quantizer, WireQuantizer):
-                stack.enter_context(_collecting(quantizer))
-            else:
-                stack.enter_context(quantizer.calibrating())
+    with calibrating(model, extra_groups=extra_groups):
         forward_loop(model)
-    for _, module, quantizer in active:
-        group = module._moewire_adapter.ep_group(module)
-        for sync_group in (group, *extra_groups):
-            if sync_group is not None:
-                quantizer.sync_amax(sync_group)
-        if (
-            isinstance(quantizer, WireQuantizer)
-            and quantizer.fmt.needs_amax
-            and quantizer.constant_amax is None
-        ):
-            quantizer.load_calib_amax()
     return model
-
-
-@contextlib.contextmanager
-def _collecting(quantizer: WireQuantizer) -> Iterator[None]:
-    """Calibrate mode without loading on exit: the amax is loaded after the EP reduction,
-    so a rank that saw no data gets the group's max instead of a warning."""
-    previous = quantizer.mode
-    quantizer.reset_calibration()
-    quantizer.mode = "calibrate"
-    try:
-        yield
-    finally:
-        quantizer.mode = previous
 
 
 # -- scales on disk -----------------------------------------------------------------------------
 
 
-def _format_name(quantizer: nn.Module) -> str | None:
-    fmt = getattr(quantizer, "fmt", None)
-    return None if fmt is None else fmt.name
+def _format_name(quantizer: WireQuantizerLike) -> str | None:
+    return None if quantizer.fmt is None else quantizer.fmt.name
 
 
 def _scales_path(path: Any, caller: str) -> Path:
@@ -505,9 +496,8 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
                 "calibrated for"
             )
         if amax is None:
-            needs = getattr(getattr(quantizer, "fmt", None), "needs_amax", False)
-            if (needs and quantizer.mode != "disabled"
-                    and getattr(quantizer, "constant_amax", None) is None):
+            needs = quantizer.fmt is not None and quantizer.fmt.needs_amax
+            if needs and quantizer.mode != "disabled" and quantizer.constant_amax is None:
                 uncovered.append(name)
             continue
         if tuple(amax.shape) != ():
@@ -520,7 +510,7 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
             raise ValueError(
                 f"load_scales: {path}: {name} has a saved amax {value}; it must be finite >= 0"
             )
-        constant = getattr(quantizer, "constant_amax", None)
+        constant = quantizer.constant_amax
         if constant is not None and value != constant:
             raise ValueError(
                 f"load_scales: {name} has constant_amax={constant} in the model and "
@@ -551,7 +541,7 @@ def summary(model: nn.Module) -> str:
     for name, _, q in quantizers(model):
         amax = q.static_amax
         amax_text = "none" if amax is None else f"{float(amax):.6g}"
-        source = getattr(q, "amax_source", None)
+        source = q.amax_source
         if amax is not None and source:
             amax_text += f" ({source})"
         scale = "static" if q.is_static_scale() else "per-call"

@@ -8,7 +8,7 @@ A recipe file is a YAML mapping with up to three keys:
 - ``quant_cfg``: a list of entries ``{quantizer_name: "*dispatch_quantizer", cfg: {...},
   enable: true}``. ``quantizer_name`` is an ``fnmatch`` wildcard on the quantizer's
   qualified name (``layers.3.experts.dispatch_quantizer``); ``cfg`` is a quantizer cfg
-  (``moewire.quantizer.parse_cfg``: ``num_bits`` as a list ``[4, 3]``, ``block_sizes``,
+  (``moewire.config.parse_cfg``: ``num_bits`` as a list ``[4, 3]``, ``block_sizes``,
   ``axis``, ``constant_amax``, ``enable``, or moewire's ``format``); an entry needs
   ``cfg``, ``enable`` or both.
 
@@ -32,7 +32,8 @@ from typing import Any
 
 import yaml
 
-from moewire.quantizer import _CFG_TABLE, USE_CONSTANT_AMAX, CfgError, parse_cfg
+from moewire import formats
+from moewire.config import USE_CONSTANT_AMAX, CfgError, modelopt_table, parse_cfg
 
 __all__ = ["Recipe", "RecipeEntry", "load", "names", "to_modelopt"]
 
@@ -415,21 +416,6 @@ def _entry(raw: Any, where: str, locate: Any, defer: bool = False) -> RecipeEntr
 _MOEWIRE_ONLY_KEYS = ("format", "allow_dynamic")
 
 
-def _modelopt_spelling(fmt: str) -> dict[str, Any] | None:
-    for (bits, block, scale_bits, axis), name in _CFG_TABLE.items():
-        if name != fmt:
-            continue
-        cfg: dict[str, Any] = {"num_bits": bits}
-        if block is not None:
-            blocks: dict[Any, Any] = {-1: block, "type": "dynamic"}
-            if scale_bits is not None:
-                blocks["scale_bits"] = scale_bits
-            cfg["block_sizes"] = blocks
-        cfg["axis"] = 0 if axis == "token" else None
-        return cfg
-    return None
-
-
 def _to_modelopt_cfg(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
     spec = parse_cfg(cfg)
     out = {k: v for k, v in cfg.items() if k not in _MOEWIRE_ONLY_KEYS and k not in (
@@ -440,12 +426,12 @@ def _to_modelopt_cfg(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
         out["constant_amax"] = USE_CONSTANT_AMAX
     if not spec.enable and "num_bits" not in cfg and "format" not in cfg:
         return out
-    spelled = _modelopt_spelling(spec.fmt)
+    spelled = formats.get(spec.fmt).modelopt_cfg()
     if spelled is None:
         raise ValueError(
             f"to_modelopt: {where} uses format {spec.fmt!r}, which ModelOpt cannot spell "
             "(no num_bits/block_sizes/axis for it); use moewire.quantize for this recipe, or "
-            "pick a format with a ModelOpt spelling (fp8, nvfp4, mxfp8, mxfp4, fp8_b128...)"
+            f"pick a format with a ModelOpt spelling ({', '.join(modelopt_table().values())})"
         )
     return {**spelled, **out}
 
