@@ -19,6 +19,11 @@ running (a context variable set by ``Quant<Cls>.forward``):
   flavour gives for that kernel), fake-quantized, re-summed in the kernel's order
   (:func:`~moewire.megamoe.resum.resum`) and written into ``y`` in place.
 
+The DeepGEMM module object itself is hooked too (:class:`_HookedModule`): its kernel
+functions, and its staging cast ``per_token_cast_to_fp8`` (also on ``deep_gemm.utils``),
+whose first call on ``[T, hidden]`` tokens before the kernel call is the staging of a
+forward that stages inline (:func:`_wrap_cast`).
+
 Layout check: before the first use of a buffer's rows (buffers are shared by layers, so
 once per buffer), the unquantized re-sum must equal ``y`` bit for bit over the tokens with a
 routed row. An all-padding batch defers it. Eager: one host sync per call until checked,
