@@ -13,7 +13,7 @@ from moewire.megamoe import wrapper
 from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
 from moewire.megamoe.wrapper import convert, layout_checked
 from moewire.quantizer import WireQuantizer
-from moewire.reference import MegaMoEExperts, deep_gemm, forward_context
+from moewire.reference import MegaMoEExperts, MegaMoEWeights, deep_gemm, forward_context
 
 T = 20
 K_SLOTS = 4
@@ -502,7 +502,7 @@ def test_capture_branch_records_an_assert_instead_of_syncing(corrupt, monkeypatc
 
 
 class _InlineStaging(MegaMoEExperts):
-    """Stages inline (no staging call, as vLLM main's DeepGemmMegaExperts), kernel through
+    """Stages inline with a plain copy (no staging call, no DeepGEMM cast), kernel through
     the namespace."""
 
     def forward(self, hidden_states, topk_weights, topk_ids, shared_experts=None):
@@ -699,3 +699,179 @@ def test_a_local_deep_gemm_import_is_hooked_on_the_module_object():
     want = oracles.resum(rows, topk, T, quant=lambda r: oracles.mxfp8(r[None])[0])
     np.testing.assert_array_equal(oracles.torch_bits(y), want)
     assert (oracles.resum(rows, topk, T) != want).any()  # the combine did quantize
+
+
+# -- inline staging through DeepGEMM's own cast (vLLM main's DeepGemmMegaExperts) ----------
+
+
+class _DeepGemmMegaExpertsShape(MegaMoEExperts):
+    """Shaped like vLLM main's ``DeepGemmMegaExperts.apply`` (SPEC 2): the deep_gemm module
+    looked up inside the forward, tokens cast with ``deep_gemm.utils.per_token_cast_to_fp8``
+    and copied into ``buf.x[:T]``, the kernel called through the module.
+
+    ``via``: ``"utils"`` or ``"top"`` (the top-level re-export) for the staging cast;
+    ``extra``: ``"before"`` casts ``hidden_states`` a second time before the kernel,
+    ``"after"`` casts ``y`` after it; ``bound_kernel`` calls a kernel bound at import.
+    """
+
+    via, extra, bound_kernel = "utils", None, False
+    _bound = staticmethod(deep_gemm.fp8_fp4_mega_moe)
+
+    def forward(self, hidden_states, topk_weights, topk_ids, shared_experts=None):
+        from moewire.reference import deep_gemm as dg
+
+        cast = dg.utils.per_token_cast_to_fp8 if self.via == "utils" else dg.per_token_cast_to_fp8
+        buf, t = self.get_symm_buffer(), hidden_states.shape[0]
+        q, sf = cast(hidden_states, use_ue8m0=True, gran_k=32, use_packed_ue8m0=True)
+        if self.extra == "before":
+            dg.per_token_cast_to_fp8(hidden_states, use_ue8m0=True)
+        buf.x[:t].copy_(q)
+        buf.x_sf[:t].copy_(sf)
+        buf.topk_idx[:t].copy_(topk_ids)
+        buf.topk_weights[:t].copy_(topk_weights)
+        y = torch.empty((t, self.hidden), dtype=torch.bfloat16)
+        kernel = self._bound if self.bound_kernel else dg.fp8_fp4_mega_moe
+        kernel(y, self.l1_weights, self.l2_weights, buf)
+        if self.extra == "after":
+            dg.utils.per_token_cast_to_fp8(y, use_ue8m0=True)
+        return y
+
+
+def _main_shaped(reference, **attrs):
+    """A converted ``_DeepGemmMegaExpertsShape`` on ``reference``'s weights (and buffer)."""
+    weights = MegaMoEWeights(
+        reference.local_experts, "fp8xfp4",
+        (reference.w13_weight, reference.w13_weight_scale),
+        (reference.w2_weight, reference.w2_weight_scale), None, None,
+    )
+    h, i = SHAPES["fp8xfp4"]
+    experts = _DeepGemmMegaExpertsShape(
+        8, K_SLOTS, h, i, 24, mma_type="fp8xfp4", weights=weights, device="cpu"
+    )
+    experts.__dict__.update(attrs)
+    return convert(experts, "layers.9.experts")
+
+
+@pytest.mark.parametrize("via", ["utils", "top"])
+@pytest.mark.parametrize("fmt,amax", [("fp8", 6.0), ("mxfp8", None)])
+def test_inline_staging_through_deepgemms_cast_is_quantized(fp8_model, via, fmt, amax):
+    # Bit for bit what the staging hook gives with the same quantizer: staged x and its
+    # scales, and the kernel's y; the caller's tensor is unchanged.
+    reference = converted(fp8_model).layers[0].experts
+    main = _main_shaped(reference, via=via)
+    x, w, ids = batch(T, SHAPES["fp8xfp4"][0], seed=40, scale=2.0)
+    original = x.clone()
+    got = {}
+    try:
+        for name, experts in (("staging", reference), ("cast", main), ("plain", main)):
+            if name != "plain":
+                experts.dispatch_quantizer = WireQuantizer(fmt, constant_amax=amax)
+            else:
+                experts.dispatch_quantizer = WireQuantizer(enable=False)
+            y = experts(x, w, ids)
+            buf = experts.get_symm_buffer()
+            staged = buf.x[:T].view(torch.uint8).clone(), buf.x_sf[:T].clone()
+            got[name] = (y.view(torch.int16), *staged)
+    finally:
+        reference.dispatch_quantizer = WireQuantizer(enable=False)
+    np.testing.assert_array_equal(oracles.torch_bits(x), oracles.torch_bits(original))
+    for want, have in zip(got["staging"], got["cast"], strict=True):
+        assert torch.equal(want, have)
+    assert not torch.equal(got["plain"][1], got["cast"][1])  # the dispatch did quantize
+    assert not torch.equal(got["plain"][0], got["cast"][0])
+
+
+def test_inline_cast_staging_calibrates_on_staged_tokens_only(fp8_model):
+    # The ids are staged after the cast: the amax must still leave out the token with no
+    # valid slot (collected at the kernel call), as calibrating through the staging hook.
+    reference = converted(fp8_model).layers[0].experts
+    main = _main_shaped(reference)
+    x, w, ids = batch(T, SHAPES["fp8xfp4"][0], seed=41)
+    x[3] *= 50  # the largest token, and it reaches no expert
+    ids[3] = -1
+    amaxes = []
+    try:
+        for experts in (reference, main):
+            experts.dispatch_quantizer = WireQuantizer("fp8")
+            with experts.dispatch_quantizer.calibrating():
+                experts(x, w, ids)
+            amaxes.append(float(experts.dispatch_quantizer.static_amax))
+    finally:
+        reference.dispatch_quantizer = WireQuantizer(enable=False)
+    assert amaxes[0] == amaxes[1] == float(torch.cat([x[:3], x[4:]]).abs().max())
+
+
+@pytest.mark.parametrize(
+    "attrs,calibrate,match",
+    [
+        ({"extra": "before"}, False, r"after the tokens were staged already"),
+        ({"extra": "after"}, False, r"\[20, 512\] tensor .* after the Mega-MoE kernel call"),
+        ({"extra": "after"}, True, r"after the Mega-MoE kernel call"),
+        ({"bound_kernel": True}, True, r"no hooked Mega-MoE kernel call followed"),
+    ],
+    ids=["second-cast", "cast-after-kernel", "cast-after-kernel-calibrating", "calib-no-kernel"],
+)
+def test_inline_cast_staging_refusals(fp8_model, attrs, calibrate, match):
+    main = _main_shaped(converted(fp8_model).layers[0].experts, **attrs)
+    main.dispatch_quantizer = WireQuantizer("fp8", constant_amax=None if calibrate else 6.0)
+    x, w, ids = batch(T, SHAPES["fp8xfp4"][0], seed=42)
+    with pytest.raises(RuntimeError, match=rf"layers\.9\.experts: .*{match}"):
+        if calibrate:
+            with main.dispatch_quantizer.calibrating():
+                main(x, w, ids)
+        else:
+            main(x, w, ids)
+
+
+def test_inline_cast_staging_with_a_fused_shared_expert_is_refused():
+    # The staging hook's refusal (the kernel reads the same staged tokens for the fused
+    # shared expert), reached through the cast.
+    h, i = SHAPES["fp8xfp4"]
+    experts = _DeepGemmMegaExpertsShape(
+        8, K_SLOTS, h, i, 24, mma_type="fp8xfp4", num_fused_shared_experts=1, device="cpu"
+    )
+    convert(experts, "layers.9.experts")
+    experts.dispatch_quantizer = WireQuantizer("mxfp8")
+    x, w, ids = batch(T, h, seed=43)
+    with pytest.raises(
+        RuntimeError, match=r"layers\.9\.experts: the dispatch quantizer is enabled but a shared "
+        r"expert is fused.*VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=1"
+    ):
+        experts(x, w, ids)
+
+
+def test_a_cast_inside_the_staging_call_is_not_a_second_staging(fp8_model, monkeypatch):
+    # A staging function that casts through the module (the SM90 staging does) got the
+    # quantized tokens already: its cast passes through, quantized once.
+    from moewire.reference import experts as experts_module
+
+    def staging_through_the_module(hidden_states, topk_ids, topk_weights, buf, is_padding=None):
+        t = hidden_states.shape[0]
+        q, sf = deep_gemm.utils.per_token_cast_to_fp8(hidden_states, True, 32, True)
+        buf.x[:t].copy_(q)
+        buf.x_sf[:t].copy_(sf)
+        buf.topk_idx[:t].copy_(topk_ids)
+        buf.topk_weights[:t].copy_(topk_weights)
+
+    experts = converted(fp8_model).layers[0].experts
+    proxy = experts_module.stage_mega_moe_inputs
+    monkeypatch.setattr(proxy, "_moewire_original", staging_through_the_module)
+    experts.dispatch_quantizer = WireQuantizer("fp8", constant_amax=6.0)
+    try:
+        x, w, ids = batch(T, SHAPES["fp8xfp4"][0], seed=44, scale=2.0)
+        experts(x, w, ids)
+    finally:
+        experts.dispatch_quantizer = WireQuantizer(enable=False)
+    xq = torch.from_numpy(oracles.fp8_tensor(oracles.to_np(x), 6.0)).bfloat16()
+    q, _ = deep_gemm.per_token_cast_to_fp8(xq, True, 32, True)
+    assert torch.equal(experts.get_symm_buffer().x[:T].view(torch.uint8), q.view(torch.uint8))
+
+
+def test_deepgemms_cast_passes_through_outside_a_quantized_forward(fp8_model):
+    converted(fp8_model)
+    assert isinstance(deep_gemm.utils, wrapper._HookedModule)
+    assert deep_gemm.utils.per_token_cast_to_fp8 is deep_gemm.per_token_cast_to_fp8
+    x = batch(T, SHAPES["fp8xfp4"][0], seed=45)[0]
+    q, sf = deep_gemm.utils.per_token_cast_to_fp8(x, True, 32, True)
+    want = deep_gemm.utils.__dict__["per_token_cast_to_fp8"](x, True, 32, True)
+    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8))

@@ -19,6 +19,11 @@ running (a context variable set by ``Quant<Cls>.forward``):
   flavour gives for that kernel), fake-quantized, re-summed in the kernel's order
   (:func:`~moewire.megamoe.resum.resum`) and written into ``y`` in place.
 
+The DeepGEMM module object itself is hooked too (:class:`_HookedModule`): its kernel
+functions, and its staging cast ``per_token_cast_to_fp8`` (also on ``deep_gemm.utils``),
+whose first call on ``[T, hidden]`` tokens before the kernel call is the staging of a
+forward that stages inline (:func:`_wrap_cast`).
+
 Layout check: before the first use of a buffer's rows (buffers are shared by layers, so
 once per buffer), the unquantized re-sum must equal ``y`` bit for bit over the tokens with a
 routed row. An all-padding batch defers it. Eager: one host sync per call until checked,
@@ -80,6 +85,22 @@ _REACHED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
 )
 
 
+# DeepGEMM's staging casts: a forward that stages inline (vLLM main's DeepGemmMegaExperts,
+# SPEC 2) quantizes hidden_states with one of these, looked up on the deep_gemm module
+# object (`deep_gemm.utils.per_token_cast_to_fp8`, or its re-export at the top).
+STAGING_CASTS = frozenset({"per_token_cast_to_fp8"})
+# True while the adapter's staging function runs: it already got the quantized tokens, so
+# a cast it makes through the module (the SM90 staging does) is not a staging of its own.
+_IN_STAGING_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "moewire_in_staging_call", default=False
+)
+# Tokens a calibrating dispatch quantizer saw in a staging cast, collected at the kernel
+# call (the ids that say which tokens are padding are staged after the cast).
+_CAST_CALIBRATION: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar(
+    "moewire_cast_calibration", default=None
+)
+
+
 def _reached(hook: str) -> None:
     reached = _REACHED.get()
     if reached is not None:
@@ -103,7 +124,11 @@ class _StagingProxy:
         if module is None:
             return self._moewire_original(*args, **kwargs)
         _reached("staging")
-        return module._moewire_stage(self._moewire_original, args, kwargs)
+        token = _IN_STAGING_CALL.set(True)
+        try:
+            return module._moewire_stage(self._moewire_original, args, kwargs)
+        finally:
+            _IN_STAGING_CALL.reset(token)
 
     def __repr__(self) -> str:
         return f"<moewire staging proxy of {self._moewire_original!r}>"
@@ -182,6 +207,7 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
                 "without its output y as the first argument (or keyword y); moewire "
                 "cannot find the tensor to re-sum into"
             )
+        module._moewire_collect_cast_calibration()
         staged = module._moewire_before_kernel(y)
         result = fn(*args, **kwargs)
         if staged is not None:
@@ -194,26 +220,95 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
     return kernel
 
 
+def _stages_tokens(module: QuantExperts, x: Any) -> bool:
+    """Whether a cast's input is the layer's tokens: ``[T, H]`` with ``H`` the experts'
+    hidden size (the buffer's ``hidden``, else the width of its staged ``x``)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return False
+    symm_buffer = module._moewire_adapter.get_symm_buffer(module)
+    hidden = getattr(symm_buffer, "hidden", None)
+    if hidden is None:
+        hidden = symm_buffer.x.shape[-1]
+    return x.shape[1] == hidden
+
+
+def _wrap_cast(fn: Callable, name: str) -> Callable:
+    """DeepGEMM's per-token cast as a staging hook, for a forward that stages inline.
+
+    Inside a quantized forward whose dispatch quantizer is not disabled, the first call
+    whose input ``x`` is ``[T, H]`` (``H`` the experts' hidden size), before the kernel
+    call, is the staging of the dispatched tokens: it goes through the staging hook's own
+    logic (``QuantExperts._moewire_stage``: its refusals, calibration, and the cast run
+    on ``dispatch_quantizer(x)``, out of place) and counts as the ``staging`` hook for the
+    fail-closed check. A second such call, or one after the kernel call, in the same
+    forward raises: moewire cannot tell which of the casts stages the tokens, and would
+    quantize the wrong tensor. Other inputs, calls outside a quantized forward, and calls
+    made by the adapter's staging function (its tokens are quantized already) pass
+    through.
+    """
+
+    def cast(*args: Any, **kwargs: Any) -> Any:
+        module = _ACTIVE.get()
+        if (
+            module is None
+            or _IN_STAGING_CALL.get()
+            or module.dispatch_quantizer.mode == "disabled"
+        ):
+            return fn(*args, **kwargs)
+        x = args[0] if args else kwargs.get("x")
+        if not _stages_tokens(module, x):
+            return fn(*args, **kwargs)
+        reached = _REACHED.get() or set()
+        if reached & {"staging", "kernel"}:
+            when = (
+                "after the Mega-MoE kernel call"
+                if "kernel" in reached
+                else "after the tokens were staged already (by an earlier cast or the staging "
+                "call)"
+            )
+            raise RuntimeError(
+                f"{module._moewire_name}: DeepGEMM's {name} was called on a "
+                f"{list(x.shape)} tensor (the experts' hidden size) {when}, in one forward "
+                f"of {_original_class(type(module)).__qualname__}; moewire quantizes the "
+                "dispatched tokens in the first such cast before the kernel call and cannot "
+                "tell which cast stages them, so it would quantize the wrong tensor. Stage "
+                f"once per forward ({name}(hidden_states, ...) before the kernel call; one "
+                "forward per chunk), or disable dispatch_quantizer"
+            )
+        _reached("staging")
+        return module._moewire_stage(fn, args, kwargs, cast=name)
+
+    cast.__name__ = getattr(fn, "__name__", name)
+    cast.__doc__ = getattr(fn, "__doc__", None)
+    cast.__wrapped__ = fn
+    return cast
+
+
 class _HookedModule(types.ModuleType):
     """The class a DeepGEMM module object gets once hooked: reading one of its Mega-MoE
-    kernel functions while a quantized forward runs gives the wrapped kernel.
+    kernel functions, or a staging cast (``STAGING_CASTS``, see :func:`_wrap_cast`), while
+    a quantized forward runs gives the wrapped function.
 
-    A hook on DeepGEMM's own module object reaches every caller that looks the kernel up
-    on it at call time, however it got the module (a global, ``_import_deep_gemm()``, or
-    ``import deep_gemm`` inside the forward, as vLLM main's ``DeepGemmMegaExperts``
-    does); a caller that bound the function earlier is caught by the fail-closed check.
+    A hook on DeepGEMM's own module object reaches every caller that looks the function
+    up on it at call time, however it got the module (a global, ``_import_deep_gemm()``,
+    or ``import deep_gemm`` inside the forward, as vLLM main's ``DeepGemmMegaExperts``
+    does, staging with ``deep_gemm.utils.per_token_cast_to_fp8``); a caller that bound
+    the function earlier is caught by the fail-closed check.
     """
 
     def __getattribute__(self, name: str) -> Any:
         attr = super().__getattribute__(name)
-        if not name.endswith("mega_moe") or _ACTIVE.get() is None or not callable(attr):
+        cast = name in STAGING_CASTS
+        if not (cast or name.endswith("mega_moe")) or _ACTIVE.get() is None or not callable(
+            attr
+        ):
             return attr
         if name in _flavours.UNSUPPORTED_KERNELS:
             return _refuse_kernel(attr, name)
-        if name in _flavours.kernel_functions():
+        if cast or name in _flavours.kernel_functions():
             cached = _MODULE_WRAPPED.get((id(self), name))
             if cached is None or cached[0] is not attr:
-                cached = (attr, _wrap_kernel(attr, name))
+                cached = (attr, (_wrap_cast if cast else _wrap_kernel)(attr, name))
                 _MODULE_WRAPPED[(id(self), name)] = cached
             return cached[1]
         return attr
@@ -222,17 +317,27 @@ class _HookedModule(types.ModuleType):
 _MODULE_WRAPPED: dict[tuple[int, str], tuple[Callable, Callable]] = {}
 
 
+def _holds_cast(module: Any) -> bool:
+    return type(module) is types.ModuleType and any(n in vars(module) for n in STAGING_CASTS)
+
+
 def hook_module(namespace: Any) -> bool:
-    """Hook a DeepGEMM module object's kernel functions in place; True if it is hooked.
+    """Hook a DeepGEMM module object's kernel functions and staging casts in place; True
+    if it is hooked.
 
     Only a plain module is hooked (its class becomes :class:`_HookedModule`); anything
-    else (a test's namespace object) keeps the global proxy alone.
+    else (a test's namespace object) keeps the global proxy alone. DeepGEMM defines its
+    casts in ``deep_gemm.utils.math`` and re-exports them from ``deep_gemm.utils`` and
+    ``deep_gemm``: those submodules are hooked too where they hold a staging cast.
     """
-    if isinstance(namespace, _HookedModule):
-        return True
-    if type(namespace) is not types.ModuleType:
-        return False
-    namespace.__class__ = _HookedModule
+    if not isinstance(namespace, _HookedModule):
+        if type(namespace) is not types.ModuleType:
+            return False
+        namespace.__class__ = _HookedModule
+    utils = vars(namespace).get("utils")
+    for holder in (utils, vars(utils).get("math") if _holds_cast(utils) else None):
+        if _holds_cast(holder):
+            holder.__class__ = _HookedModule
     return True
 
 
@@ -389,12 +494,25 @@ class QuantExperts:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         reached: set[str] = set()
+        pending: list[torch.Tensor] = []
         token, reached_token = _ACTIVE.set(self), _REACHED.set(reached)
+        pending_token = _CAST_CALIBRATION.set(pending)
         try:
             result = super().forward(*args, **kwargs)
         finally:
             _ACTIVE.reset(token)
             _REACHED.reset(reached_token)
+            _CAST_CALIBRATION.reset(pending_token)
+        if pending:
+            raise RuntimeError(
+                f"{self._moewire_name}: dispatch_quantizer is calibrating and the forward of "
+                f"{_original_class(type(self)).__qualname__} staged its tokens with DeepGEMM's "
+                "per_token_cast_to_fp8, but no hooked Mega-MoE kernel call followed, so "
+                "moewire never saw which tokens were staged with a valid slot (padding must "
+                "stay out of the amax) and collected nothing; call the kernel through the "
+                "deep_gemm module in the same forward, or calibrate through a staging "
+                "function (an experts adapter's stage_fn)"
+            )
         self._moewire_require_hooks(reached)
         return result
 
@@ -415,7 +533,11 @@ class QuantExperts:
                 continue
             adapter = self._moewire_adapter
             if hook == "staging":
-                looked = f"{adapter.forward_module}.{adapter.stage_fn}"
+                looked = (
+                    f"{adapter.forward_module}.{adapter.stage_fn}, or the first "
+                    "per_token_cast_to_fp8 of [T, hidden] tokens through the hooked deep_gemm "
+                    "module before the kernel call"
+                )
             else:
                 looked = (
                     f"{adapter.forward_module}.{adapter.kernel_ns}.<"
@@ -432,7 +554,16 @@ class QuantExperts:
 
     # -- dispatch ------------------------------------------------------------------------
 
-    def _moewire_stage(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def _moewire_stage(
+        self, fn: Callable, args: tuple, kwargs: dict, cast: str | None = None
+    ) -> Any:
+        """The staging hook: run ``fn`` (the staging function, or with ``cast`` DeepGEMM's
+        staging cast of that name, hidden states first) on ``dispatch_quantizer(hidden)``.
+
+        Calibrating, ``fn`` runs on the original tokens and the tokens with a valid staged
+        slot are collected: right after a staging function (it stages the ids), or at the
+        kernel call after a cast (the caller stages the ids after casting).
+        """
         quantizer = self.dispatch_quantizer
         if quantizer.mode == "disabled":
             return fn(*args, **kwargs)
@@ -444,17 +575,34 @@ class QuantExperts:
                 f"would see quantized inputs too; run with {FUSION_SWITCH} (vLLM) or build "
                 "the layer with the shared expert unfused, or disable the dispatch quantizer"
             )
-        hidden, put = _locate_hidden(fn, args, kwargs, adapter.stage_hidden_arg, self._moewire_name)
+        where = adapter.stage_hidden_arg if cast is None else 0
+        hidden, put = _locate_hidden(fn, args, kwargs, where, self._moewire_name)
         _on_device(quantizer, hidden.device, self._moewire_name, "dispatch_quantizer")
         if quantizer.mode == "calibrate":
             result = fn(*args, **kwargs)
-            staged = adapter.get_symm_buffer(self).topk_idx[: hidden.shape[0]]
-            # Only tokens with a valid slot reach an expert; padding never does. Boolean
-            # indexing syncs with the host, which calibration (eager, before capture) allows.
-            quantizer.collect(hidden[(staged >= 0).any(dim=1)])
+            if cast is None:
+                self._moewire_collect_staged(hidden)
+            else:
+                pending = _CAST_CALIBRATION.get()
+                if pending is not None:
+                    pending.append(hidden)
             return result
         args, kwargs = put(quantizer(hidden))
         return fn(*args, **kwargs)
+
+    def _moewire_collect_staged(self, hidden: torch.Tensor) -> None:
+        """Calibrate the dispatch amax on the tokens staged with a valid slot."""
+        staged = self._moewire_adapter.get_symm_buffer(self).topk_idx[: hidden.shape[0]]
+        # Only tokens with a valid slot reach an expert; padding never does. Boolean
+        # indexing syncs with the host, which calibration (eager, before capture) allows.
+        self.dispatch_quantizer.collect(hidden[(staged >= 0).any(dim=1)])
+
+    def _moewire_collect_cast_calibration(self) -> None:
+        """At the kernel call, before the kernel runs (it may clear the buffer): collect
+        the tokens a staging cast saw, now that their ids are staged."""
+        pending = _CAST_CALIBRATION.get()
+        while pending:
+            self._moewire_collect_staged(pending.pop())
 
     # -- combine -------------------------------------------------------------------------
 
