@@ -139,6 +139,19 @@ def test_large_token_counts_warn_up_front(monkeypatch):
     assert plan.startswith("16 experts, about ")
 
 
+def test_the_memory_plan_shows_before_the_layer_is_built(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(study_layer, "_available_bytes", lambda device: 64 * 10**9)
+    needed, _, _ = study_layer.plan_memory(StudyConfig(model="tiny"))
+    shown = []
+    real = study_layer.build_layer
+    monkeypatch.setattr("moewire.study.runner.build_layer",
+                        lambda *a: shown.append(capsys.readouterr().out) or real(*a))
+    assert cli.main([*TINY, "--out", str(tmp_path / "out")]) == 0
+    assert len(shown) == 1
+    assert (f"building the layer (16 experts, about {needed / 1e9:.1f} GB of 64 GB free)"
+            in shown[0]), shown[0]
+
+
 # -- the table in 80 columns ----------------------------------------------------------------------
 
 
