@@ -67,15 +67,51 @@ def test_missing_dependency_names_the_pip_line_before_any_work(tmp_path, capsys,
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["study", "--help"], ["study", "--tokens", "x"],
-                                  ["study", "--model", "gpt5"], []],
-                         ids=["help", "study-help", "bad-int", "bad-choice", "no-command"])
-def test_help_and_flag_errors_do_not_import_torch(argv):
+def _cli_without_torch(argv):
+    """Run ``cli.main(argv)`` in a fresh Python; assert it never imported torch.
+
+    Returns (exit code, the command's stdout)."""
     code = (f"import sys; from moewire import cli; rc = cli.main({argv!r}); "
             "assert 'torch' not in sys.modules, 'torch imported'; print('rc', rc)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
-    assert "torch imported" not in done.stderr and "rc " in done.stdout, done.stderr
+    assert "torch imported" not in done.stderr and "\nrc " in "\n" + done.stdout, done.stderr
+    out, _, rc = done.stdout.rpartition("rc ")
+    return int(rc), out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["study", "--help"], ["study", "--tokens", "x"],
+                                  ["study", "--model", "gpt5"], [], ["formats"],
+                                  ["formats", "--help"], ["formats", "--hidden", "0"],
+                                  ["formats", "--bogus"]],
+                         ids=["help", "study-help", "bad-int", "bad-choice", "no-command",
+                              "formats", "formats-help", "formats-bad-hidden",
+                              "formats-bad-flag"])
+def test_help_formats_and_flag_errors_do_not_import_torch(argv):
+    rc, _ = _cli_without_torch(argv)
+    assert rc == (2 if argv in ([], ["study", "--tokens", "x"], ["study", "--model", "gpt5"],
+                                ["formats", "--hidden", "0"], ["formats", "--bogus"]) else 0)
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168, 100])
+def test_formats_table_without_torch_matches_the_registry(hidden):
+    from moewire import formats
+
+    rc, out = _cli_without_torch(["formats", "--hidden", str(hidden)])
+    assert rc == 0
+    lines = out.splitlines()
+    assert f"bits/elem @H={hidden}" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert sorted(rows) == formats.names()
+    for name, row in rows.items():
+        f = formats.get(name)  # the torch-backed format objects, as fake_quant uses them
+        fits = f.block_size is None or hidden % f.block_size == 0
+        assert row[1:] == [
+            f"{f.element_bits:g}", "-" if f.block_size is None else str(f.block_size),
+            str(f.scale_bits), str(f.row_scale_bits),
+            f"{f.wire_bits(hidden) / hidden:.4g}" if fits else "n/a",
+            "yes" if f.needs_amax else "no", "yes" if f.row_local else "no",
+        ], name
 
 
 # -- memory plan -----------------------------------------------------------------------------------
@@ -101,6 +137,19 @@ def test_large_token_counts_warn_up_front(monkeypatch):
     with pytest.warns(RuntimeWarning, match="--tokens 8192 on the CPU.*expect a long run"):
         plan = study_layer.check_resources(StudyConfig(model="tiny", tokens=8192))
     assert plan.startswith("16 experts, about ")
+
+
+def test_the_memory_plan_shows_before_the_layer_is_built(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(study_layer, "_available_bytes", lambda device: 64 * 10**9)
+    needed, _, _ = study_layer.plan_memory(StudyConfig(model="tiny"))
+    shown = []
+    real = study_layer.build_layer
+    monkeypatch.setattr("moewire.study.runner.build_layer",
+                        lambda *a: shown.append(capsys.readouterr().out) or real(*a))
+    assert cli.main([*TINY, "--out", str(tmp_path / "out")]) == 0
+    assert len(shown) == 1
+    assert (f"building the layer (16 experts, about {needed / 1e9:.1f} GB of 64 GB free)"
+            in shown[0]), shown[0]
 
 
 # -- the table in 80 columns ----------------------------------------------------------------------

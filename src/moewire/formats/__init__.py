@@ -7,10 +7,13 @@ in its class docstring and in ``docs/formats.md``.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from moewire.formats import bf16, fp8, logfmt, mx, nvfp4  # noqa: F401  (registers them)
 from moewire.formats.base import ModelOptSpelling, WireFormat, get, names, register
+
+if TYPE_CHECKING:  # the formats import torch inside their methods: `moewire formats` runs
+    import torch  # without it
 
 __all__ = ["ModelOptSpelling", "WireFormat", "fake_quant", "get", "names", "register"]
 

@@ -7,7 +7,10 @@ tensors (:func:`mul_recip` also float64) and is exact but for the one rounding i
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -48,6 +51,8 @@ def mul_recip(t: torch.Tensor, c: float) -> torch.Tensor:
         TypeError: ``t`` is not FP32 or float64.
         ValueError: ``c`` is not a positive integer below 2^24.
     """
+    import torch
+
     if t.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"mul_recip: t must be float32 or float64, got {t.dtype}")
     if not (0 < c < 2**24 and c == int(c)):
@@ -65,6 +70,8 @@ def e4m3(v: torch.Tensor) -> torch.Tensor:
     saturates to ±448, NaN stays NaN, -0.0 stays -0.0. The clamp comes first because
     torch's own cast of an out-of-range value differs between versions and devices.
     """
+    import torch
+
     return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
 
 
@@ -75,6 +82,8 @@ def e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
     <= 1.25 -> 1, < 1.75 -> 1.5, <= 2.5 -> 2, < 3.5 -> 3, <= 5 -> 4, else 6 (inf too).
     NaN stays NaN.
     """
+    import torch
+
     idx = torch.zeros(a.shape, dtype=torch.int64, device=a.device)
     for mid, up_at_tie in zip(_E2M1_MIDPOINTS, _E2M1_UP_AT_TIE, strict=True):
         idx += (a >= mid) if up_at_tie else (a > mid)
@@ -88,12 +97,16 @@ def floor_log2(v: torch.Tensor) -> torch.Tensor:
     Read from the binary exponent (``frexp``), never from a rounded ``log2``: a value just
     below a power of two must not round up to it. Other inputs give an unspecified value.
     """
+    import torch
+
     _, exponent = torch.frexp(v)
     return exponent - 1
 
 
 def pow2(k: torch.Tensor) -> torch.Tensor:
     """``2.0 ** k`` as FP32, exactly, for int32 ``k`` in [-149, 127] (subnormals included)."""
+    import torch
+
     k = k.to(torch.int32)
     normal = (k + 127).clamp(min=1) << 23
     subnormal = torch.ones_like(k) << (k + 149).clamp(0, 22)
@@ -107,6 +120,8 @@ def ceil_pow2_ue8m0(v: torch.Tensor) -> torch.Tensor:
     clamped to [1, 254], i.e. ``2^clamp(ceil(log2|v|), -126, 127)``. So +inf and NaN map
     to 2^127 (biased exponent 255 clamped to 254), and 0 maps to 2^-126.
     """
+    import torch
+
     bits = v.abs().view(torch.int32)
     exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
     return (exponent.clamp(1, 254) << 23).view(torch.float32)
@@ -114,4 +129,6 @@ def ceil_pow2_ue8m0(v: torch.Tensor) -> torch.Tensor:
 
 def split_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """``[..., H]`` -> FP32 ``[..., H // block, block]`` (may be a view of ``x``: read only)."""
+    import torch
+
     return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)

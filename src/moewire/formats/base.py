@@ -14,13 +14,15 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FP16_MAX = float(torch.finfo(torch.float16).max)
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+# Torch is imported inside the methods, so that the registry and the facts on each format
+# (``moewire formats``) load without it. FP16's largest finite value,
+# ``torch.finfo(torch.float16).max``:
+_FP16_MAX = 65504.0
 
 
 def _kernel_qdq(name: str, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None:
@@ -125,6 +127,8 @@ class WireFormat:
         (65504 is 65536 in BF16), so every finite input's result is clamped to
         [-65504, 65504]; NaN and ±inf inputs pass as the format maps them.
         """
+        import torch
+
         x = self.check_input(x)
         amax_t = self.check_amax(amax, x)
         if x.numel() == 0:
@@ -165,9 +169,11 @@ class WireFormat:
 
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
         """Refuse what the format cannot take: non-tensors, non-float dtypes, bad shapes."""
+        import torch
+
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"format {self.name!r}: x must be a torch.Tensor, got {type(x)}")
-        if x.dtype not in _FLOAT_DTYPES:
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(
                 f"format {self.name!r}: x has dtype {x.dtype}; fake quantization takes "
                 "bfloat16, float16 or float32 tensors (cast the data first, e.g. x.float())"
@@ -194,6 +200,8 @@ class WireFormat:
         since reading it would be a host sync (forbidden under CUDA-graph capture); the
         quantizer validates its amax when it is calibrated or loaded.
         """
+        import torch
+
         if not self.needs_amax:
             return None
         if amax is None:
@@ -212,7 +220,9 @@ class WireFormat:
                 f"format {self.name!r}: amax must be a scalar (one element), got shape "
                 f"{tuple(amax_t.shape)}; reduce it first, e.g. amax.max()"
             )
-        if not (amax_t.is_floating_point() or amax_t.dtype in _INT_DTYPES):
+        if not (amax_t.is_floating_point()
+                or amax_t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
+                                    torch.uint8)):
             raise TypeError(
                 f"format {self.name!r}: amax has dtype {amax_t.dtype}; pass a real number"
             )

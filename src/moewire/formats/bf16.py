@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from moewire.formats.base import WireFormat, register
 
@@ -26,6 +29,8 @@ class BF16(WireFormat):
     row_local = True
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
         return x.to(torch.bfloat16, copy=True).to(x.dtype)
 
 

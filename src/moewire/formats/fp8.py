@@ -6,7 +6,10 @@ E4M3 ("fn"): 1 sign, 4 exponent, 3 mantissa bits, max 448, no inf. Every cast he
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from moewire.formats._numerics import E4M3_MAX, ceil_pow2_ue8m0, e4m3, mul_recip, split_blocks
 from moewire.formats.base import ModelOptSpelling, WireFormat, register
@@ -46,6 +49,8 @@ class FP8PerTensor(WireFormat):
     modelopt_spelling = ModelOptSpelling(num_bits=(4, 3))
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
         safe = torch.where(amax > _MODELOPT_TINY_AMAX, amax, torch.ones_like(amax))
         scale = E4M3_MAX * torch.reciprocal(safe)
         q = e4m3(x.to(torch.float32) * scale)
@@ -101,6 +106,8 @@ class FP8Block(WireFormat):
             self.modelopt_spelling = ModelOptSpelling((4, 3), scale_bits=(8, 0) if ue8m0 else None)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
         xb = split_blocks(x, self.block_size)
         block_amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=_DEEPGEMM_AMAX_FLOOR)
         sf = mul_recip(block_amax, E4M3_MAX)

@@ -12,7 +12,10 @@ per 512 or 1024 channels.)
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from moewire.formats._numerics import mul_recip
 from moewire.formats.base import WireFormat, register
@@ -89,6 +92,8 @@ class LogFMT10(WireFormat):
     row_local = True
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
         hidden = x.shape[-1]
         lead = x.shape[:-1]
         num_div = hidden // _DIVISION

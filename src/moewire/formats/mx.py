@@ -5,7 +5,10 @@ A block of 32 consecutive elements of a row shares one UE8M0 scale (a power of t
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from moewire.formats._numerics import (
     E2M1_MAX,
@@ -66,11 +69,15 @@ class MXFormat(WireFormat):
         )
 
     def _round(self, v: torch.Tensor) -> torch.Tensor:
+        import torch
+
         if self.element == "e4m3":
             return e4m3(v)
         return torch.copysign(e2m1_magnitude(v.abs().clamp(max=E2M1_MAX)), v)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
         xb = split_blocks(x, self.block_size)
         block_amax = xb.abs().amax(dim=-1, keepdim=True)
         finite = torch.isfinite(block_amax)

@@ -7,7 +7,10 @@ low-precision combine sends one FP32 global scale per token).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from moewire.formats._numerics import (
     E2M1_MAX,
@@ -38,6 +41,8 @@ def nvfp4_qdq(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
         ``bs = e4m3(min(bmax / (6 * gs), 448)) * gs`` (``bs = 1`` where ``bs < 1e-5``),
         ``out = sign(x) * e2m1(|x| / bs) * bs``.
     """
+    import torch
+
     xb = split_blocks(x, _NVFP4_BLOCK)
     bmax = xb.abs().amax(dim=-1, keepdim=True)
     bs = e4m3((bmax / (E2M1_MAX * gs)).clamp(max=E4M3_MAX)) * gs
@@ -91,6 +96,8 @@ class NVFP4(WireFormat):
     modelopt_spelling = ModelOptSpelling(num_bits=(2, 1), scale_bits=(4, 3))
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
         gs = torch.where(
             amax > 0, mul_recip(amax, E2M1_MAX * E4M3_MAX), torch.full_like(amax, _GS_FALLBACK)
         )
@@ -120,6 +127,8 @@ class NVFP4Token(WireFormat):
     modelopt_spelling = ModelOptSpelling(num_bits=(2, 1), scale_bits=(4, 3), axis=0)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
         row_amax = x.to(torch.float32).abs().amax(dim=-1, keepdim=True).unsqueeze(-1)
         # `== 0` rather than `<= 0`: a NaN row must keep a NaN scale (and come out NaN).
         gs = torch.where(
