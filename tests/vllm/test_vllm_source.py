@@ -304,25 +304,6 @@ def test_033_fused_shared_refuses_dispatch_quantization(vllm_config, v033):
             )
 
 
-def _order_visible_kernel(real, k, shared_first):
-    """The stand-in kernel, then token 0's rows rewritten so that the FP32 sum order survives
-    the BF16 rounding (routed -2^24, 0.5, 0.. and the shared row 2^24, stored at slot k)
-    and ``y`` as the build would sum them (shared first: 2^24 - 2^24 + 0.5 = 0.5; last:
-    -2^24 + 0.5 rounds to -2^24 in FP32, + 2^24 = 0)."""
-
-    def kernel(y, l1, l2, buf, **kwargs):
-        real(y, l1, l2, buf, **kwargs)
-        tmax, h = buf.num_max_tokens_per_rank, buf.hidden
-        rows = setup.oracle_rows(buf, k + 1, "vllm-0.33")
-        assert rows.shape == (k + 1, tmax, h)
-        rows[:, 0, 0] = 0.0
-        rows[:2, 0, 0] = torch.tensor([-(2.0**24), 0.5], dtype=torch.bfloat16)
-        rows[k, 0, 0] = 2.0**24
-        y[0, 0] = 0.5 if shared_first else 0.0
-
-    return kernel
-
-
 @pytest.mark.parametrize("kernel_adds", ["first", "last"], ids=["right-end", "wrong-end"])
 def test_fused_shared_combine_on_order_visible_rows(vllm_config, v033, kernel_adds, monkeypatch):
     """Combine-only with the fused shared expert on the build this release bundles (shared
@@ -340,7 +321,7 @@ def test_fused_shared_combine_on_order_visible_rows(vllm_config, v033, kernel_ad
         # After construction: vLLM reads the kernel's signature to decide on fusion.
         monkeypatch.setattr(
             reference, "bf16_mega_moe",
-            _order_visible_kernel(reference.bf16_mega_moe, K, kernel_adds == "first"),
+            setup.order_visible_kernel(reference.bf16_mega_moe, K, kernel_adds == "first"),
         )
         assert vllm_mod.kernel_flavour(experts) == "vllm-0.33"
         model = torch.nn.ModuleDict({"experts": experts})
