@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import types
 
+import _standin as standin
 import _vllm_world as setup
 import pytest
 import torch
@@ -132,7 +133,7 @@ def test_032_fused_shared_combine_on_order_visible_rows(vllm_config, monkeypatch
     pad = torch.zeros(6, dtype=torch.bool)
     pad[3] = True
     ids[0] = torch.arange(K)
-    with vllm_mod.use_reference_deep_gemm("vllm-0.32") as reference:
+    with standin.use_reference_deep_gemm("vllm-0.32") as reference:
         # DeepseekV4MoE.finalize_mega_moe_weights: the real fusing of the shared weights.
         experts.finalize_weights(shared)
         assert experts.has_fused_shared_experts and experts.num_shared_experts == 1
