@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -50,7 +51,10 @@ def vllm_world(rank: int, world_size: int, init_file: str) -> Iterator[object]:
         yield config
 
 
-def make_experts(config, rank: int = 0, world_size: int = 1, seed: int = 0, prefix: str = PREFIX):
+def make_experts(
+    config, rank: int = 0, world_size: int = 1, seed: int = 0, prefix: str = PREFIX,
+    num_shared_experts: int = 0,
+):
     """The real ``DeepseekV4MegaMoEExperts`` with seeded checkpoint-format weights.
 
     Expert ``e``'s FP4 bytes and UE8M0 scale bytes come from a generator seeded with
@@ -67,6 +71,7 @@ def make_experts(config, rank: int = 0, world_size: int = 1, seed: int = 0, pref
         top_k=K,
         hidden_size=H,
         intermediate_size=INTER,
+        num_shared_experts=num_shared_experts,
         prefix=prefix,
     )
     for j in range(local):
@@ -125,3 +130,26 @@ def oracle_resum(
     if shared == "last":
         out = out + rows[k, :num_tokens].float()
     return out.bfloat16()
+
+
+def order_visible_kernel(real: Callable, k: int, shared_first: bool | None = None) -> Callable:
+    """The stand-in kernel ``real``, then token 0's rows rewritten so that the FP32 sum order
+    survives the BF16 rounding (routed -2^24, 0.5, 0.. and the shared row 2^24, stored at
+    slot k) and ``y`` as a build adding the shared row first (2^24 - 2^24 + 0.5 = 0.5) or
+    last (-2^24 + 0.5 rounds to -2^24 in FP32, + 2^24 = 0) would give. ``shared_first``:
+    that build's order; ``None``: the order of the stand-in flavour the buffer was built with.
+    """
+
+    @functools.wraps(real)
+    def kernel(y, l1, l2, buf, **kwargs):
+        real(y, l1, l2, buf, **kwargs)
+        tmax, h = buf.num_max_tokens_per_rank, buf.hidden
+        rows = oracle_rows(buf, k + 1, buf._moewire_flavour)
+        assert rows.shape == (k + 1, tmax, h)
+        rows[:, 0, 0] = 0.0
+        rows[:2, 0, 0] = torch.tensor([-(2.0**24), 0.5], dtype=torch.bfloat16)
+        rows[k, 0, 0] = 2.0**24
+        first = buf.flavour.shared_position == "first" if shared_first is None else shared_first
+        y[0, 0] = 0.5 if first else 0.0
+
+    return kernel

@@ -8,6 +8,7 @@ import os
 import re
 import tempfile
 
+import _standin as standin
 import _vllm_world as _setup
 import ml_dtypes
 import numpy as np
@@ -114,7 +115,7 @@ def test_reference_staging_matches_oracle(padding):
     x_sf = torch.empty(t, H // 128, dtype=torch.int32)
     idx = torch.empty(t, K, dtype=torch.int64)
     wo = torch.empty(t, K, dtype=torch.float32)
-    vllm_mod.prepare_megamoe_inputs_reference(
+    standin.prepare_megamoe_inputs_reference(
         x, w, ids, x_fp8, x_sf, idx, wo, is_padding=pad if padding else None
     )
     q, packed = _oracle_stage(x, pad)
@@ -148,7 +149,7 @@ def test_real_dsv4_forward_reaches_reference_kernel(vllm_config, padding):
     pad = torch.zeros(t, dtype=torch.bool)
     if padding:
         pad[[1, 4, 8]] = True
-    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
+    with standin.use_reference_deep_gemm("vllm-0.32"):
         experts.finalize_weights()
         y = _forward(experts, x, ids, w, pad if padding else None)
         buffer = experts.get_symm_buffer()
@@ -196,7 +197,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
         x, ids, w = _setup.routing(t, seed=20 + rank)
         pad = torch.zeros(t, dtype=torch.bool)
         pad[0] = True
-        with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
+        with standin.use_reference_deep_gemm("vllm-0.32"):
             experts.finalize_weights()
             y = _forward(experts, x, ids, w, pad)
             buffer = experts.get_symm_buffer()
@@ -245,7 +246,7 @@ def test_kimi_k3_situ_forward_is_quantized(vllm_config):
     assert adapter_for(experts).name == "vllm-KimiK3MegaMoEExperts"
     model = torch.nn.ModuleDict({"experts": experts})
     x, ids, w = _setup.routing(6, seed=41)
-    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
+    with standin.use_reference_deep_gemm("vllm-0.32"):
         plain = experts(x, w, ids, activation_clamp=None)
         buffer = experts.get_symm_buffer()
         assert buffer.activation == "situ"

@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+import _standin as standin
 import pytest
 import torch
 
@@ -133,7 +134,7 @@ def _reference(weights, x, w, ids):
 def test_nvfp4_experts_equal_the_stand_in_bit_for_bit(vllm_config, vllm_module):
     weights = _weights()
     x, ids, w = _routing(8, seed=1)
-    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+    with standin.use_reference_deep_gemm("vllm-0.33"):
         experts = _make(vllm_module, vllm_config, _prefix(), weights)
         y = experts(x, w, ids)
         assert vllm_mod.kernel_flavour(experts) == "vllm-0.33"
@@ -153,7 +154,7 @@ def test_nvfp4_quantized_combine_and_dispatch(vllm_config, vllm_module):
     ids[3, 1] = -1
     recipe = [{"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}},
               {"quantizer_name": "*dispatch_quantizer", "cfg": {"format": "mxfp8"}}]
-    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+    with standin.use_reference_deep_gemm("vllm-0.33"):
         experts = _make(vllm_module, vllm_config, _prefix(), weights)
         holder = torch.nn.Module()
         holder.experts = experts
@@ -180,7 +181,7 @@ def test_nvfp4_calibration_sees_unweighted_rows(vllm_config, vllm_module):
 
     weights = _weights()
     x, ids, w = _routing(8, seed=4)
-    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+    with standin.use_reference_deep_gemm("vllm-0.33"):
         experts = _make(vllm_module, vllm_config, _prefix(), weights)
         holder = torch.nn.Module()
         holder.experts = experts

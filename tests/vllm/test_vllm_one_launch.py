@@ -91,6 +91,7 @@ def _launches(rank: int, world: int, init_file: str, out_dir: str) -> None:
         for key in ("MOEWIRE_RECIPE", "MOEWIRE_SCALES", "MOEWIRE_SAVE_SCALES",
                     "MOEWIRE_CALIB_DATA"):
             os.environ.pop(key, None)
+        import _standin as standin
         import _tiny_moe
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
         from vllm.plugins import load_general_plugins
@@ -125,7 +126,7 @@ def _launches(rank: int, world: int, init_file: str, out_dir: str) -> None:
             return platform_warm_up(self)
 
         CPUWorker.compile_or_warm_up_model = warm_up
-        with vllm_mod.use_reference_deep_gemm():
+        with standin.use_reference_deep_gemm():
             # (A) one launch: the plugin quantizes at load, the worker calibrates.
             os.environ["MOEWIRE_RECIPE"] = RECIPE
             os.environ["MOEWIRE_CALIB_DATA"] = str(tmp / "calib.json")

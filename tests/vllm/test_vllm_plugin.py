@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import types
 
+import _standin as standin
 import _vllm_world as setup
 import pytest
 import torch
@@ -60,7 +61,7 @@ def test_extension_adds_methods_only():
 
 def test_worker_calibration_rpcs_equal_moewire_calibrate(vllm_config, tmp_path):
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
+    with standin.use_reference_deep_gemm("vllm-0.32"):
         model = _model(vllm_config)
         worker = _Worker(model)
         assert worker.moewire_begin_calibration(RECIPE) == 1
@@ -98,7 +99,7 @@ def test_plugin_wraps_the_loader_and_loads_scales(vllm_config, tmp_path, monkeyp
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
+    with standin.use_reference_deep_gemm("vllm-0.32"):
         calibrated = _model(vllm_config)
         api.quantize(calibrated, RECIPE, forward_loop=lambda m: _batches(vllm_config, m, (3,)))
         api.save_scales(calibrated, tmp_path / "scales.rank0.pt")

@@ -11,6 +11,7 @@ import itertools
 import os
 import tempfile
 
+import _standin as standin
 import _vllm_world as setup
 import pytest
 import torch
@@ -87,7 +88,7 @@ def _check_quantized_forward(config, experts, seen, seed: int):
     x_fp8 = torch.empty(t, H, dtype=torch.float8_e4m3fn)
     x_sf = torch.empty(t, H // 128, dtype=torch.int32)
     idx, wo = torch.empty(t, K, dtype=torch.int64), torch.empty(t, K)
-    vllm_mod.prepare_megamoe_inputs_reference(xq, w, ids, x_fp8, x_sf, idx, wo, is_padding=pad)
+    standin.prepare_megamoe_inputs_reference(xq, w, ids, x_fp8, x_sf, idx, wo, is_padding=pad)
     assert torch.equal(buffer.x[:t].view(torch.uint8), x_fp8.view(torch.uint8))
     assert torch.equal(buffer.x_sf[:t], x_sf)
     assert torch.equal(buffer.topk_idx[:t], idx)
@@ -103,7 +104,7 @@ def _check_quantized_forward(config, experts, seen, seed: int):
 
 def test_calibrate_then_quantize_real_dsv4(vllm_config):
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
+    with standin.use_reference_deep_gemm("vllm-0.32"):
         experts = setup.make_experts(vllm_config, prefix=_prefix())
         experts.finalize_weights()
         _, seen = _calibrate(vllm_config, experts, seeds=(31, 32, 33))
@@ -114,7 +115,7 @@ def test_calibrate_then_quantize_real_dsv4(vllm_config):
 
 def test_scales_round_trip_into_a_fresh_model(vllm_config, tmp_path):
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
+    with standin.use_reference_deep_gemm("vllm-0.32"):
         experts = setup.make_experts(vllm_config, prefix=_prefix())
         experts.finalize_weights()
         model, seen = _calibrate(vllm_config, experts, seeds=(41,))
@@ -132,7 +133,7 @@ def test_scales_round_trip_into_a_fresh_model(vllm_config, tmp_path):
 def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
     with setup.vllm_world(rank, 2, init_file) as config:
         vllm_mod.register_vllm_experts()
-        with vllm_mod.use_reference_deep_gemm("vllm-0.32"):
+        with standin.use_reference_deep_gemm("vllm-0.32"):
             experts = setup.make_experts(config, rank=rank, world_size=2)
             experts.finalize_weights()
             # Different data per rank: the synced amax is the max of both ranks' amaxes.

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+import _standin as standin
 import _vllm_world as setup
 import pytest
 import torch
@@ -93,7 +94,7 @@ def test_033_class_equals_032_class_bit_for_bit(vllm_config, v033):
     x, ids, w = setup.routing(8, seed=5)
     pad = torch.zeros(8, dtype=torch.bool)
     pad[2] = True
-    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+    with standin.use_reference_deep_gemm("vllm-0.33"):
         experts, old = _make_033(v033, vllm_config, v033.layer(40))
         old.finalize_weights()
         context = create_forward_context(None, vllm_config, is_padding=pad)
@@ -112,7 +113,7 @@ def test_033_class_equals_032_class_bit_for_bit(vllm_config, v033):
 def test_033_unfused_shared_expert_is_added_after_the_kernel(vllm_config, v033):
     """0.33's forward adds an unfused shared expert itself; moewire needs nothing more."""
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+    with standin.use_reference_deep_gemm("vllm-0.33"):
         experts, _ = _make_033(v033, vllm_config, v033.layer(41))
         x, ids, w = setup.routing(4, seed=6)
         shared = torch.nn.Linear(H, H, bias=False).bfloat16()
@@ -180,7 +181,7 @@ def test_033_fused_shared_expert_in_flavour_order(vllm_config, v033, flavour, sh
     pad = torch.zeros(6, dtype=torch.bool)
     pad[4] = True
     x, ids, w = setup.routing(6, seed=7)
-    with vllm_mod.use_reference_deep_gemm(flavour):
+    with standin.use_reference_deep_gemm(flavour):
         prefix = v033.layer(50 + flavour.endswith("0.33"))
         experts = _make_033_bf16_fused(v033, vllm_config, prefix, seed=8)
         assert experts.has_fused_shared_experts
@@ -241,7 +242,7 @@ class _RecordingShared(torch.nn.Module):
 
 def test_033_unfused_shared_gets_unquantized_tokens_after_combine(vllm_config, v033):
     vllm_mod.register_vllm_experts()
-    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+    with standin.use_reference_deep_gemm("vllm-0.33"):
         experts, _ = _make_033(v033, vllm_config, v033.layer(60))
         model = torch.nn.ModuleDict({"experts": experts})
 
@@ -259,7 +260,7 @@ def test_033_unfused_shared_gets_unquantized_tokens_after_combine(vllm_config, v
     staged = torch.empty(6, H, dtype=torch.float8_e4m3fn)
     sf = torch.empty(6, H // 128, dtype=torch.int32)
     idx, wo = torch.empty(6, K, dtype=torch.int64), torch.empty(6, K)
-    vllm_mod.prepare_megamoe_inputs_reference(xq, w, ids, staged, sf, idx, wo, is_padding=pad)
+    standin.prepare_megamoe_inputs_reference(xq, w, ids, staged, sf, idx, wo, is_padding=pad)
     assert torch.equal(buffer.x[:6].view(torch.uint8), staged.view(torch.uint8))
     expected = _quantized_resum(buffer, 6, experts.combine_quantizer.amax, None)
     expected += shared.proj(x)
@@ -275,7 +276,7 @@ def test_033_fused_shared_combine_quantized_in_flavour_order(
 ):
     vllm_mod.register_vllm_experts()
     v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
-    with vllm_mod.use_reference_deep_gemm(flavour):
+    with standin.use_reference_deep_gemm(flavour):
         prefix = v033.layer(70 + flavour.endswith("0.33"))
         experts = _make_033_bf16_fused(v033, vllm_config, prefix, seed=9)
         model = torch.nn.ModuleDict({"experts": experts})
@@ -294,7 +295,7 @@ def test_033_fused_shared_combine_quantized_in_flavour_order(
 def test_033_fused_shared_refuses_dispatch_quantization(vllm_config, v033):
     vllm_mod.register_vllm_experts()
     v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
-    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+    with standin.use_reference_deep_gemm("vllm-0.33"):
         experts = _make_033_bf16_fused(v033, vllm_config, v033.layer(80), seed=10)
         model = torch.nn.ModuleDict({"experts": experts})
         with pytest.raises(RuntimeError, match="VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION"):
@@ -302,25 +303,6 @@ def test_033_fused_shared_refuses_dispatch_quantization(vllm_config, v033):
                 model, "moe_dispatch_fp8",
                 forward_loop=lambda m: _forward_033(vllm_config, m["experts"], *_batch(94)),
             )
-
-
-def _order_visible_kernel(real, k, shared_first):
-    """The stand-in kernel, then token 0's rows rewritten so that the FP32 sum order survives
-    the BF16 rounding (routed -2^24, 0.5, 0.. and the shared row 2^24, stored at slot k)
-    and ``y`` as the build would sum them (shared first: 2^24 - 2^24 + 0.5 = 0.5; last:
-    -2^24 + 0.5 rounds to -2^24 in FP32, + 2^24 = 0)."""
-
-    def kernel(y, l1, l2, buf, **kwargs):
-        real(y, l1, l2, buf, **kwargs)
-        tmax, h = buf.num_max_tokens_per_rank, buf.hidden
-        rows = setup.oracle_rows(buf, k + 1, "vllm-0.33")
-        assert rows.shape == (k + 1, tmax, h)
-        rows[:, 0, 0] = 0.0
-        rows[:2, 0, 0] = torch.tensor([-(2.0**24), 0.5], dtype=torch.bfloat16)
-        rows[k, 0, 0] = 2.0**24
-        y[0, 0] = 0.5 if shared_first else 0.0
-
-    return kernel
 
 
 @pytest.mark.parametrize("kernel_adds", ["first", "last"], ids=["right-end", "wrong-end"])
@@ -333,14 +315,14 @@ def test_fused_shared_combine_on_order_visible_rows(vllm_config, v033, kernel_ad
 
     vllm_mod.register_vllm_experts()
     v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
-    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+    with standin.use_reference_deep_gemm("vllm-0.33"):
         experts = _make_033_bf16_fused(
             v033, vllm_config, v033.layer(90 + (kernel_adds == "last")), seed=11
         )
         # After construction: vLLM reads the kernel's signature to decide on fusion.
         monkeypatch.setattr(
             reference, "bf16_mega_moe",
-            _order_visible_kernel(reference.bf16_mega_moe, K, kernel_adds == "first"),
+            setup.order_visible_kernel(reference.bf16_mega_moe, K, kernel_adds == "first"),
         )
         assert vllm_mod.kernel_flavour(experts) == "vllm-0.33"
         model = torch.nn.ModuleDict({"experts": experts})
@@ -372,14 +354,14 @@ def test_padding_stays_out_of_calibrated_amaxes(vllm_config, v033, skip, monkeyp
     monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", skip)
     vllm_mod.register_vllm_experts()
     seen = []
-    real = vllm_mod.prepare_megamoe_inputs_reference
+    real = standin.prepare_megamoe_inputs_reference
 
     def recording(*args, **kwargs):
         seen.append(kwargs.get("is_padding"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(vllm_mod, "prepare_megamoe_inputs_reference", recording)
-    with vllm_mod.use_reference_deep_gemm("vllm-0.33"):
+    monkeypatch.setattr(standin, "prepare_megamoe_inputs_reference", recording)
+    with standin.use_reference_deep_gemm("vllm-0.33"):
         experts, _ = _make_033(v033, vllm_config, v033.layer(96 + int(skip)))
         model = torch.nn.ModuleDict({"experts": experts})
         x, ids, w, pad = _batch(97)

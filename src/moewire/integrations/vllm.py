@@ -16,7 +16,8 @@ All three read two things at call time: the staging function ``prepare_megamoe_i
 (a global of the forward's module; ``hidden_states`` is its first positional argument) and
 the DeepGEMM namespace, through ``vllm.utils.deep_gemm._import_deep_gemm()``. The bridge
 (:mod:`moewire.integrations._vllm_bridge`) makes both globals of one module, which the
-experts adapters name; nothing of vLLM's forward is copied.
+experts adapters name; nothing of vLLM's forward is copied. The CPU stand-ins the tests run
+vLLM's classes on (stand-in DeepGEMM, torch staging) live in ``tests/vllm/_standin.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ import inspect
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from moewire.integrations import _vllm_bridge
@@ -45,12 +44,10 @@ __all__ = [
     "calibrate",
     "experts_sites",
     "kernel_flavour",
-    "prepare_megamoe_inputs_reference",
     "quantize_vllm_model",
     "register",
     "register_site",
     "register_vllm_experts",
-    "use_reference_deep_gemm",
     "vllm_version",
 ]
 
@@ -215,8 +212,8 @@ def kernel_flavour(module: nn.Module) -> str:
     if namespace is None:
         raise RuntimeError(
             f"{getattr(module, 'prefix', type(module).__name__)}: vLLM imports no DeepGEMM "
-            "(neither `deep_gemm` nor `vllm.third_party.deep_gemm`); install DeepGEMM, or in "
-            "tests use moewire.integrations.vllm.use_reference_deep_gemm()"
+            "(neither `deep_gemm` nor `vllm.third_party.deep_gemm`); install DeepGEMM, or a "
+            "vLLM CUDA wheel, which bundles it"
         )
     from moewire.megamoe.flavours import detect
 
@@ -268,201 +265,6 @@ def register_vllm_experts() -> list[type]:
     return [cls for cls, _ in found]
 
 
-def _ue8m0_exponent(scale: torch.Tensor) -> torch.Tensor:
-    bits = scale.view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return exponent.clamp(1, 254)
-
-
-def prepare_megamoe_inputs_reference(
-    hidden_states: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    x_fp8: torch.Tensor,
-    x_sf: torch.Tensor | None,
-    topk_idx_out: torch.Tensor,
-    topk_weights_out: torch.Tensor,
-    is_padding: torch.Tensor | None = None,
-    shared_x_sf: torch.Tensor | None = None,
-    shared_block_m: int | None = None,
-    hidden_quant: Any = "mxfp8",
-    eplb_state: Any = None,
-) -> None:
-    """vLLM's ``prepare_megamoe_inputs`` (a Triton kernel) in plain torch, for CPU tests.
-
-    Same signature and math as vLLM 0.32/0.33's MXFP8 staging: per token and 32 channels,
-    ``amax = max(max|x|, 1e-4)`` (FP32), ``s = amax / 448``, ``e = exponent(s) + (s has a
-    mantissa)`` clamped to [1, 254], ``x_fp8 = e4m3(x * 2^(127-e))``; ``x_sf`` int32
-    ``[T, H/128]`` holds ``e`` of group ``4i + j`` in byte ``j`` of int ``i``. Routing:
-    ``topk_idx_out = -1`` and ``topk_weights_out = 0`` on padding tokens, else int64 ids
-    and FP32 weights. ``shared_x_sf`` gets the same ints at the rows of DeepGEMM's SM100
-    shared-expert layout for ``shared_block_m``. ``hidden_quant=None`` (vLLM 0.33's BF16
-    format) copies ``hidden_states`` into ``x_fp8``.
-
-    Args:
-        hidden_states: BF16 ``[T, H]``, ``H`` a multiple of 128.
-        topk_weights: FP32 ``[T, k]``; topk_ids: integer ``[T, k]``.
-        x_fp8, x_sf, topk_idx_out, topk_weights_out: the buffer's ``[:T]`` views.
-        is_padding: bool ``[T]`` or ``None``.
-        hidden_quant: vLLM's ``kMxfp8Dynamic`` (or anything but ``None``) or ``None``.
-        eplb_state: vLLM 0.34's ``EplbLayerState`` (the staging kernel maps logical ids to
-            physical replicas there); only a state without a mapping is accepted here.
-    """
-    if getattr(eplb_state, "logical_to_physical_map", None) is not None:
-        raise ValueError(
-            "prepare_megamoe_inputs_reference: EPLB id mapping (eplb_state with a "
-            "logical_to_physical_map) is not implemented in the CPU stand-in; run without EPLB"
-        )
-    num_tokens, hidden = hidden_states.shape
-    if num_tokens == 0:
-        return
-    if hidden % 128:
-        raise ValueError(
-            f"prepare_megamoe_inputs_reference: hidden size {hidden} is not a multiple of 128"
-        )
-    pad = (
-        torch.zeros(num_tokens, dtype=torch.bool, device=hidden_states.device)
-        if is_padding is None
-        else is_padding[:num_tokens].to(torch.bool)
-    )
-    topk_idx_out.copy_(torch.where(pad[:, None], -1, topk_ids.to(torch.int64)))
-    topk_weights_out.copy_(torch.where(pad[:, None], 0.0, topk_weights.float()))
-    if hidden_quant is None:
-        x_fp8.copy_(hidden_states)
-        return
-    groups = hidden_states.float().reshape(num_tokens, hidden // 32, 32)
-    amax = groups.abs().amax(dim=-1).clamp_min(1e-4)
-    exponent = _ue8m0_exponent(amax / 448.0)
-    # 1 / 2^(e-127) is exact in FP32, as in the Triton kernel's `1.0 / quant_scale`.
-    inv_scale = 1.0 / (exponent << 23).view(torch.float32)
-    x_fp8.copy_((groups * inv_scale[..., None]).reshape(num_tokens, hidden).to(x_fp8.dtype))
-    shifts = torch.arange(4, device=exponent.device, dtype=torch.int32) * 8
-    packed = (exponent.reshape(num_tokens, hidden // 128, 4) << shifts).sum(-1)
-    packed = packed.to(torch.int32)
-    x_sf.copy_(packed)
-    if shared_x_sf is not None:
-        if shared_block_m is None:
-            raise ValueError("prepare_megamoe_inputs_reference: shared_x_sf needs shared_block_m")
-        token = torch.arange(num_tokens, device=packed.device)
-        block, m = token // shared_block_m, token % shared_block_m
-        aligned = -(-shared_block_m // 128) * 128
-        row = block * aligned + (m // 128) * 128 + (m % 32) * 4 + (m % 128) // 32
-        shared_x_sf[row] = packed
-
-
-@contextlib.contextmanager
-def use_reference_deep_gemm(flavour: str | None = None) -> Iterator[Any]:
-    """Make vLLM's Mega-MoE experts call moewire's stand-in DeepGEMM (tests, CPU).
-
-    The same move as vLLM's own Mega-MoE tests (they monkeypatch DeepGEMM): while active,
-    ``vllm.utils.deep_gemm._import_deep_gemm()`` returns ``moewire.reference.deep_gemm``,
-    the staging function of every registered site is
-    :func:`prepare_megamoe_inputs_reference` (vLLM's is Triton, which has no CPU backend),
-    vLLM's SM100 capability checks pass, and on a machine with no accelerator
-    ``torch.accelerator.current_device_index()`` (read by ``get_symm_buffer``) returns 0
-    and ``torch.accelerator.synchronize()`` (0.33's first-launch barrier) does nothing.
-
-    Args:
-        flavour: the stand-in's layout flavour (``upstream``, ``vllm``, ``sgl``); default
-            the stand-in's current one.
-
-    Yields:
-        ``moewire.reference.deep_gemm``.
-    """
-    from moewire.reference import deep_gemm as reference
-
-    patches: list[tuple[Any, str, Any]] = []
-
-    def patch(owner: Any, name: str, value: Any) -> None:
-        patches.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    stack = contextlib.ExitStack()
-    try:
-        if flavour is not None:
-            stack.enter_context(reference.use_flavour(flavour))
-        namespace = _ReferenceForVllm(reference)
-        _vllm_bridge.set_kernel_override(lambda: namespace)
-        for stage_global in list(_vllm_bridge._installed_sites.values()):
-            patch(_vllm_bridge, stage_global, prepare_megamoe_inputs_reference)
-        for (_, stage_fn), stage_global in list(_vllm_bridge._installed_extra.items()):
-            if stage_fn == NVFP4_STAGE_FN:
-                from moewire.reference import prepare_megamoe_nvfp4_inputs
-
-                patch(_vllm_bridge, stage_global, prepare_megamoe_nvfp4_inputs)
-        _bypass_capability_checks(patch)
-        if not torch.accelerator.is_available():
-            patch(torch.accelerator, "current_device_index", lambda: 0)
-            patch(torch.accelerator, "synchronize", lambda device=None: None)
-        yield reference
-    finally:
-        for owner, name, value in reversed(patches):
-            setattr(owner, name, value)
-        _vllm_bridge.set_kernel_override(None)
-        stack.close()
-
-
-class _ReferenceForVllm:
-    """``moewire.reference.deep_gemm`` plus the DeepGEMM helpers vLLM 0.32 calls at load.
-
-    Attribute lookups go to the stand-in; only names it lacks come from here, so the
-    stand-in's own versions win once it has them.
-    """
-
-    def __init__(self, reference: Any) -> None:
-        self._reference = reference
-        self.__name__ = reference.__name__
-
-    def __getattr__(self, name: str) -> Any:
-        if hasattr(self._reference, name):
-            return getattr(self._reference, name)
-        if name == "transform_sf_into_required_layout":
-            return _transform_sf_into_required_layout
-        raise AttributeError(f"moewire.reference.deep_gemm has no {name!r}")
-
-
-def _transform_sf_into_required_layout(
-    sf: torch.Tensor, mn: int, k: int, recipe: tuple[int, int], num_groups: int | None = None
-) -> torch.Tensor:
-    """DeepGEMM's scale packing for ``recipe=(1, 32)``: FP32 powers of two -> UE8M0 int32.
-
-    Args:
-        sf: FP32 ``[G, MN, K/32]`` (or ``[MN, K/32]``), each a power of two.
-        mn, k, num_groups: the weight's shape, checked against ``sf``.
-
-    Returns:
-        int32 ``[G, MN, K/128]`` (K-major; the stand-in kernel reads values, not strides):
-        byte ``j`` of int ``i`` is the biased exponent of group ``4i + j``.
-    """
-    if tuple(recipe) != (1, 32):
-        raise ValueError(f"transform_sf_into_required_layout: recipe {recipe} is not (1, 32)")
-    if sf.shape[-2:] != (mn, k // 32):
-        raise ValueError(
-            f"transform_sf_into_required_layout: sf shape {tuple(sf.shape)} is not "
-            f"[..., {mn}, {k // 32}]"
-        )
-    exponent = (sf.float().contiguous().view(torch.int32) >> 23) & 0xFF
-    shifts = torch.arange(4, dtype=torch.int32, device=sf.device) * 8
-    packed = (exponent.reshape(*sf.shape[:-1], k // 128, 4) << shifts).sum(-1)
-    return packed.to(torch.int32)
-
-
-def _bypass_capability_checks(patch: Callable[[Any, str, Any], None]) -> None:
-    mega = importlib.import_module("vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe")
-    if hasattr(mega, "DeepGemmSm100MegaMoEBackend"):
-        dsv4 = importlib.import_module("vllm.models.deepseek_v4.nvidia.model")
-
-        def sm100_backend(device: Any, hidden: int, intermediate: int) -> Any:
-            return mega.DeepGemmSm100MegaMoEBackend()
-
-        patch(dsv4, "get_deep_gemm_mega_moe_backend", sm100_backend)
-    # 0.33 checks in the experts' __init__; also a 0.33 module loaded under another name.
-    for name in {mega.__name__, *_vllm_bridge._installed_sites}:
-        module = importlib.import_module(name)
-        if hasattr(module, "check_deep_gemm_mega_moe_supported"):
-            patch(module, "check_deep_gemm_mega_moe_supported", lambda *args: None)
-
-
 def _active_quantizers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     from moewire.megamoe import api
 
@@ -508,7 +310,7 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
         raise RuntimeError(
             "moewire: vLLM imports no DeepGEMM (neither `deep_gemm` nor "
             "`vllm.third_party.deep_gemm`), so its Mega-MoE experts cannot run; install "
-            "DeepGEMM (or in tests use moewire.integrations.vllm.use_reference_deep_gemm())"
+            "DeepGEMM, or a vLLM CUDA wheel, which bundles it"
         )
     api.quantize(model, recipe)
     if scales_path:

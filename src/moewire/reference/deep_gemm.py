@@ -190,6 +190,12 @@ class SymmBuffer:
         x_sf: int32 ``[Tmax, H / 128]``, packed UE8M0 per 32 (None for ``bf16xbf16``, as
             are ``l1_acts_sf`` and ``l2_acts_sf``).
         topk_idx: int64 ``[Tmax, k]``; topk_weights: FP32 ``[Tmax, k]``.
+        shared_l1_acts_sf: with a fused shared expert and ``fp8xfp4`` only: int32
+            ``[ceil(Tmax / 8) * 128, H / 128]``, the tokens' packed scales at the rows of
+            DeepGEMM's MN-major shared-expert layout for the call's BLOCK_M
+            (:func:`get_block_m_for_mega_moe`, ``nvfp4_mega_moe.shared_sf_row``); vLLM 0.32
+            stages them there. The stand-in kernel reads the shared expert's input from
+            ``x`` and ``x_sf``, as the routed experts'; ``None`` otherwise.
         l1_acts, l1_acts_sf: tokens this rank received, FP8 ``[R * Tmax * k, H]`` and packed
             scales (the kernel writes them, grouped by local expert).
         l2_acts, l2_acts_sf: the re-quantized ``h``, FP8 ``[R * Tmax * k, I]`` and scales.
@@ -282,6 +288,9 @@ class SymmBuffer:
             ("x_sf", torch.int32, (tmax, h // 128)) if fp8 else ("x_sf", None, None),
             ("topk_idx", torch.int64, (tmax, k)),
             ("topk_weights", torch.float32, (tmax, k)),
+            ("shared_l1_acts_sf", torch.int32, (_num_max_shared_sf_tokens(tmax), h // 128))
+            if fp8 and self.num_shared_experts
+            else ("shared_l1_acts_sf", None, None),
             ("l1_acts", act, (recv, h)),
             ("l1_acts_sf", torch.int32, (recv, h // 128)) if fp8 else ("l1_acts_sf", None, None),
             ("l2_acts", act, (recv, i)),
@@ -614,13 +623,36 @@ def bf16_mega_moe(
 # module; exported here because callers reach it through the `deep_gemm` namespace.
 from moewire.reference.nvfp4_mega_moe import (  # noqa: E402
     NVFP4SymmBuffer,
+    _num_max_shared_sf_tokens,
     get_block_m_for_nvfp4_mega_moe,
     get_token_alignment_for_nvfp4_mega_moe,
     nvfp4_mega_moe,
 )
 
+
+def get_block_m_for_mega_moe(
+    num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_tokens: int,
+    num_topk: int, mma_type: str = "fp8xfp4",
+) -> int:
+    """BLOCK_M the kernel runs ``num_tokens`` local tokens with (the bundled DeepGEMM's
+    signature; vLLM 0.32 lays the fused shared expert's input scales out by it).
+
+    The stand-in's heuristic is :func:`get_block_m_for_nvfp4_mega_moe`'s (the real one is
+    compiled into DeepGEMM's ``_C``); the staging and the reader call it with the same
+    arguments, so they agree by construction.
+    """
+    if mma_type not in MMA_TYPES:
+        raise ValueError(
+            f"get_block_m_for_mega_moe: unknown mma_type {mma_type!r}; use one of {MMA_TYPES}"
+        )
+    return get_block_m_for_nvfp4_mega_moe(
+        num_ranks, num_experts, num_max_tokens_per_rank, num_tokens, num_topk
+    )
+
+
 __all__ += [
     "NVFP4SymmBuffer",
+    "get_block_m_for_mega_moe",
     "get_block_m_for_nvfp4_mega_moe",
     "get_token_alignment_for_nvfp4_mega_moe",
     "nvfp4_mega_moe",
