@@ -265,21 +265,6 @@ def register_vllm_experts() -> list[type]:
     return [cls for cls, _ in found]
 
 
-def _active_quantizers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    from moewire.megamoe import api
-
-    return [(m, q) for _, m, q in api.quantizers(model) if q.mode != "disabled"]
-
-
-def _sync_amax(model: nn.Module) -> None:
-    # As moewire.megamoe.api.calibrate: each amax max-reduced over its module's EP group,
-    # in module order on every rank.
-    for module, quantizer in _active_quantizers(model):
-        group = module._moewire_adapter.ep_group(module)
-        if group is not None:
-            quantizer.sync_amax(group)
-
-
 def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None = None) -> int:
     """Quantize the Mega-MoE experts of a loaded vLLM model, then load scales if given.
 
@@ -363,14 +348,20 @@ class MoewireWorkerExtension:
         model = self.model_runner.get_model()
         _refuse_captured_graphs(self)
         count = quantize_vllm_model(model, recipe)
+        from moewire.integrations.vllm_worker import _parallel
+        from moewire.megamoe import api
+
+        # One calibration (moewire.quantizer.calibration), spanning the two RPCs: on
+        # close it max-reduces every amax over the EP group, then vLLM's DP group, then
+        # loads it, as the one-launch worker does.
         stack = contextlib.ExitStack()
-        for _, quantizer in _active_quantizers(model):
-            stack.enter_context(quantizer.calibrating())
+        stack.enter_context(api.calibrating(model, extra_groups=(_parallel(self)[0],)))
         self._moewire_calibration = stack
         return count
 
     def moewire_finish_calibration(self, scales_path: str) -> str:
-        """Leave calibrate mode, max-reduce amax over the EP group, save the scales."""
+        """Leave calibrate mode (max-reduce every amax over the EP and DP groups, then load
+        it), save the scales."""
         from moewire.megamoe import api
 
         stack = getattr(self, "_moewire_calibration", None)
@@ -382,7 +373,6 @@ class MoewireWorkerExtension:
         stack.close()
         self._moewire_calibration = None
         model = self.model_runner.get_model()
-        _sync_amax(model)
         path = _rank_path(scales_path)
         api.save_scales(model, path)
         return path
