@@ -51,6 +51,7 @@ from moewire import formats
 
 # parse_cfg and CfgError are imported from here too, as 0.1.0 documented them here.
 from moewire.config import CfgError, parse_cfg, positive_amax
+from moewire.formats.base import amax_is_valid
 
 __all__ = ["MODES", "CfgError", "WireQuantizer", "WireQuantizerLike", "calibration", "parse_cfg"]
 
@@ -193,7 +194,7 @@ def _host_amax(value: torch.Tensor | float, what: str) -> torch.Tensor:
     if tensor.numel() != 1:
         raise ValueError(f"{what}: amax must be one value, got shape {tuple(tensor.shape)}")
     tensor = tensor.to("cpu", torch.float32).reshape(())
-    if not math.isfinite(float(tensor)) or float(tensor) < 0:
+    if not amax_is_valid(float(tensor)):
         raise ValueError(f"{what}: amax is {float(tensor)}; it must be finite and >= 0")
     return tensor
 

@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 _FP16_MAX = 65504.0
 
 
+def amax_is_valid(value: float) -> bool:
+    """The one rule for a host amax (a format's, a quantizer's, a saved one): a finite
+    number >= 0 (0 takes each format's fallback scale)."""
+    return math.isfinite(value) and value >= 0
+
+
 def _kernel_qdq(name: str, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None:
     """The fast kernel's result, or ``None`` when no usable kernel exists for ``name``.
 
@@ -229,7 +235,7 @@ class WireFormat:
         amax_t = amax_t.to(torch.float32).reshape(())
         if amax_t.device.type == "cpu":
             value = float(amax_t)
-            if not math.isfinite(value) or value < 0:
+            if not amax_is_valid(value):
                 raise ValueError(
                     f"format {self.name!r}: amax is {value}; it must be finite and >= 0 "
                     "(check the calibration data for NaN/inf, or pass a constant amax)"

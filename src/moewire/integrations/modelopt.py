@@ -56,6 +56,8 @@ except ImportError as err:  # pragma: no cover - exercised only without modelopt
 
 from moewire import formats
 from moewire.config import USE_CONSTANT_AMAX, CfgError, parse_cfg
+from moewire.formats.base import amax_is_valid
+from moewire.megamoe.wrapper import QUANTIZER_NAMES
 from moewire.quantizer import WireQuantizer, WireQuantizerLike, calibration, max_all_reduce
 
 __all__ = [
@@ -483,7 +485,7 @@ def registered_classes() -> list[type]:
 
 # -- scales interchange ----------------------------------------------------------------
 
-_QUANTIZER_ATTRS = ("dispatch_quantizer", "combine_quantizer")
+_QUANTIZER_ATTRS = QUANTIZER_NAMES
 _AMAX_SUFFIX = "._amax"
 
 
@@ -579,7 +581,7 @@ def from_modelopt_state(
     loaded = []
     for path in sorted(saved.keys() & quantizers.keys()):
         amax = torch.as_tensor(saved[path])
-        if amax.numel() != 1 or not bool(torch.isfinite(amax).all()) or float(amax) < 0:
+        if amax.numel() != 1 or not amax_is_valid(float(amax)):
             raise ValueError(
                 f"{path}: the saved amax must be one finite value >= 0, got "
                 f"{amax.flatten()[:4].tolist()} (shape {tuple(amax.shape)})"

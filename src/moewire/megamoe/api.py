@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moewire.formats.base import amax_is_valid
 from moewire.megamoe.flavours import ROWS_KINDS
 from moewire.megamoe.registry import adapter_for, registered_classes
 from moewire.megamoe.wrapper import (
@@ -506,7 +507,7 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
                 "wire quantizer's amax is one value (shape [])"
             )
         value = float(amax)
-        if not math.isfinite(value) or value < 0:
+        if not amax_is_valid(value):
             raise ValueError(
                 f"load_scales: {path}: {name} has a saved amax {value}; it must be finite >= 0"
             )

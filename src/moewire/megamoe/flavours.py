@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from moewire import kernels
+
 __all__ = [
     "BASE_RULES",
     "ENV_FLAVOUR",
@@ -68,7 +70,9 @@ __all__ = [
     "rows_kind",
 ]
 
-SHARED_POSITIONS = (None, "first", "last")
+# Where a fused shared row is added (the one definition lives with the kernels, the lowest
+# layer, which take it as an argument).
+SHARED_POSITIONS = kernels.SHARED_POSITIONS
 #: What a combine amax describes: router-weighted rows or unweighted expert outputs.
 ROWS_KINDS = ("weighted", "unweighted")
 ENV_FLAVOUR = "MOEWIRE_FLAVOUR"
