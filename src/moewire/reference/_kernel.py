@@ -202,6 +202,42 @@ def _check_weights(kernel, name, weights, fp8, n, k, lead, device) -> None:
         _check_tensor(kernel, name, weights, torch.bfloat16, (*lead, n, k), device)
 
 
+def _check_y(kernel: str, y: Any, buf: Any) -> int:
+    """``y`` is BF16 ``[T, H]``, contiguous, on the buffer's device, ``T <= Tmax``; ``T``."""
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        _fail(kernel, "y must be a 2-D BF16 tensor [T, H]", TypeError)
+    t = y.shape[0]
+    if t > buf.num_max_tokens_per_rank:
+        _fail(
+            kernel,
+            f"y has T={t} tokens but the symm buffer holds at most "
+            f"num_max_tokens_per_rank={buf.num_max_tokens_per_rank}; allocate a larger buffer "
+            f"or split the batch",
+        )
+    _check_tensor(kernel, "y", y, torch.bfloat16, (t, buf.hidden), buf.buffer.device)
+    if not y.is_contiguous():
+        _fail(kernel, "y must be contiguous")
+    return t
+
+
+def _check_shared_given(kernel: str, buf: Any, shared_l1: Any, shared_l2: Any) -> None:
+    """Both fused shared-expert weights or neither, exactly when the buffer has the slot."""
+    if (shared_l1 is None) != (shared_l2 is None):
+        _fail(kernel, "pass both shared_l1_weights and shared_l2_weights, or neither")
+    if buf.num_shared_experts and shared_l1 is None:
+        _fail(
+            kernel,
+            f"sym_buffer was built with num_shared_experts={buf.num_shared_experts}; pass "
+            f"shared_l1_weights and shared_l2_weights",
+        )
+    if not buf.num_shared_experts and shared_l1 is not None:
+        _fail(
+            kernel,
+            "shared_l1_weights given but sym_buffer has no shared slot; build it with "
+            "num_shared_experts > 0",
+        )
+
+
 @dataclass(frozen=True)
 class Activation:
     """The gated activation of L1's epilogue (SPEC 1.1), then the router weight.
@@ -278,35 +314,10 @@ def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, act):
         )
     device = buf.buffer.device
     h, i, e = buf.hidden, buf.intermediate_hidden, buf.num_experts_per_rank
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        _fail(kernel, "y must be a 2-D BF16 tensor [T, H]", TypeError)
-    t = y.shape[0]
-    if t > buf.num_max_tokens_per_rank:
-        _fail(
-            kernel,
-            f"y has T={t} tokens but the symm buffer holds at most "
-            f"num_max_tokens_per_rank={buf.num_max_tokens_per_rank}; allocate a larger buffer "
-            f"or split the batch",
-        )
-    _check_tensor(kernel, "y", y, torch.bfloat16, (t, h), device)
-    if not y.is_contiguous():
-        _fail(kernel, "y must be contiguous")
+    t = _check_y(kernel, y, buf)
     _check_weights(kernel, "l1_weights", l1, fp8, 2 * i, h, (e,), device)
     _check_weights(kernel, "l2_weights", l2, fp8, h, i, (e,), device)
-    if (shared_l1 is None) != (shared_l2 is None):
-        _fail(kernel, "pass both shared_l1_weights and shared_l2_weights, or neither")
-    if buf.num_shared_experts and shared_l1 is None:
-        _fail(
-            kernel,
-            f"sym_buffer was built with num_shared_experts={buf.num_shared_experts}; pass "
-            f"shared_l1_weights and shared_l2_weights",
-        )
-    if not buf.num_shared_experts and shared_l1 is not None:
-        _fail(
-            kernel,
-            "shared_l1_weights given but sym_buffer has no shared slot; build it with "
-            "num_shared_experts > 0",
-        )
+    _check_shared_given(kernel, buf, shared_l1, shared_l2)
     if shared_l1 is not None:
         shared_i = buf.num_shared_experts * i
         _check_weights(kernel, "shared_l1_weights", shared_l1, fp8, 2 * shared_i, h, (), device)

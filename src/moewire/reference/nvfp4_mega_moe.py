@@ -621,18 +621,7 @@ def _validate(y, l1, l2, buf, shared_l1, shared_l2, stats, clamp, fast_math, alp
         _fail(where, f"l2_activation_scale must be a positive finite float, got {l2_scale!r}")
     device = buf.buffer.device
     h, i, e = buf.hidden, buf.intermediate_hidden, buf.num_experts_per_rank
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        _fail(where, "y must be a 2-D BF16 tensor [T, H]", TypeError)
-    t = y.shape[0]
-    if t > buf.num_max_tokens_per_rank:
-        _fail(
-            where,
-            f"y has T={t} tokens but the symm buffer holds at most num_max_tokens_per_rank="
-            f"{buf.num_max_tokens_per_rank}; allocate a larger buffer or split the batch",
-        )
-    _kernel._check_tensor(where, "y", y, torch.bfloat16, (t, h), device)
-    if not y.is_contiguous():
-        _fail(where, "y must be contiguous")
+    t = _kernel._check_y(where, y, buf)
     fp4 = (torch.int8, torch.uint8)
     _check_pair(where, "l1_weights", l1, fp4, (e, 2 * i, h // 2), (e, 2 * i, h // 64), device)
     _check_pair(where, "l2_weights", l2, fp4, (e, h, i // 2), (e, h, i // 64), device)
@@ -643,20 +632,7 @@ def _validate(y, l1, l2, buf, shared_l1, shared_l2, stats, clamp, fast_math, alp
         _kernel._check_tensor(
             where, "cumulative_local_expert_recv_stats", stats, torch.int32, (e,), device
         )
-    if (shared_l1 is None) != (shared_l2 is None):
-        _fail(where, "pass both shared_l1_weights and shared_l2_weights, or neither")
-    if buf.num_shared_experts and shared_l1 is None:
-        _fail(
-            where,
-            f"sym_buffer was built with num_shared_experts={buf.num_shared_experts}; pass "
-            "shared_l1_weights and shared_l2_weights",
-        )
-    if not buf.num_shared_experts and shared_l1 is not None:
-        _fail(
-            where,
-            "shared_l1_weights given but sym_buffer has no shared slot; build it with "
-            "num_shared_experts > 0",
-        )
+    _kernel._check_shared_given(where, buf, shared_l1, shared_l2)
     if shared_l1 is not None:
         shared_i = buf.num_shared_experts * i
         if buf.shared_with_sf:
