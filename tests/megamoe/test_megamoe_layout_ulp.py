@@ -155,7 +155,7 @@ def test_every_flavour_through_the_wrapper(monkeypatch, flavour):
     in any other order)."""
     position = SPEC_SHARED[flavour]
     fused = int(position is not None)
-    kernel = deep_gemm.FLAVOURS[flavour].kernels[-1]
+    kernel = deep_gemm.KERNEL_BUILDS[flavour].kernels[-1]
     mma = deep_gemm.MMA_OF_KERNEL[kernel]
     with deep_gemm.use_flavour(flavour):
         experts = experts_with_combine(fused=fused, mma=mma)

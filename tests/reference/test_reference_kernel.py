@@ -10,7 +10,7 @@ import reference_oracle as O
 import torch
 from reference_cases import build, run_kernel
 
-from moewire.reference import deep_gemm, make_weights, stage_mega_moe_inputs
+from moewire.reference import builds, deep_gemm, make_weights, stage_mega_moe_inputs
 
 FLAVOUR_SHARED = [
     ("deepgemm-main", 0), ("vllm-0.32", 0), ("vllm-0.32", 1), ("vllm-0.33", 0), ("vllm-0.33", 1),
@@ -20,7 +20,7 @@ FS_IDS = [f"{f}-shared{s}" for f, s in FLAVOUR_SHARED]
 # (flavour, shared, mma) that a build has: deepgemm-main and -sm90 have no bf16 kernel.
 FLAVOUR_SHARED_MMA = [
     (f, s, m) for f, s in FLAVOUR_SHARED for m in ("fp8xfp4", "bf16xbf16")
-    if m in deep_gemm.FLAVOURS[f].mma_types
+    if m in deep_gemm.KERNEL_BUILDS[f].mma_types
 ]
 FSM_IDS = [f"{f}-shared{s}-{m}" for f, s, m in FLAVOUR_SHARED_MMA]
 
@@ -199,7 +199,7 @@ def test_buffer_views_and_combine_base(flavour, shared, mma):
 
 def test_use_flavour_setter_context_and_env(monkeypatch):
     monkeypatch.delenv(deep_gemm.ENV_FLAVOUR, raising=False)
-    monkeypatch.setattr(deep_gemm, "_flavour_setting", None)
+    monkeypatch.setattr(builds, "_flavour_setting", None)
     assert deep_gemm.current_flavour() == "vllm-0.33"
     monkeypatch.setenv(deep_gemm.ENV_FLAVOUR, "deepgemm-sm90")
     assert deep_gemm.current_flavour() == "deepgemm-sm90"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from reference_cases import build, cached_weights
 
-from moewire.reference import deep_gemm, stage_mega_moe_inputs
+from moewire.reference import builds, deep_gemm, stage_mega_moe_inputs
 
 
 def _buffer(**overrides):
@@ -63,7 +63,7 @@ def test_unknown_flavour(how, monkeypatch):
         with pytest.raises(ValueError, match="unknown reference kernel flavour 'trtllm'"):
             deep_gemm.use_flavour("trtllm")
     else:
-        monkeypatch.setattr(deep_gemm, "_flavour_setting", None)
+        monkeypatch.setattr(builds, "_flavour_setting", None)
         monkeypatch.setenv(deep_gemm.ENV_FLAVOUR, "trtllm")
         with pytest.raises(ValueError, match="MOEWIRE_REFERENCE_FLAVOUR"):
             _buffer()

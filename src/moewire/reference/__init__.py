@@ -1,14 +1,25 @@
 """The stand-in DeepGEMM Mega-MoE kernel and a vLLM-like experts module.
 
 - ``moewire.reference.deep_gemm``: DeepGEMM's Mega-MoE Python API (buffer, kernels, casts),
-  with named layout flavours (``upstream``, ``vllm``, ``sgl``).
+  one flavour per kernel build (``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33``,
+  ``deepgemm-sm90``; ``reference.builds``).
 - ``MegaMoEExperts``: an ``nn.Module`` with vLLM's Mega-MoE experts contract.
 - ``make_weights`` / ``SharedExpert``: seeded weights for tests and the study.
 - ``forward_context``: vLLM's forward-context stand-in (``is_padding``).
 - ``quantize_fp4_ue8m0`` / ``dequantize_weight``: the kernel's weight format (FP4 E2M1,
   UE8M0 per 32 along K), for callers that bring dense weights.
 
-Independent of ``moewire.megamoe``, ``moewire.quantizer`` and ``moewire.formats``.
+Independent of ``moewire.megamoe``, ``moewire.quantizer`` and ``moewire.formats``: the
+package may import torch and its own modules only. Inside it the imports run one way (no
+cycle; ``tests/reference/test_reference_imports.py`` checks it), from the bottom up:
+
+- ``_alloc``, ``_numerics``, ``builds``: nothing of moewire; ``_nvfp4_numerics``:
+  ``_numerics``.
+- ``buffer`` (the buffers' region layout, ``SymmBuffer``): ``_alloc``, ``builds``.
+- ``_kernel`` (the kernel body): ``_numerics``, ``buffer``.
+- ``nvfp4_mega_moe``: the modules above.
+- ``deep_gemm`` (the thin API, re-exporting the public names): the modules above.
+- ``weights``, ``nvfp4_weights``, ``experts``, ``nvfp4_experts``: ``deep_gemm`` and below.
 """
 
 from moewire.reference import deep_gemm

@@ -1,6 +1,8 @@
-"""Buffer plumbing shared by the stand-in's two buffers (``deep_gemm.SymmBuffer`` and
-``nvfp4_mega_moe.NVFP4SymmBuffer``): sizes, the rank of a group, where a buffer lives and
-how it is allocated. Imports nothing of moewire, so both buffer modules can use it.
+"""Buffer plumbing shared by the stand-in's two buffers (``buffer.SymmBuffer`` and
+``nvfp4_mega_moe.NVFP4SymmBuffer``): sizes and their checks, the rank of a group, where a
+buffer lives and how it is allocated.
+
+May import: torch only (nothing of moewire), so every reference module can use it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ def numel(shape: tuple[int, ...]) -> int:
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
+
+
+def positive_int(value: Any, name: str, where: str, minimum: int = 1) -> int:
+    """``value``, checked to be an int (not a bool) ``>= minimum``.
+
+    Raises:
+        ValueError: it is not (``where`` names the call, ``name`` the argument).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value!r}")
+    return value
 
 
 def group_size_rank(group: Any, where: str) -> tuple[int, int]:

@@ -5,6 +5,12 @@ rows (a loop over experts, never over tokens). Weights are dequantized to FP32 (
 E2M1 or E4M3 times a power of two) and cached; FP8 x FP4 and BF16 x BF16 products are
 exact in FP32, so the result differs from the hardware's only in the order in which the
 FP32 accumulator adds the K products (and in ``silu``, see ``docs/reference.md``).
+
+Also the pieces ``nvfp4_mega_moe`` shares: the weight cache, the tensor checks, the
+grouped matmul and the all-to-all.
+
+May import: torch, ``moewire.reference._numerics`` and ``moewire.reference.buffer`` (for
+:class:`SymmBuffer`); never the ``deep_gemm`` API, which imports this module.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from moewire.reference._numerics import (
     scale_groups,
     unpack_ue8m0,
 )
+from moewire.reference.buffer import SymmBuffer
 
 ENV_CACHE_BYTES = "MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES"
 _DEFAULT_CACHE_BYTES = {"cpu": 1 << 30, "cuda": 16 << 30}
@@ -195,6 +202,42 @@ def _check_weights(kernel, name, weights, fp8, n, k, lead, device) -> None:
         _check_tensor(kernel, name, weights, torch.bfloat16, (*lead, n, k), device)
 
 
+def _check_y(kernel: str, y: Any, buf: Any) -> int:
+    """``y`` is BF16 ``[T, H]``, contiguous, on the buffer's device, ``T <= Tmax``; ``T``."""
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        _fail(kernel, "y must be a 2-D BF16 tensor [T, H]", TypeError)
+    t = y.shape[0]
+    if t > buf.num_max_tokens_per_rank:
+        _fail(
+            kernel,
+            f"y has T={t} tokens but the symm buffer holds at most "
+            f"num_max_tokens_per_rank={buf.num_max_tokens_per_rank}; allocate a larger buffer "
+            f"or split the batch",
+        )
+    _check_tensor(kernel, "y", y, torch.bfloat16, (t, buf.hidden), buf.buffer.device)
+    if not y.is_contiguous():
+        _fail(kernel, "y must be contiguous")
+    return t
+
+
+def _check_shared_given(kernel: str, buf: Any, shared_l1: Any, shared_l2: Any) -> None:
+    """Both fused shared-expert weights or neither, exactly when the buffer has the slot."""
+    if (shared_l1 is None) != (shared_l2 is None):
+        _fail(kernel, "pass both shared_l1_weights and shared_l2_weights, or neither")
+    if buf.num_shared_experts and shared_l1 is None:
+        _fail(
+            kernel,
+            f"sym_buffer was built with num_shared_experts={buf.num_shared_experts}; pass "
+            f"shared_l1_weights and shared_l2_weights",
+        )
+    if not buf.num_shared_experts and shared_l1 is not None:
+        _fail(
+            kernel,
+            "shared_l1_weights given but sym_buffer has no shared slot; build it with "
+            "num_shared_experts > 0",
+        )
+
+
 @dataclass(frozen=True)
 class Activation:
     """The gated activation of L1's epilogue (SPEC 1.1), then the router weight.
@@ -227,8 +270,6 @@ class Activation:
 
 
 def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, act):
-    from moewire.reference.deep_gemm import SymmBuffer
-
     if not isinstance(buf, SymmBuffer):
         _fail(
             kernel,
@@ -273,35 +314,10 @@ def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, act):
         )
     device = buf.buffer.device
     h, i, e = buf.hidden, buf.intermediate_hidden, buf.num_experts_per_rank
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        _fail(kernel, "y must be a 2-D BF16 tensor [T, H]", TypeError)
-    t = y.shape[0]
-    if t > buf.num_max_tokens_per_rank:
-        _fail(
-            kernel,
-            f"y has T={t} tokens but the symm buffer holds at most "
-            f"num_max_tokens_per_rank={buf.num_max_tokens_per_rank}; allocate a larger buffer "
-            f"or split the batch",
-        )
-    _check_tensor(kernel, "y", y, torch.bfloat16, (t, h), device)
-    if not y.is_contiguous():
-        _fail(kernel, "y must be contiguous")
+    t = _check_y(kernel, y, buf)
     _check_weights(kernel, "l1_weights", l1, fp8, 2 * i, h, (e,), device)
     _check_weights(kernel, "l2_weights", l2, fp8, h, i, (e,), device)
-    if (shared_l1 is None) != (shared_l2 is None):
-        _fail(kernel, "pass both shared_l1_weights and shared_l2_weights, or neither")
-    if buf.num_shared_experts and shared_l1 is None:
-        _fail(
-            kernel,
-            f"sym_buffer was built with num_shared_experts={buf.num_shared_experts}; pass "
-            f"shared_l1_weights and shared_l2_weights",
-        )
-    if not buf.num_shared_experts and shared_l1 is not None:
-        _fail(
-            kernel,
-            "shared_l1_weights given but sym_buffer has no shared slot; build it with "
-            "num_shared_experts > 0",
-        )
+    _check_shared_given(kernel, buf, shared_l1, shared_l2)
     if shared_l1 is not None:
         shared_i = buf.num_shared_experts * i
         _check_weights(kernel, "shared_l1_weights", shared_l1, fp8, 2 * shared_i, h, (), device)
@@ -312,22 +328,30 @@ def _validate(kernel, y, l1, l2, buf, shared_l1, shared_l2, recipe, act):
 # --------------------------------------------------------------------------- math
 
 
-def _grouped_matmul(x: torch.Tensor, experts: _Experts, ends: torch.Tensor) -> torch.Tensor:
+def _grouped_matmul(
+    x: torch.Tensor, experts: Any, ends: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``x[rows of e] @ W[e].T`` for rows grouped by expert, accumulated in FP32; rows past
-    the last group are left undefined. FP32 out on CPU; on CUDA BF16 out, rounded to
-    nearest even from the FP32 accumulator (the caller rounds to BF16 either way).
+    the last group are left undefined.
 
-    ``x`` holds dequantized FP8 (or BF16) activations, exact in BF16, so casting it to the
-    cache's dtype loses nothing. ``ends``: int32 ``[E]`` on the device, cumulative row
-    counts (group ``e`` is rows ``ends[e-1]:ends[e]``). With cached weights this is one
-    ``torch._grouped_mm``, which needs no host sync (capturable in a CUDA graph);
-    otherwise, or where the backend lacks it, a loop over experts with the counts read on
-    the host, which a capture refuses with a clear error.
+    ``x`` holds dequantized activations that are exact in the cache's dtype (BF16 on CUDA:
+    FP8, BF16, E2M1 times E4M3), so casting it loses nothing. ``experts``: an
+    :class:`_Experts` or anything with its ``dense``, ``dtype``, ``n`` and ``[e]``.
+    ``ends``: int32 ``[E]`` on the device, cumulative row counts (group ``e`` is rows
+    ``ends[e-1]:ends[e]``). ``out_dtype``: ``None`` returns the cache's dtype (FP32 on CPU;
+    BF16 on CUDA, rounded to nearest even from the FP32 accumulator, for callers that round
+    to BF16 anyway); ``torch.float32`` returns the accumulator unrounded (the NVFP4 kernel
+    scales it by alpha first). The per-expert loop always returns FP32.
+
+    With cached weights this is one ``torch._grouped_mm``, which needs no host sync
+    (capturable in a CUDA graph); otherwise, or where the backend lacks it, a loop over
+    experts with the counts read on the host, which a capture refuses with a clear error.
     """
     if experts.dense is not None and x.shape[0]:
         try:
             return torch._grouped_mm(
-                x.to(experts.dtype), experts.dense.transpose(1, 2), offs=ends
+                x.to(experts.dtype), experts.dense.transpose(1, 2), offs=ends,
+                out_dtype=out_dtype,
             )
         except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -447,9 +471,7 @@ def mega_moe(
             "stage valid ids (padding slots get -1)",
         )
 
-    tmax, num_slots = buf.num_max_tokens_per_rank, buf.num_slots
-    start, nbytes = buf._moewire_regions["combine"]
-    region = buf.buffer[start : start + nbytes].view(torch.bfloat16).view(num_slots, tmax, h)
+    region = buf.combine_rows()
     l1 = _Experts(l1_weights, True, e_local, 2 * i, h)
     l2 = _Experts(l2_weights, False, e_local, h, i)
     routed = _routed_one_rank if buf.num_ranks == 1 else _routed_expert_parallel
@@ -457,8 +479,9 @@ def mega_moe(
     if stats is not None:
         stats += counts.to(torch.int32)
     valid = buf.topk_idx[:t] >= 0
-    if "combine_norm_buffer" in buf._moewire_regions:
-        _write_combine_norms(buf, region, valid, t)
+    norms = buf.combine_norms()
+    if norms is not None:
+        _write_combine_norms(norms, region, valid, t)
 
     # Every build stores a fused shared expert's row at slot k (SPEC 1.2); all T tokens
     # get one (impls/sm100_fp8_fp4_mega_moe.cuh: lane kNumTopk is always valid).
@@ -478,7 +501,7 @@ def mega_moe(
     acc = torch.zeros((t, h), dtype=torch.float32, device=device)
     order_of_adds = list(range(k))
     if shared_l1 is not None:
-        order_of_adds.insert(0 if buf.flavour.shared_position == "first" else k, k)
+        order_of_adds.insert(0 if buf.build.shared_position == "first" else k, k)
     for s in order_of_adds:
         if s == k:
             acc += region[k, :t].float()
@@ -497,13 +520,13 @@ def _dequantized_tokens(q: torch.Tensor, sf: torch.Tensor | None) -> torch.Tenso
     return q.float() if sf is None else scale_groups(q.float(), unpack_ue8m0(sf))
 
 
-def _write_combine_norms(buf, region: torch.Tensor, valid: torch.Tensor, t: int) -> None:
+def _write_combine_norms(
+    norms: torch.Tensor, region: torch.Tensor, valid: torch.Tensor, t: int
+) -> None:
     """FP32 squared-norm partials (one per 128 columns) of each valid routed row, into the
     ``combine_norm_buffer`` after the combine region (vLLM 0.33/0.34's bf16 kernel)."""
-    start, nbytes = buf._moewire_regions["combine_norm_buffer"]
-    k, tmax, h = buf.num_topk, buf.num_max_tokens_per_rank, buf.hidden
-    norms = buf.buffer[start : start + nbytes].view(torch.float32).view(k, tmax, h // 128)
-    partial = region[:k, :t].float().square().reshape(k, t, h // 128, 128).sum(-1)
+    k, _, groups = norms.shape
+    partial = region[:k, :t].float().square().reshape(k, t, groups, 128).sum(-1)
     norms[:, :t] = torch.where(valid.T.unsqueeze(-1), partial, norms[:, :t])
 
 

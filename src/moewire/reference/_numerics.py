@@ -11,6 +11,8 @@ Conventions (DeepGEMM's):
   the scale of 32-element group ``4 * i + j``.
 - Packed FP4: two E2M1 codes per byte, element ``2 * i`` in the low nibble and ``2 * i + 1``
   in the high nibble. A code is ``sign << 3 | index`` into ``E2M1_VALUES``.
+
+May import: torch only (nothing of moewire).
 """
 
 from __future__ import annotations
@@ -161,3 +163,4 @@ def dequantize_weight(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
         pairs = torch.nn.functional.embedding(w.contiguous().view(torch.uint8).int(), table)
         elements = pairs.flatten(-2)
     return scale_groups(elements, unpack_ue8m0(sf))
+

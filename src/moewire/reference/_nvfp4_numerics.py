@@ -14,6 +14,8 @@ Conventions:
   :func:`moewire.reference._numerics.pack_fp4`), one E4M3 scale per 16 elements, four
   scale bytes per int32 (byte ``j`` of int ``i`` scales 16-element block ``4i + j``).
 - ``fl(.)`` is one FP32 rounding (nearest even).
+
+May import: torch and ``moewire.reference._numerics`` only.
 """
 
 from __future__ import annotations

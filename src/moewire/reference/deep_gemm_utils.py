@@ -5,6 +5,8 @@ DeepGEMM defines its casts in ``deep_gemm.utils.math``, re-exports them from
 caller may reach :func:`per_token_cast_to_fp8` as ``deep_gemm.utils.per_token_cast_to_fp8``
 (vLLM main's ``DeepGemmMegaExperts``) or ``deep_gemm.per_token_cast_to_fp8``. The stand-in
 ``deep_gemm`` module binds this module as its ``utils`` attribute and re-exports the cast.
+
+May import: torch, ``moewire.reference._alloc`` and ``moewire.reference._numerics``.
 """
 
 from __future__ import annotations

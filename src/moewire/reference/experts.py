@@ -6,6 +6,9 @@ inputs into the symmetric buffer, allocate ``y``, call the kernel through the ``
 namespace, then add an unfused shared expert. The staging function and the kernel
 namespace are module globals looked up at call time (``stage_mega_moe_inputs`` and
 ``deep_gemm``), which is where a quantization wrapper interposes.
+
+May import: torch, ``moewire.reference.deep_gemm`` (the API, as vLLM calls it),
+``_alloc`` and ``weights``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moewire.reference import deep_gemm
+from moewire.reference._alloc import default_device
 from moewire.reference.deep_gemm import per_token_cast_to_fp8
 from moewire.reference.weights import MegaMoEWeights, make_weights
 
@@ -204,7 +208,7 @@ class MegaMoEExperts(nn.Module):
         self.dtype = dtype
         self.kernel_name = "fp8_fp4_mega_moe" if mma_type == "fp8xfp4" else "bf16_mega_moe"
         if device is None:
-            device = deep_gemm._default_device(group)
+            device = default_device(group)
         device = torch.device(device)
         self.symm_buffer = self._build_symm_buffer(device)
         if weights is None:

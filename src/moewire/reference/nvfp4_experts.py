@@ -9,6 +9,9 @@ MXFP8 or BF16 input, ``l2_alpha = w2_weight_scale_2 * l2_activation_scale``), ca
 ``deep_gemm.nvfp4_mega_moe`` through the module global ``deep_gemm`` with
 ``l1_alpha = w13_weight_scale_2`` and ``use_x_scales=True``, then add an unfused shared
 expert. Those two globals are where a quantization wrapper interposes.
+
+May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_alloc``, ``experts``,
+``nvfp4_mega_moe`` and ``nvfp4_weights``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moewire.reference import deep_gemm
+from moewire.reference._alloc import default_device
 from moewire.reference.experts import get_forward_context
 from moewire.reference.nvfp4_mega_moe import prepare_megamoe_nvfp4_inputs
 from moewire.reference.nvfp4_weights import NVFP4MegaMoEWeights, make_nvfp4_weights
@@ -102,7 +106,7 @@ class NVFP4MegaMoEExperts(nn.Module):
         self.l2_activation_scale = float(l2_activation_scale)
         self.kernel_name = "nvfp4_mega_moe"
         if device is None:
-            device = deep_gemm._default_device(group)
+            device = default_device(group)
         device = torch.device(device)
         self.symm_buffer = self._build_symm_buffer(device)
         if weights is None:

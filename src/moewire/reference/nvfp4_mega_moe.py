@@ -20,6 +20,9 @@ Where it differs from ``fp8_fp4_mega_moe`` (SPEC 1.5):
 - Its own buffer layout (``include/deep_gemm/layout/nvfp4_mega_moe.cuh``): the combine region
   starts where the L2 scale region (``l2_acts_sf``) ends, and the per-token ``x_scales``
   regions **follow** it, so the combine region is not the buffer's last region.
+
+May import: torch and the reference modules below the ``deep_gemm`` API (``_alloc``,
+``_numerics``, ``_nvfp4_numerics``, ``buffer``, ``_kernel``); ``deep_gemm`` re-exports it.
 """
 
 from __future__ import annotations
@@ -29,15 +32,12 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from moewire.reference import _kernel
 from moewire.reference._alloc import align as _align
-from moewire.reference._alloc import allocate as _allocate
 from moewire.reference._alloc import default_device as _default_device
 from moewire.reference._alloc import group_size_rank as _group_size_rank
-from moewire.reference._alloc import itemsize as _itemsize
-from moewire.reference._alloc import numel as _numel
+from moewire.reference._alloc import positive_int as _positive_int
 from moewire.reference._numerics import (
     FP8_MAX,
     ceil_to_ue8m0,
@@ -55,6 +55,7 @@ from moewire.reference._nvfp4_numerics import (
     quantize_nvfp4_l2_input,
     stage_nvfp4_per_token,
 )
+from moewire.reference.buffer import Region, RegionBuffer, num_max_shared_sf_tokens
 
 __all__ = [
     "NVFP4SymmBuffer",
@@ -69,7 +70,6 @@ __all__ = [
 TOKEN_ALIGNMENT = 384
 # DeepGEMM's candidate BLOCK_M values (``layout/mega_moe.cuh``, kCandidateBlockM).
 CANDIDATE_BLOCK_M = (8, 16, 32, 64, 96, 128, 192, 240)
-_MIN_BLOCK_M = 8
 SHARED_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 ACTIVATIONS = ("swiglu", "swiglustep")
 
@@ -107,22 +107,11 @@ def shared_sf_row(token: torch.Tensor, block_m: int) -> torch.Tensor:
     return block * aligned + (m // 128) * 128 + (m % 32) * 4 + (m % 128) // 32
 
 
-def _num_max_shared_sf_tokens(tmax: int) -> int:
-    """``layout/mega_moe.cuh::get_num_max_shared_sf_tokens``: pages for the smallest BLOCK_M."""
-    return -(-tmax // _MIN_BLOCK_M) * 128
-
-
 def _fail(where: str, message: str, exc: type[Exception] = ValueError) -> None:
     raise exc(f"{where}: {message}")
 
 
-def _positive_int(value: Any, name: str, where: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(where, f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-class NVFP4SymmBuffer:
+class NVFP4SymmBuffer(RegionBuffer):
     """One rank's NVFP4 Mega-MoE buffer: a flat int8 tensor and typed views into it.
 
     Constructor as DeepGEMM's (``mega/nvfp4.py``), plus the keyword ``device``. Regions in
@@ -151,7 +140,12 @@ class NVFP4SymmBuffer:
         buffer: int8 ``[nbytes]``; handle: the symmetric-memory handle or None.
         num_ranks, rank, num_experts_per_rank, num_slots: derived.
         _moewire_regions: ``{name: (byte offset, byte size)}`` of every region.
+
+    ``region``, ``combine_rows``, ``destroy`` and pickling as every
+    :class:`~moewire.reference.buffer.RegionBuffer`.
     """
+
+    _HIDDEN = ("combine", "l1_x_scales")
 
     def __init__(
         self,
@@ -212,22 +206,13 @@ class NVFP4SymmBuffer:
         self.shared_dtype = shared_dtype
         self.num_slots = num_topk + (1 if num_shared_experts > 0 else 0)
 
-        regions = self._regions()
-        offsets, offset = {}, 0
-        for name, dtype, shape in regions:
-            nbytes = _numel(shape) * _itemsize(dtype)
-            offsets[name] = (offset, nbytes)
-            offset += nbytes
-        self._moewire_regions = offsets
+        offset = self._lay_out()
         if base is None:
             if device is not None:
                 device = torch.device(device)
             else:
                 device = _default_device(group)
-            self.buffer, self.handle = _allocate(offset, device, group, num_ranks)
-            self.buffer.zero_()
-            if num_ranks > 1:
-                dist.barrier(group=group)
+            self._allocate(offset, device)
         else:
             if not isinstance(base, NVFP4SymmBuffer) or base.buffer is None:
                 _fail(where, "base must be a live NVFP4SymmBuffer (not destroyed)")
@@ -240,12 +225,9 @@ class NVFP4SymmBuffer:
                     f"{base.buffer.numel()}; build it without base",
                 )
             self.buffer, self.handle = base.buffer, base.handle
-        for name, dtype, shape in regions:
-            start, nbytes = offsets[name]
-            if name in _VIEWS:
-                setattr(self, name, self.buffer[start : start + nbytes].view(dtype).view(shape))
+        self._slice_views()
 
-    def _regions(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    def _regions(self) -> list[Region]:
         tmax, k, h, i = (
             self.num_max_tokens_per_rank, self.num_topk, self.hidden, self.intermediate_hidden
         )
@@ -253,7 +235,7 @@ class NVFP4SymmBuffer:
         shared = self.num_shared_experts > 0
         shared_i = self.num_shared_experts * i
         shared_tokens = tmax if shared else 0
-        sf_tokens = _num_max_shared_sf_tokens(tmax) if shared and self.shared_with_sf else 0
+        sf_tokens = num_max_shared_sf_tokens(tmax) if shared and self.shared_with_sf else 0
         return [
             ("workspace", torch.int32, (_align(self.num_experts_per_rank, 4),)),
             ("x", torch.int8, (tmax, h // 2)),
@@ -278,22 +260,6 @@ class NVFP4SymmBuffer:
         """True when a fused shared expert takes MXFP8 inputs (scales in the buffer)."""
         return self.shared_dtype == torch.float8_e4m3fn
 
-    def region(self, name: str) -> torch.Tensor:
-        """The raw bytes (int8) of region ``name`` of ``_moewire_regions``."""
-        start, nbytes = self._moewire_regions[name]
-        return self.buffer[start : start + nbytes]
-
-    def combine_rows(self) -> torch.Tensor:
-        """BF16 ``[num_slots, Tmax, H]`` view of the combine region (routed slot ``s`` at
-        ``s``, a fused shared expert at ``k``)."""
-        tmax, h = self.num_max_tokens_per_rank, self.hidden
-        return self.region("combine").view(torch.bfloat16).view(self.num_slots, tmax, h)
-
-    def destroy(self) -> None:
-        """Drop the buffer and its views (DeepGEMM's ``destroy``)."""
-        for name in [*_VIEWS, "buffer", "handle", "group"]:
-            setattr(self, name, None)
-
     def __repr__(self) -> str:
         return (
             f"NVFP4SymmBuffer(rank={self.rank}/{self.num_ranks}, experts={self.num_experts}, "
@@ -301,13 +267,6 @@ class NVFP4SymmBuffer:
             f"I={self.intermediate_hidden}, shared={self.num_shared_experts}, "
             f"shared_dtype={self.shared_dtype})"
         )
-
-
-_VIEWS = (
-    "workspace", "x", "x_sf", "topk_idx", "topk_weights", "shared_l1_acts",
-    "shared_l1_acts_sf", "shared_l2_acts", "shared_l2_acts_sf", "l1_acts", "l1_acts_sf",
-    "l2_acts", "l2_acts_sf", "x_scales",
-)
 
 
 # --------------------------------------------------------------------------- staging
@@ -507,27 +466,6 @@ class _NVFP4Experts:
         return self._dequantize(e, e + 1)[0]
 
 
-def _matmul_f32(x: torch.Tensor, experts: Any, ends: torch.Tensor) -> torch.Tensor:
-    """FP32 ``x[rows of e] @ W[e].T`` for rows grouped by expert (``ends``: int32 cumulative
-    row counts), accumulated in FP32 and returned unrounded (the kernel scales the
-    accumulators by alpha before its BF16 rounding)."""
-    if experts.dense is not None and x.shape[0]:
-        try:
-            return torch._grouped_mm(
-                x.to(experts.dtype), experts.dense.transpose(1, 2), offs=ends,
-                out_dtype=torch.float32,
-            )
-        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
-            pass
-    out = torch.zeros((x.shape[0], experts.n), dtype=torch.float32, device=x.device)
-    bounds = [0, *ends.tolist()]
-    for e in range(len(bounds) - 1):
-        if bounds[e + 1] > bounds[e]:
-            rows = slice(bounds[e], bounds[e + 1])
-            torch.mm(x[rows], experts[e].t(), out=out[rows])
-    return out
-
-
 # --------------------------------------------------------------------------- math
 
 
@@ -586,12 +524,12 @@ def _routed_rows(
     if x_scale is not None:
         scale1 = x_scale * scale1
     x_in = dequantize_nvfp4(x_packed, x_sf)
-    gu = (_matmul_f32(x_in, l1, ends) * scale1.unsqueeze(1)).bfloat16()
+    gu = (_kernel._grouped_matmul(x_in, l1, ends, torch.float32) * scale1.unsqueeze(1)).bfloat16()
     h = _activation(gu, opts["clamp"], opts["alpha"], opts["beta"], opts["activation"])
     codes, h_bs = quantize_nvfp4_l2_input(h, opts["l2_activation_scale"])
     h_in = (decode_e2m1(codes).unflatten(-1, (-1, 16)) * h_bs.unsqueeze(-1)).flatten(-2)
     scale2 = l2_alpha[e] if l2_alpha is not None else ones
-    rows = (_matmul_f32(h_in, l2, ends) * scale2.unsqueeze(1)).bfloat16()
+    rows = (_kernel._grouped_matmul(h_in, l2, ends, torch.float32) * scale2.unsqueeze(1)).bfloat16()
     return rows, pack_fp4_codes(codes), pack_e4m3(h_bs)
 
 
@@ -614,7 +552,7 @@ def _shared_rows(buf: NVFP4SymmBuffer, t: int, shared_l1: Any, shared_l2: Any, o
     s1 = _kernel._Experts(shared_l1, True, 1, 2 * shared_i, h)
     s2 = _kernel._Experts(shared_l2, False, 1, h, shared_i)
     ends = torch.full((1,), t, dtype=torch.int32, device=device)
-    gu = _matmul_f32(x, s1, ends).bfloat16()
+    gu = _kernel._grouped_matmul(x, s1, ends, torch.float32).bfloat16()
     act = _activation(gu, opts["clamp"], opts["alpha"], opts["beta"], opts["activation"])
     if buf.shared_with_sf:
         q, sf = quantize_mxfp8_l2_input(act)
@@ -625,7 +563,7 @@ def _shared_rows(buf: NVFP4SymmBuffer, t: int, shared_l1: Any, shared_l2: Any, o
         act_in = act.bfloat16()
         buf.shared_l2_acts[:t].copy_(act_in)
         act_in = act_in.float()
-    return _matmul_f32(act_in, s2, ends).bfloat16()
+    return _kernel._grouped_matmul(act_in, s2, ends, torch.float32).bfloat16()
 
 
 # --------------------------------------------------------------------------- checks
@@ -677,18 +615,7 @@ def _validate(y, l1, l2, buf, shared_l1, shared_l2, stats, clamp, fast_math, alp
         _fail(where, f"l2_activation_scale must be a positive finite float, got {l2_scale!r}")
     device = buf.buffer.device
     h, i, e = buf.hidden, buf.intermediate_hidden, buf.num_experts_per_rank
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        _fail(where, "y must be a 2-D BF16 tensor [T, H]", TypeError)
-    t = y.shape[0]
-    if t > buf.num_max_tokens_per_rank:
-        _fail(
-            where,
-            f"y has T={t} tokens but the symm buffer holds at most num_max_tokens_per_rank="
-            f"{buf.num_max_tokens_per_rank}; allocate a larger buffer or split the batch",
-        )
-    _kernel._check_tensor(where, "y", y, torch.bfloat16, (t, h), device)
-    if not y.is_contiguous():
-        _fail(where, "y must be contiguous")
+    t = _kernel._check_y(where, y, buf)
     fp4 = (torch.int8, torch.uint8)
     _check_pair(where, "l1_weights", l1, fp4, (e, 2 * i, h // 2), (e, 2 * i, h // 64), device)
     _check_pair(where, "l2_weights", l2, fp4, (e, h, i // 2), (e, h, i // 64), device)
@@ -699,20 +626,7 @@ def _validate(y, l1, l2, buf, shared_l1, shared_l2, stats, clamp, fast_math, alp
         _kernel._check_tensor(
             where, "cumulative_local_expert_recv_stats", stats, torch.int32, (e,), device
         )
-    if (shared_l1 is None) != (shared_l2 is None):
-        _fail(where, "pass both shared_l1_weights and shared_l2_weights, or neither")
-    if buf.num_shared_experts and shared_l1 is None:
-        _fail(
-            where,
-            f"sym_buffer was built with num_shared_experts={buf.num_shared_experts}; pass "
-            "shared_l1_weights and shared_l2_weights",
-        )
-    if not buf.num_shared_experts and shared_l1 is not None:
-        _fail(
-            where,
-            "shared_l1_weights given but sym_buffer has no shared slot; build it with "
-            "num_shared_experts > 0",
-        )
+    _kernel._check_shared_given(where, buf, shared_l1, shared_l2)
     if shared_l1 is not None:
         shared_i = buf.num_shared_experts * i
         if buf.shared_with_sf:

@@ -10,6 +10,9 @@ expert), per 16 along K ``bs = e4m3(clamp(fl(bmax / fl(6 gs)), 2^-9, 448))``,
 
 A fused shared expert is MXFP8 (E4M3, UE8M0 per 32) or BF16, as vLLM's
 ``MEGA_MOE_NVFP4.shared`` allows.
+
+May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_numerics``,
+``_nvfp4_numerics`` and ``weights``.
 """
 
 from __future__ import annotations

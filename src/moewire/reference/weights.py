@@ -11,6 +11,8 @@ Weight formats (what :func:`moewire.reference.deep_gemm.fp8_fp4_mega_moe` reads)
   DeepSeek-V4 checkpoints keep shared experts in FP8): ``(FP8 [2Is, H], int32 [2Is,
   H/128])`` and ``(FP8 [H, Is], int32 [H, Is/128])``, ``Is = num_shared * I``.
 - ``bf16xbf16``: BF16 ``[E, 2I, H]`` and ``[E, H, I]`` (shared: ``[2Is, H]``, ``[H, Is]``).
+
+May import: torch, ``moewire.reference.deep_gemm`` (the API) and ``_numerics``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,106 @@
+"""The imports of ``moewire.reference`` run one way: no cycle between its modules, and
+nothing of moewire outside the package (issue 16).
+
+Read with ``ast`` from the sources, imports inside functions included (a lazy import is a
+cycle too, only hidden until the call).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import moewire.reference
+
+PACKAGE = "moewire.reference"
+ROOT = Path(moewire.reference.__file__).parent
+MODULES = sorted(p.stem for p in ROOT.glob("*.py") if p.stem != "__init__")
+
+
+def _imported(module: str) -> set[str]:
+    """Every ``moewire...`` module ``module`` imports: ``from P import x`` counts as
+    importing ``P.x`` when ``x`` is a module of this package, else as importing ``P``."""
+    tree = ast.parse((ROOT / f"{module}.py").read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from . import x / from .x import y
+                base = PACKAGE if node.level == 1 else PACKAGE.rsplit(".", node.level - 1)[0]
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                is_module = base == PACKAGE and alias.name in MODULES
+                names.add(f"{base}.{alias.name}" if is_module else base)
+    return {n for n in names if n == "moewire" or n.startswith("moewire.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    """``{module: reference modules it imports}``; a name taken from the package itself is
+    an edge to its ``__init__``, which imports every module."""
+    graph = {}
+    for m in MODULES:
+        targets = set()
+        for name in _imported(m):
+            if name == PACKAGE:
+                targets.add("__init__")
+            elif name.startswith(PACKAGE + "."):
+                head = name[len(PACKAGE) + 1 :].split(".")[0]
+                if head in MODULES:
+                    targets.add(head)
+        graph[m] = targets
+    graph["__init__"] = set(MODULES)
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_the_old_cycle():
+    # The shape before issue 16: deep_gemm imported _kernel, which imported deep_gemm back.
+    old = {"deep_gemm": {"_kernel", "_alloc"}, "_kernel": {"deep_gemm"}, "_alloc": set()}
+    assert _find_cycle(old) == ["_kernel", "deep_gemm", "_kernel"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_reference_modules_import_without_a_cycle():
+    graph = _graph()
+    cycle = _find_cycle(graph)
+    assert cycle is None, f"import cycle in moewire.reference: {' -> '.join(cycle)}"
+    assert "buffer" in graph["_kernel"]  # the kernel reads the buffer, never the API
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_reference_imports_nothing_of_moewire_outside_it(module):
+    outside = {n for n in _imported(module) if not n.startswith(PACKAGE)}
+    assert not outside, f"moewire.reference.{module} imports {sorted(outside)}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_each_module_docstring_says_what_it_may_import(module):
+    doc = ast.get_docstring(ast.parse((ROOT / f"{module}.py").read_text())) or ""
+    assert "May import:" in doc, f"moewire.reference.{module}: opening docstring lacks it"
