@@ -149,7 +149,7 @@ def order_visible_kernel(real: Callable, k: int, shared_first: bool | None = Non
         rows[:, 0, 0] = 0.0
         rows[:2, 0, 0] = torch.tensor([-(2.0**24), 0.5], dtype=torch.bfloat16)
         rows[k, 0, 0] = 2.0**24
-        first = buf.flavour.shared_position == "first" if shared_first is None else shared_first
+        first = buf.build.shared_position == "first" if shared_first is None else shared_first
         y[0, 0] = 0.5 if first else 0.0
 
     return kernel
