@@ -187,8 +187,10 @@ def _nvfp4_blocks(xb, gs, HW_CAST: tl.constexpr):
                           propagate_nan=_NAN), HW_CAST) * gs
     bs = tl.where(bs < 1e-5, 1.0, bs)
     q = _e2m1_magnitude(_div_by_block(tl.abs(xb), bs, HW_CAST))
-    sign = tl.where(xb > 0, 1.0, tl.where(xb < 0, -1.0, 0.0))
-    return sign * q * bs
+    # sign(x) * q * bs: the magnitude, negated where x < 0 (so -0.0 for a negative x that
+    # rounds to 0, +0.0 for either zero, as the reference's sign(x) * q * bs).
+    mag = q * bs
+    return tl.where(xb < 0, mag * -1.0, mag)  # (Triton lowers -mag as 0 - mag: +0.0)
 
 
 @triton.jit
@@ -279,26 +281,28 @@ def _combine_slot(
     cmax, routed, FMT: tl.constexpr, WEIGHTED: tl.constexpr, CHECK: tl.constexpr,
     CALIB: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
 ):
-    """Routed slot ``s`` of one token (stored at row ``s``): load it if valid, quantize,
-    accumulate (``acc += q`` or, weighted, ``acc = fma(q, w, acc)``)."""
+    """Routed slot ``s`` of one token (stored at row ``s``): if it is valid, load it,
+    quantize, accumulate (``acc += q`` or, weighted, ``acc = fma(q, w, acc)``).
+
+    ``valid`` is one flag for the whole program, so the slot is a branch, not a select:
+    an invalid row is never loaded and costs no arithmetic.
+    """
     valid = tl.load(idx_row + s * stride_ik) >= 0
-    # The mask is a block of booleans (Triton >= 3.9 refuses a scalar-and-block mask mix).
-    mask = cmask & (tl.zeros_like(cmask.to(tl.int32)) + valid.to(tl.int32) != 0)
-    x = tl.load(row_base + s * stride_rs, mask=mask, other=0.0).to(tl.float32)
-    q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, HW_CAST), HW_CAST)
-    if WEIGHTED:
-        w = tl.load(w_row + s * stride_wk, mask=valid, other=0.0).to(tl.float32)
-        w_block = w + tl.zeros_like(x)
-        acc = tl.where(valid, _fma(q, w_block, acc, HW_CAST), acc)
-        if CHECK:
-            raw = tl.where(valid, _fma(x, w_block, raw, HW_CAST), raw)
-    else:
-        acc = tl.where(valid, acc + q, acc)
-        if CHECK:
-            raw = tl.where(valid, raw + x, raw)
-    if CALIB:
-        cmax = tl.where(valid, tl.maximum(cmax, tl.abs(x), propagate_nan=_NAN), cmax)
-    routed += valid.to(tl.int32)
+    if valid:
+        x = tl.load(row_base + s * stride_rs, mask=cmask, other=0.0).to(tl.float32)
+        q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, HW_CAST), HW_CAST)
+        if WEIGHTED:
+            w = tl.load(w_row + s * stride_wk).to(tl.float32) + tl.zeros_like(x)
+            acc = _fma(q, w, acc, HW_CAST)
+            if CHECK:
+                raw = _fma(x, w, raw, HW_CAST)
+        else:
+            acc = acc + q
+            if CHECK:
+                raw = raw + x
+        if CALIB:
+            cmax = tl.maximum(cmax, tl.abs(x), propagate_nan=_NAN)
+        routed += 1
     return acc, raw, cmax, routed
 
 
