@@ -132,7 +132,8 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
 def cli(doc: str, run: Callable[..., list[dict]], columns: list[tuple[str, str, str]]) -> None:
     """The command line of a sweep; prints the table.
 
-    ``--out`` (JSON), ``--tokens``, ``--no-peers``, ``--device`` (``cpu``: the smoke run on
+    ``--out`` (JSON), ``--tokens``, ``--no-peers``, ``--models`` (:data:`MODELS` names and
+    ``"target"``), ``--device`` (``cpu``: the smoke run on
     :data:`SMOKE_MODELS`, peers only), ``--compile-mode`` (default: ``_peers.default_mode``
     of the device) and ``--compile-numerics`` (``_peers.NUMERICS``).
     """
@@ -143,6 +144,8 @@ def cli(doc: str, run: Callable[..., list[dict]], columns: list[tuple[str, str, 
     parser.add_argument("--tokens", type=int, nargs="*", default=None,
                         help=f"default {TOKENS} on CUDA, {SMOKE_TOKENS} on CPU")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--models", nargs="+", choices=(*MODELS, TARGET[0]), default=None,
+                        help=f"default: all, and {TARGET[0]!r} (combine only, at T=8192)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of the peers on one small shape")
     parser.add_argument("--compile-mode", default=None,
@@ -153,7 +156,8 @@ def cli(doc: str, run: Callable[..., list[dict]], columns: list[tuple[str, str, 
     args = parser.parse_args()
     cpu = args.device == "cpu"
     tokens = tuple(args.tokens) if args.tokens else (SMOKE_TOKENS if cpu else TOKENS)
-    results = run(tokens, models=tuple(SMOKE_MODELS if cpu else MODELS),
+    models = args.models or ((*MODELS, TARGET[0]) if not cpu else tuple(SMOKE_MODELS))
+    results = run(tokens, models=tuple(models),
                   peers=not args.no_peers, device=args.device,
                   compile_mode=args.compile_mode or default_mode(args.device),
                   numerics=args.compile_numerics)

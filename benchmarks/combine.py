@@ -85,12 +85,15 @@ COLUMNS = [
 
 
 def _shapes(tokens, models):
+    """(name, k, H, T) of every model in ``models`` at every T; ``"target"`` at T=8192 only."""
     for name in models:
+        if name == TARGET[0]:
+            if 8192 in tokens:
+                yield TARGET[0], TARGET[1], TARGET[2], 8192
+            continue
         _, k, h = SHAPES[name]
         for t in tokens:
             yield name, k, h, t
-    if 8192 in tokens and set(models) <= set(MODELS):
-        yield TARGET[0], TARGET[1], TARGET[2], 8192
 
 
 def _peers(r, rows, idx, t, n, fmt, amax, out, checks, want, reps_peer, device, mode,
@@ -187,8 +190,8 @@ def bench_shape(name, k, h, t, fmts, peer_fmts=PEER_FORMATS, reps_peer=3, *, dev
     return results
 
 
-def run(tokens=TOKENS, models=tuple(MODELS), peers=True, all_formats=True, *, device="cuda",
-        compile_mode=None, numerics="auto") -> list[dict]:
+def run(tokens=TOKENS, models=(*MODELS, TARGET[0]), peers=True, all_formats=True, *,
+        device="cuda", compile_mode=None, numerics="auto") -> list[dict]:
     """Every shape; peers for nvfp4 and fp8, the other formats fused only at T=8192."""
     results = []
     for name, k, h, t in _shapes(tokens, models):

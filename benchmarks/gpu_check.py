@@ -113,7 +113,7 @@ def main() -> None:
             (args.out / "dispatch.json").write_text(json.dumps(disp, indent=1))
             torch.cuda.empty_cache()
     comb = []
-    for name, k, h, t in combine._shapes(tuple(args.tokens), tuple(combine.MODELS)):
+    for name, k, h, t in combine._shapes(tuple(args.tokens), (*combine.MODELS, TARGET[0])):
         fmts = combine.PEER_FORMATS + (combine.FUSED_ONLY if t == 8192 else ())
         comb += _stage(f"combine {name} T={t}", combine.bench_shape, name, k, h, t, fmts,
                        tuple(combine.PEER_FORMATS) if not args.no_peers else (), **compile_args)
