@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,10 +29,17 @@ MODELS = {
 }
 TARGET = ("target", 8, 7168)
 TOKENS = (128, 1024, 8192)
+# The CPU smoke run (``--device cpu``): one small shape that checks the peers and the
+# table, in seconds; its times mean nothing.
+SMOKE_MODELS = {"smoke": (16, 4, 256)}
+SMOKE_TOKENS = (16,)
 
 
-def copies_for(nbytes: int) -> int:
-    """How many input copies one rotation needs to exceed the L2 (at least 1, at most 64)."""
+def copies_for(nbytes: int, device: str = "cuda") -> int:
+    """How many input copies one rotation needs to exceed the L2 (at least 1, at most 64);
+    1 on CPU (the smoke run)."""
+    if device != "cuda":
+        return 1
     return max(1, min(64, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
 
 
@@ -39,8 +47,13 @@ def _events():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
-def time_graph(fn: Callable[[int], object], reps: int, trials: int = 7) -> float:
-    """Median us per call of ``fn(i)``, captured ``reps`` times in one CUDA graph."""
+def time_graph(
+    fn: Callable[[int], object], reps: int, trials: int = 7, device: str = "cuda"
+) -> float:
+    """Median us per call of ``fn(i)``, captured ``reps`` times in one CUDA graph (on CPU:
+    :func:`time_loop`)."""
+    if device != "cuda":
+        return time_loop(fn, reps, trials, device)
     fn(0)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -68,8 +81,20 @@ def time_graph(fn: Callable[[int], object], reps: int, trials: int = 7) -> float
     return statistics.median(times)
 
 
-def time_loop(fn: Callable[[int], object], reps: int, trials: int = 5) -> float:
-    """Median us per call of ``fn(i)`` over loops of ``reps`` calls (after one warm-up)."""
+def time_loop(
+    fn: Callable[[int], object], reps: int, trials: int = 5, device: str = "cuda"
+) -> float:
+    """Median us per call of ``fn(i)`` over loops of ``reps`` calls (after one warm-up),
+    between CUDA events (on CPU: the wall clock)."""
+    if device != "cuda":
+        fn(0)
+        times = []
+        for _ in range(trials):
+            start = time.perf_counter()
+            for i in range(reps):
+                fn(i)
+            times.append((time.perf_counter() - start) * 1e6 / reps)
+        return statistics.median(times)
     fn(0)
     torch.cuda.synchronize()
     times = []
@@ -105,13 +130,37 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
 
 
 def cli(doc: str, run: Callable[..., list[dict]], columns: list[tuple[str, str, str]]) -> None:
-    """The command line of a sweep: ``--out``, ``--tokens``, ``--no-peers``; prints the table."""
+    """The command line of a sweep; prints the table.
+
+    ``--out`` (JSON), ``--tokens``, ``--no-peers``, ``--models`` (:data:`MODELS` names and
+    ``"target"``), ``--device`` (``cpu``: the smoke run on
+    :data:`SMOKE_MODELS`, peers only), ``--compile-mode`` (default: ``_peers.default_mode``
+    of the device) and ``--compile-numerics`` (``_peers.NUMERICS``).
+    """
+    from _peers import NUMERICS, default_mode
+
     parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
-    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument("--tokens", type=int, nargs="*", default=None,
+                        help=f"default {TOKENS} on CUDA, {SMOKE_TOKENS} on CPU")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--models", nargs="+", choices=(*MODELS, TARGET[0]), default=None,
+                        help=f"default: all, and {TARGET[0]!r} (combine only, at T=8192)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke run of the peers on one small shape")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode of the compile peer (default: "
+                             "max-autotune-no-cudagraphs on CUDA, default on CPU)")
+    parser.add_argument("--compile-numerics", choices=NUMERICS, default="auto",
+                        help="Inductor numerics of the compile peer (see benchmarks/_peers.py)")
     args = parser.parse_args()
-    results = run(tuple(args.tokens), peers=not args.no_peers)
+    cpu = args.device == "cpu"
+    tokens = tuple(args.tokens) if args.tokens else (SMOKE_TOKENS if cpu else TOKENS)
+    models = args.models or ((*MODELS, TARGET[0]) if not cpu else tuple(SMOKE_MODELS))
+    results = run(tokens, models=tuple(models),
+                  peers=not args.no_peers, device=args.device,
+                  compile_mode=args.compile_mode or default_mode(args.device),
+                  numerics=args.compile_numerics)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     print_table(results, columns)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import combine  # noqa: E402
 import dispatch  # noqa: E402
 from _bench import TARGET, print_table, time_graph  # noqa: E402
+from _peers import CUDA_COMPILE_MODE, NUMERICS  # noqa: E402
 
 from moewire import kernels  # noqa: E402
 
@@ -68,11 +69,11 @@ def sweep(fmts=("nvfp4", "mxfp4", "fp8_b32_ue8m0", "fp8")) -> list[dict]:
     return results
 
 
-def _stage(label, fn, *args):
+def _stage(label, fn, *args, **kwargs):
     """Run one stage; a failure is printed and recorded, and the next stage still runs."""
     t0 = time.time()
     try:
-        result = fn(*args)
+        result = fn(*args, **kwargs)
     except Exception:
         traceback.print_exc()
         result = [dict(stage=label, error=traceback.format_exc(limit=3)[-600:])]
@@ -86,6 +87,10 @@ def main() -> None:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--no-peers", action="store_true", help="time the fused kernels only")
     parser.add_argument("--tokens", type=int, nargs="*", default=[128, 1024, 8192])
+    parser.add_argument("--compile-mode", default=CUDA_COMPILE_MODE,
+                        help="torch.compile mode of the compile peers")
+    parser.add_argument("--compile-numerics", choices=NUMERICS, default="auto",
+                        help="Inductor numerics of the compile peers (benchmarks/_peers.py)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import triton
@@ -97,19 +102,21 @@ def main() -> None:
     sw = _stage("sweep", sweep)
     (args.out / "sweep.json").write_text(json.dumps(sw, indent=1))
     peers = () if args.no_peers else dispatch.PEER_FORMATS
+    compile_args = dict(compile_mode=args.compile_mode, numerics=args.compile_numerics)
     disp = []
     for name in dispatch.MODELS:
         for t in args.tokens:
             fmts = dispatch.PEER_FORMATS + (dispatch.FUSED_ONLY if t == 8192 else ())
             h = dispatch.MODELS[name][2]
-            disp += _stage(f"dispatch {name} T={t}", dispatch.bench_shape, name, h, t, fmts, peers)
+            disp += _stage(f"dispatch {name} T={t}", dispatch.bench_shape, name, h, t, fmts, peers,
+                           **compile_args)
             (args.out / "dispatch.json").write_text(json.dumps(disp, indent=1))
             torch.cuda.empty_cache()
     comb = []
-    for name, k, h, t in combine._shapes(tuple(args.tokens), tuple(combine.MODELS)):
+    for name, k, h, t in combine._shapes(tuple(args.tokens), (*combine.MODELS, TARGET[0])):
         fmts = combine.PEER_FORMATS + (combine.FUSED_ONLY if t == 8192 else ())
         comb += _stage(f"combine {name} T={t}", combine.bench_shape, name, k, h, t, fmts,
-                       tuple(combine.PEER_FORMATS) if not args.no_peers else ())
+                       tuple(combine.PEER_FORMATS) if not args.no_peers else (), **compile_args)
         (args.out / "combine.json").write_text(json.dumps(comb, indent=1))
         torch.cuda.empty_cache()
     mo = {r.get("modelopt") for r in comb + disp if r.get("modelopt")}
@@ -124,6 +131,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    # One compiled peer per format and top-k: more than dynamo's default of 8 recompiles.
-    torch._dynamo.config.recompile_limit = 64
     main()
