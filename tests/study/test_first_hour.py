@@ -231,3 +231,13 @@ def test_study_reports_the_target_and_lands_near_it(tmp_path):
     routing = json.loads((out / "results.json").read_text())["routing"]
     assert routing["target_max_over_mean"] == 2.5
     assert 2.0 <= routing["expert_load_max_over_mean"] <= 3.0
+
+
+def test_the_study_mma_table_agrees_with_the_stand_in():
+    """``study/config.py`` keeps its own MMA table because the CLI validates flags before
+    torch is imported (the stand-in kernel imports torch); this keeps the two in step."""
+    from moewire.reference import deep_gemm
+    from moewire.study import config
+
+    assert config.MMA_TYPES == (*deep_gemm.MMA_TYPES, "nvfp4")
+    assert config._HIDDEN_MULTIPLE == {**deep_gemm.HIDDEN_MULTIPLE, "nvfp4": 128}
