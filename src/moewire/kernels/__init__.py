@@ -132,6 +132,15 @@ def _amax_tensor(
     return amax_t.reshape(1).to(device)
 
 
+def _check_blocks(what: str, hidden: int, fmt_name: str) -> None:
+    """``hidden`` holds whole blocks of the format (the kernel's own block table)."""
+    block = _impl().BLOCK_SIZES[fmt_name]
+    if hidden % block:
+        raise ValueError(
+            f"{what}={hidden} is not a multiple of {fmt_name}'s block size {block}"
+        )
+
+
 def _num_warps(block_h: int, num_warps: int | None) -> int:
     """Warps per program: about 8 columns per thread (whole-row programs get more warps)."""
     return num_warps or max(_NUM_WARPS, min(16, block_h // 256))
@@ -180,12 +189,7 @@ def qdq(
         )
     impl = _impl()
     hidden = x.shape[-1]
-    block = impl.BLOCK_SIZES[fmt_name]
-    if hidden % block:
-        raise ValueError(
-            f"moewire.kernels.qdq: the last dim {hidden} is not a multiple of {fmt_name}'s "
-            f"block size {block}"
-        )
+    _check_blocks("moewire.kernels.qdq: the last dim", hidden, fmt_name)
     amax_t = _amax_tensor(fmt_name, amax, x.device)
     flat = x.reshape(-1, hidden)
     if flat.stride(-1) != 1:
@@ -411,12 +415,7 @@ def fused_combine(
     )
     impl = _impl()
     hidden = rows.shape[2]
-    block = impl.BLOCK_SIZES[fmt_name]
-    if hidden % block:
-        raise ValueError(
-            f"moewire.kernels.fused_combine: H={hidden} is not a multiple of {fmt_name}'s "
-            f"block size {block}"
-        )
+    _check_blocks("moewire.kernels.fused_combine: H", hidden, fmt_name)
     amax_t = _amax_tensor(fmt_name, amax, rows.device)
     if num_tokens == 0:
         return out
