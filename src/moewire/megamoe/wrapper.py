@@ -384,6 +384,27 @@ class _BufferCheck:
     unrefuted: set[int] | None = None
 
 
+@dataclass(frozen=True)
+class _Combine:
+    """One kernel call's combine, as the checks and the re-sum read it."""
+
+    rows: torch.Tensor  # BF16 [k (+1), Tmax, H], the combine region
+    topk_idx: torch.Tensor  # int64 [T, k], staged before the kernel ran
+    num_tokens: int
+    shared: str | None  # where a fused shared row is added (None: none fused)
+    weights: torch.Tensor | None  # FP32 [T, k] for a kernel that leaves unweighted rows
+    y: torch.Tensor  # the kernel's output
+    flavour: _flavours.Flavour
+    kernel: str
+
+    def resum(self, rows: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        """``resum`` of these rows (or a reordering of them) in this call's order."""
+        return resum(
+            self.rows if rows is None else rows, self.topk_idx, self.num_tokens,
+            shared_position=self.shared, weights=self.weights, **kwargs,
+        )
+
+
 _CHECKS: dict[tuple[str, int], _BufferCheck] = {}
 
 
@@ -662,15 +683,12 @@ class QuantExperts:
         num_tokens = y.shape[0]
         _on_device(quantizer, y.device, name, "combine_quantizer")
         state = _buffer_state(symm_buffer)
+        call = _Combine(rows, topk_idx, num_tokens, shared, weights, y, flavour, kernel)
         if not state.checked and _one_pass(quantizer, y):
-            self._moewire_check_in_one_pass(
-                state, rows, topk_idx, num_tokens, shared, y, flavour, kernel, weights
-            )
+            self._moewire_check_in_one_pass(state, call)
             return
         if not state.checked:
-            self._moewire_check(
-                state, rows, topk_idx, num_tokens, shared, y, flavour, kernel, weights
-            )
+            self._moewire_check(state, call)
         if quantizer.mode == "calibrate":
             # Valid rows only: invalid slots hold stale rows, padding tokens have no valid
             # slot, and the fused shared row (index k) is not on the wire. For a weighted
@@ -679,21 +697,9 @@ class QuantExperts:
             quantizer.collect(rows[: topk_idx.shape[1], :num_tokens][valid])
             self.__dict__["_moewire_amax_rows_"] = kind
             return
-        resum(rows, topk_idx, num_tokens, shared_position=shared, weights=weights,
-              row_quantizer=quantizer, out=y)
+        call.resum(row_quantizer=quantizer, out=y)
 
-    def _moewire_check_in_one_pass(
-        self,
-        state: _BufferCheck,
-        rows: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_tokens: int,
-        shared: str | None,
-        y: torch.Tensor,
-        flavour: _flavours.Flavour,
-        kernel: str,
-        weights: torch.Tensor | None,
-    ) -> None:
+    def _moewire_check_in_one_pass(self, state: _BufferCheck, call: _Combine) -> None:
         """Check and quantize in one pass over the rows (CUDA, the fused kernel).
 
         The fused kernel re-sums the quantized rows into a scratch output and, in the same
@@ -706,48 +712,34 @@ class QuantExperts:
         (eager, until refuted), as in :meth:`_moewire_check`.
         """
         quantizer = self.combine_quantizer
-        fmt = quantizer.fmt
+        fmt, y = quantizer.fmt, call.y
         out = torch.empty_like(y)
         flag = torch.zeros(1, dtype=torch.int32, device=y.device)
         amax = quantizer.static_amax if fmt.needs_amax else None
         kernels.fused_combine(
-            rows, topk_idx, num_tokens, out, fmt.name, amax, shared, y, flag, weights=weights
+            call.rows, call.topk_idx, call.num_tokens, out, fmt.name, amax, call.shared, y,
+            flag, weights=call.weights,
         )
         if _capturing(y):
-            self._moewire_assert_in_graph(state, flag[0] == 0, flavour)
+            self._moewire_assert_in_graph(state, flag[0] == 0, call.flavour)
             y.copy_(out)
             return
         has_routed, bad = torch.stack(
-            [(topk_idx[:num_tokens] >= 0).any().to(torch.int32), flag[0]]
+            [(call.topk_idx[: call.num_tokens] >= 0).any().to(torch.int32), flag[0]]
         ).tolist()
         if has_routed and bad:
             # The torch check names the mismatching tokens (and raises).
-            self._moewire_check(
-                state, rows, topk_idx, num_tokens, shared, y, flavour, kernel, weights
-            )
+            self._moewire_check(state, call)
             raise RuntimeError(
                 f"{self._moewire_name}: the fused kernel's layout check counted {bad} "
                 "mismatching elements, but the torch check found none: a moewire bug; set "
                 "MOEWIRE_DISABLE_KERNELS=1 and report it"
             )
         if has_routed:
-            self._moewire_refute_shared_readings(
-                state, rows, topk_idx, num_tokens, shared, y, weights
-            )
+            self._moewire_refute_shared_readings(state, call)
         y.copy_(out)
 
-    def _moewire_check(
-        self,
-        state: _BufferCheck,
-        rows: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_tokens: int,
-        shared: str | None,
-        y: torch.Tensor,
-        flavour: _flavours.Flavour,
-        kernel: str,
-        weights: torch.Tensor | None = None,
-    ) -> None:
+    def _moewire_check(self, state: _BufferCheck, call: _Combine) -> None:
         """Unquantized re-sum == ``y`` bit for bit, and proof of which row is which.
 
         Compared tokens: those with a routed row, and with a fused shared expert every
@@ -760,12 +752,13 @@ class QuantExperts:
         token (a token with an invalid slot, or a padding token with the shared row only);
         until then every eager batch is checked again.
         """
-        expected = resum(rows, topk_idx, num_tokens, shared_position=shared, weights=weights)
-        routed = (topk_idx[:num_tokens] >= 0).any(dim=1)
-        compared = routed | (shared is not None)
+        y = call.y
+        expected = call.resum()
+        routed = (call.topk_idx[: call.num_tokens] >= 0).any(dim=1)
+        compared = routed | (call.shared is not None)
         differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & compared
         if _capturing(y):
-            self._moewire_assert_in_graph(state, ~differs.any(), flavour)
+            self._moewire_assert_in_graph(state, ~differs.any(), call.flavour)
             return
         has_routed, bad, total = torch.stack(
             [routed.any().long(), differs.sum(), compared.sum()]
@@ -774,12 +767,13 @@ class QuantExperts:
             return
         if bad:
             raise RuntimeError(
-                f"{self._layout_failure(flavour, kernel, shared)} ({bad} of {total} compared "
+                f"{self._layout_failure(call)} ({bad} of {total} compared "
                 f"tokens differ).{_debug_env_hint()} {_layout_causes()}"
             )
-        self._moewire_refute_shared_readings(state, rows, topk_idx, num_tokens, shared, y, weights)
+        self._moewire_refute_shared_readings(state, call)
 
-    def _layout_failure(self, flavour: _flavours.Flavour, kernel: str, shared: str | None) -> str:
+    def _layout_failure(self, call: _Combine) -> str:
+        flavour, kernel, shared = call.flavour, call.kernel, call.shared
         return (
             f"{self._moewire_name}: the Mega-MoE layout check failed: the unquantized re-sum "
             f"of the combine rows of {kernel} read with kernel flavour {flavour.name!r} (combine "
@@ -808,30 +802,19 @@ class QuantExperts:
         )
         torch._assert_async(ok, short[:254])
 
-    def _moewire_refute_shared_readings(
-        self,
-        state: _BufferCheck,
-        rows: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_tokens: int,
-        shared: str | None,
-        y: torch.Tensor,
-        weights: torch.Tensor | None,
-    ) -> None:
+    def _moewire_refute_shared_readings(self, state: _BufferCheck, call: _Combine) -> None:
         """After a passing check: mark the buffer checked, or, with a fused shared expert,
         once every other reading of the shared row has failed to reproduce ``y`` (every
         token has its shared row, so every token is compared)."""
-        if shared is not None:
-            k = topk_idx.shape[1]
+        if call.shared is not None:
+            k = call.topk_idx.shape[1]
             if state.unrefuted is None:
                 state.unrefuted = set(range(k))
             for j in sorted(state.unrefuted):
                 # Shared row read from slot j, routed slots j.. shifted up by one.
                 order = [*range(j), *range(j + 1, k + 1), j]
-                alternative = resum(
-                    rows[order], topk_idx, num_tokens, shared_position=shared, weights=weights
-                )
-                if bool((alternative.view(torch.int16) != y.view(torch.int16)).any()):
+                alternative = call.resum(call.rows[order])
+                if bool((alternative.view(torch.int16) != call.y.view(torch.int16)).any()):
                     state.unrefuted.discard(j)
             if state.unrefuted:
                 return
