@@ -276,33 +276,58 @@ def qdq_kernel(
 
 
 @triton.jit
+def _accumulate(x, w_row, s, stride_wk, amax, acc, raw, cmax, FMT: tl.constexpr,
+                WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
+                BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr):
+    """Quantize the row ``x`` of slot ``s`` and add it (``acc += q`` or, weighted,
+    ``acc = fma(q, w, acc)``); the unquantized sum and the calibration max beside it."""
+    q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, HW_CAST), HW_CAST)
+    if WEIGHTED:
+        w = tl.load(w_row + s * stride_wk).to(tl.float32) + tl.zeros_like(x)
+        acc_new = _fma(q, w, acc, HW_CAST)
+        if CHECK:
+            raw = _fma(x, w, raw, HW_CAST)
+    else:
+        acc_new = acc + q
+        if CHECK:
+            raw = raw + x
+    if CALIB:
+        cmax = tl.maximum(cmax, tl.abs(x), propagate_nan=_NAN)
+    return acc_new, raw, cmax
+
+
+@triton.jit
 def _combine_slot(
     row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax, acc, raw,
     cmax, routed, FMT: tl.constexpr, WEIGHTED: tl.constexpr, CHECK: tl.constexpr,
     CALIB: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """Routed slot ``s`` of one token (stored at row ``s``): if it is valid, load it,
-    quantize, accumulate (``acc += q`` or, weighted, ``acc = fma(q, w, acc)``).
+    quantize, accumulate; an invalid row is never loaded.
 
-    ``valid`` is one flag for the whole program, so the slot is a branch, not a select:
-    an invalid row is never loaded and costs no arithmetic.
+    ``valid`` is one flag for the whole program. Rolled (heavy formats): the slot is a
+    branch, so an invalid row costs no arithmetic either. Unrolled (light, memory-bound
+    formats): the row is loaded under a mask and the sums are selected, so the compiler can
+    issue every slot's load up front. (The mask is ``where(valid, cmask, False)``: Triton
+    3.9's interpreter refuses a scalar-and-block ``&``.)
     """
     valid = tl.load(idx_row + s * stride_ik) >= 0
-    if valid:
-        x = tl.load(row_base + s * stride_rs, mask=cmask, other=0.0).to(tl.float32)
-        q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, HW_CAST), HW_CAST)
-        if WEIGHTED:
-            w = tl.load(w_row + s * stride_wk).to(tl.float32) + tl.zeros_like(x)
-            acc = _fma(q, w, acc, HW_CAST)
-            if CHECK:
-                raw = _fma(x, w, raw, HW_CAST)
-        else:
-            acc = acc + q
-            if CHECK:
-                raw = raw + x
-        if CALIB:
-            cmax = tl.maximum(cmax, tl.abs(x), propagate_nan=_NAN)
-        routed += 1
+    if UNROLL:
+        x = tl.load(row_base + s * stride_rs, mask=tl.where(valid, cmask, False),
+                    other=0.0).to(tl.float32)
+        acc_v, raw_v, cmax_v = _accumulate(x, w_row, s, stride_wk, amax, acc, raw, cmax, FMT,
+                                           WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST)
+        acc = tl.where(valid, acc_v, acc)
+        raw = tl.where(valid, raw_v, raw)
+        cmax = tl.where(valid, cmax_v, cmax)
+        routed += valid.to(tl.int32)
+    else:
+        if valid:
+            x = tl.load(row_base + s * stride_rs, mask=cmask, other=0.0).to(tl.float32)
+            acc, raw, cmax = _accumulate(x, w_row, s, stride_wk, amax, acc, raw, cmax, FMT,
+                                         WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST)
+            routed += 1
     return acc, raw, cmax, routed
 
 
@@ -346,12 +371,12 @@ def combine_kernel(
         for s in range(K):
             acc, raw, cmax, routed = _combine_slot(
                 row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
-                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST)
+                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST, False)
     else:
         for s in tl.static_range(K):
             acc, raw, cmax, routed = _combine_slot(
                 row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
-                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST)
+                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST, True)
     if SHARED == 2:
         shared = tl.load(row_base + K * stride_rs, mask=cmask, other=0.0).to(tl.float32)
         acc += shared
