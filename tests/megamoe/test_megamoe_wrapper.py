@@ -875,3 +875,26 @@ def test_deepgemms_cast_passes_through_outside_a_quantized_forward(fp8_model):
     q, sf = deep_gemm.utils.per_token_cast_to_fp8(x, True, 32, True)
     want = deep_gemm.utils.__dict__["per_token_cast_to_fp8"](x, True, 32, True)
     assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8))
+
+
+def test_convert_attaches_the_quantizers_it_is_given():
+    """The ModelOpt path gives ``convert`` its own quantizers: nothing is built and thrown
+    away, and they arrive through ``attach`` with the layer's label and device."""
+    made, attached = [], []
+
+    def make(attr, label, device):
+        made.append((attr, label, device))
+        return WireQuantizer("mxfp8", enable=False)
+
+    def attach(module, attr, quantizer):
+        attached.append(attr)
+        setattr(module, attr, quantizer)
+
+    experts = convert(make_experts(), "layers.5.experts", make_quantizer=make, attach=attach)
+    assert [m[:2] for m in made] == [
+        ("dispatch_quantizer", "layers.5.experts.dispatch_quantizer"),
+        ("combine_quantizer", "layers.5.experts.combine_quantizer"),
+    ]
+    assert all(m[2] == torch.device("cpu") for m in made)
+    assert attached == ["dispatch_quantizer", "combine_quantizer"]
+    assert experts.combine_quantizer.fmt.name == "mxfp8"

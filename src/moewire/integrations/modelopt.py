@@ -352,21 +352,26 @@ class _QuantMegaMoEExperts(QuantModule):
     ModelOpt's registry builds ``Quant<Cls>(_QuantMegaMoEExperts, QuantModule, Cls)`` and
     swaps the module's class to it; :meth:`_setup` then hands the module to moewire's
     wrapper (``moewire.megamoe.wrapper.convert``: call-time proxies, layout check, combine
-    re-sum; a second class swap, to the wrapper's ``Quant<...>`` subclass) and gives it
-    ModelOpt quantizers in place of the wrapper's own.
+    re-sum; a second class swap, to the wrapper's ``Quant<...>`` subclass), which attaches
+    ModelOpt quantizers (``make_quantizer``/``attach``) instead of its own.
     """
 
     def _setup(self) -> None:
         from moewire.megamoe.registry import adapter_for
         from moewire.megamoe.wrapper import convert
 
-        convert(self)
-        for attr in _QUANTIZER_ATTRS:
-            # The wrapper's WireQuantizers give way to TensorQuantizers: ModelOpt's cfg
-            # wildcards, calibration, summary and state only see those.
-            delattr(self, attr)
-            quantizer = WireTensorQuantizer(QuantizerAttributeConfig(enable=False))
-            self._register_temp_attribute(attr, quantizer.to(_device_of(self)))
+        # TensorQuantizers in place of the wrapper's own: ModelOpt's cfg wildcards,
+        # calibration, summary and state only see those. Registered as ModelOpt's
+        # temporary attributes, built once.
+        convert(
+            self,
+            make_quantizer=lambda attr, label, device: WireTensorQuantizer(
+                QuantizerAttributeConfig(enable=False)
+            ).to(_device_of(self)),
+            attach=lambda module, attr, quantizer: module._register_temp_attribute(
+                attr, quantizer
+            ),
+        )
         group = adapter_for(self).ep_group(self)
         # No DP group of its own: an EP group of a Mega-MoE layer spans the DP x TP ranks
         # that hold its experts, and the world group would mix pipeline stages.

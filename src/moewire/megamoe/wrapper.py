@@ -939,12 +939,24 @@ def is_converted(module: nn.Module) -> bool:
     return isinstance(module, QuantExperts)
 
 
-def convert(module: nn.Module, name: str | None = None) -> nn.Module:
+def convert(
+    module: nn.Module,
+    name: str | None = None,
+    *,
+    make_quantizer: Callable[[str, str, torch.device], nn.Module] | None = None,
+    attach: Callable[[nn.Module, str, nn.Module], None] = setattr,
+) -> nn.Module:
     """Convert an experts module in place (class swap); idempotent.
 
     Args:
         module: an instance of a class registered with ``register_experts_class``.
         name: the module's name in the model (``"layers.3.experts"``), used in errors.
+        make_quantizer: ``make_quantizer(attr, label, device)`` builds the disabled quantizer
+            of ``attr`` (``"dispatch_quantizer"``, ``"combine_quantizer"``); default a
+            disabled :class:`~moewire.quantizer.WireQuantizer`. The ModelOpt path passes
+            its ``WireTensorQuantizer`` here, so no quantizer is built and thrown away.
+        attach: ``attach(module, attr, quantizer)`` puts it on the module (default
+            ``setattr``; ModelOpt registers a temporary attribute).
 
     Returns:
         ``module``, now an instance of ``Quant<Cls>`` with disabled ``dispatch_quantizer``
@@ -970,6 +982,10 @@ def convert(module: nn.Module, name: str | None = None) -> nn.Module:
     module.__class__ = _quant_class(type(module))
     set_module_name(module, name or original)
     for attr in QUANTIZER_NAMES:
-        quantizer = WireQuantizer(enable=False, name=f"{name or original}.{attr}")
-        setattr(module, attr, quantizer.to(device))
+        label = f"{name or original}.{attr}"
+        if make_quantizer is None:
+            quantizer = WireQuantizer(enable=False, name=label).to(device)
+        else:
+            quantizer = make_quantizer(attr, label, device)
+        attach(module, attr, quantizer)
     return module
