@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from modelopt.torch.quantization.nn import QuantModule, QuantModuleRegistry
 
-import moewire.integrations.modelopt as mw_mo
-from moewire.megamoe.registry import adapter_for, register_experts_class
-from moewire.reference import MegaMoEExperts
+pytest.importorskip("modelopt.torch.quantization")
+
+from modelopt.torch.quantization.nn import QuantModule, QuantModuleRegistry  # noqa: E402
+
+import moewire.integrations.modelopt as mw_mo  # noqa: E402
+from moewire.megamoe.registry import adapter_for, register_experts_class  # noqa: E402
+from moewire.reference import MegaMoEExperts  # noqa: E402
 
 
 class _ModelOptsOwn(MegaMoEExperts):
