@@ -175,6 +175,27 @@ def check_compiled(
     return comp, record
 
 
+def time_compiled(
+    r: dict,
+    fn: Callable,
+    mode: str,
+    numerics: str,
+    cases: list[tuple[tuple, torch.Tensor]],
+    label: str,
+    time_it: Callable[[Callable], float],
+) -> None:
+    """:func:`check_compiled`, then ``r["compile_us"] = time_it(compiled)``; the check's
+    record goes into ``r``. A peer that fails to compile or run is recorded in
+    ``r["compile_error"]`` and warned about, and the sweep goes on."""
+    try:
+        comp, record = check_compiled(fn, mode, numerics, cases, label)
+        r.update(record)
+        r["compile_us"] = time_it(comp)
+    except Exception as exc:
+        r["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"WARNING {label}: {r['compile_error']}", flush=True)
+
+
 def stale_nan_case(
     rows: torch.Tensor, topk_idx: torch.Tensor, every: int = 5
 ) -> tuple[torch.Tensor, torch.Tensor]:

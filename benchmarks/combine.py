@@ -56,13 +56,13 @@ from _bench import (  # noqa: E402
     time_loop,
 )
 from _peers import (  # noqa: E402
-    check_compiled,
     combine_peer,
     default_mode,
     differing,
     modelopt_quantizer,
     reference_quant,
     stale_nan_case,
+    time_compiled,
 )
 
 from moewire import kernels  # noqa: E402
@@ -103,16 +103,11 @@ def _peers(r, rows, idx, t, n, fmt, amax, out, checks, want, reps_peer, device, 
         lambda i: resum(rows[i % n], idx, t, row_quantizer=quant, out=out[i % n]),
         reps_peer, device=device)
     label = f"combine compile peer {fmt} k={r['k']} T={t} H={r['H']}"
-    try:
-        comp, record = check_compiled(combine_peer(fmt), mode, numerics,
-                                      [((c_rows, c_idx, amax), c_want)
-                                       for (c_rows, c_idx), c_want in checks], label)
-        r.update(record)
-        r["compile_us"] = time_loop(lambda i: comp(rows[i % n], idx, amax), reps_peer,
-                                    device=device)
-    except Exception as exc:
-        r["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        print(f"WARNING {label}: {r['compile_error']}", flush=True)
+    time_compiled(
+        r, combine_peer(fmt), mode, numerics,
+        [((c_rows, c_idx, amax), c_want) for (c_rows, c_idx), c_want in checks], label,
+        lambda comp: time_loop(lambda i: comp(rows[i % n], idx, amax), reps_peer, device=device),
+    )
     tq, why = modelopt_quantizer(fmt, amax)
     r["modelopt"] = why
     if tq is not None:

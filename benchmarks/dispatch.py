@@ -48,11 +48,11 @@ from _bench import (  # noqa: E402
     time_loop,
 )
 from _peers import (  # noqa: E402
-    check_compiled,
     default_mode,
     differing,
     modelopt_quantizer,
     qdq_peer,
+    time_compiled,
 )
 
 from moewire import formats, kernels  # noqa: E402
@@ -78,14 +78,10 @@ def _peers(r, x, n, fmt, amax, want, reps_peer, device, mode, numerics):
     r["eager_us"] = time_loop(lambda i: ref.reference(x[i % n], amax), reps_peer,
                               device=device)
     label = f"dispatch compile peer {fmt} T={r['T']} H={r['H']}"
-    try:
-        comp, record = check_compiled(qdq_peer(fmt), mode, numerics, [((x[0], amax), want)],
-                                      label)
-        r.update(record)
-        r["compile_us"] = time_loop(lambda i: comp(x[i % n], amax), reps_peer, device=device)
-    except Exception as exc:
-        r["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        print(f"WARNING {label}: {r['compile_error']}", flush=True)
+    time_compiled(
+        r, qdq_peer(fmt), mode, numerics, [((x[0], amax), want)], label,
+        lambda comp: time_loop(lambda i: comp(x[i % n], amax), reps_peer, device=device),
+    )
     tq, why = modelopt_quantizer(fmt, amax)
     r["modelopt"] = why
     if tq is not None:
