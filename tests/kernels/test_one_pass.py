@@ -176,3 +176,22 @@ def test_the_gate_follows_resum(monkeypatch):
     assert not wrapper._one_pass(WireQuantizer("mxfp4"), y)
 
 
+
+
+def test_a_kernel_check_the_torch_check_does_not_confirm_is_reported(one_pass, monkeypatch):
+    """If the fused kernel counts mismatches that the torch check does not find, the wrapper
+    says so (a moewire bug) instead of replacing ``y`` or marking the buffer checked."""
+    experts = _layer()
+    recording = kernels.fused_combine
+
+    def miscounting(*args, **kwargs):
+        out = recording(*args, **kwargs)
+        args[8].add_(3)  # check_flag
+        return out
+
+    monkeypatch.setattr(kernels, "fused_combine", miscounting)
+    x, w, ids = batch(T, HIDDEN, seed=41)
+    with pytest.raises(RuntimeError, match=r"counted 3 mismatching elements, but the torch "
+                       r"check found none: a moewire bug; set MOEWIRE_DISABLE_KERNELS=1"):
+        experts(x, w, ids)
+    assert not layout_checked(experts.get_symm_buffer())

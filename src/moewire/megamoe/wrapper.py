@@ -728,8 +728,8 @@ class QuantExperts:
             [(call.topk_idx[: call.num_tokens] >= 0).any().to(torch.int32), flag[0]]
         ).tolist()
         if has_routed and bad:
-            # The torch check names the mismatching tokens (and raises).
-            self._moewire_check(state, call)
+            # The torch comparison names the mismatching tokens (and raises).
+            self._moewire_compare(state, call)
             raise RuntimeError(
                 f"{self._moewire_name}: the fused kernel's layout check counted {bad} "
                 "mismatching elements, but the torch check found none: a moewire bug; set "
@@ -752,6 +752,13 @@ class QuantExperts:
         token (a token with an invalid slot, or a padding token with the shared row only);
         until then every eager batch is checked again.
         """
+        if self._moewire_compare(state, call):
+            self._moewire_refute_shared_readings(state, call)
+
+    def _moewire_compare(self, state: _BufferCheck, call: _Combine) -> bool:
+        """The unquantized re-sum against ``y``: raise on a mismatch (eager), or record
+        the comparison as a device-side assert (capture). True when an eager batch with a
+        routed row matched, i.e. when the buffer may be marked."""
         y = call.y
         expected = call.resum()
         routed = (call.topk_idx[: call.num_tokens] >= 0).any(dim=1)
@@ -759,18 +766,18 @@ class QuantExperts:
         differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1) & compared
         if _capturing(y):
             self._moewire_assert_in_graph(state, ~differs.any(), call.flavour)
-            return
+            return False
         has_routed, bad, total = torch.stack(
             [routed.any().long(), differs.sum(), compared.sum()]
         ).tolist()
         if not has_routed:
-            return
+            return False
         if bad:
             raise RuntimeError(
                 f"{self._layout_failure(call)} ({bad} of {total} compared "
                 f"tokens differ).{_debug_env_hint()} {_layout_causes()}"
             )
-        self._moewire_refute_shared_readings(state, call)
+        return True
 
     def _layout_failure(self, call: _Combine) -> str:
         flavour, kernel, shared = call.flavour, call.kernel, call.shared
