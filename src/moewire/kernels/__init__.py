@@ -59,9 +59,15 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # takes the whole row (its global scale is the row's amax).
 _BLOCK_H = 1024
 _NUM_WARPS = 4
-# Formats whose combine loop over the k slots is unrolled (all rows loaded up front); the
-# others run a rolled loop, which keeps their heavier arithmetic out of register spills.
-_UNROLLED = frozenset({"bf16", "fp8", "mxfp8"})
+# Formats whose slot loop is unrolled (every row's load issued up front). Measured on the
+# H200 at 8 x 8192 x 7168 with the check (benchmarks/results/h200-v4/variants_7168.json):
+# unrolled is faster for these (NVFP4 449 vs 476 us, MXFP4 364 vs 414, MXFP8 308 vs 364,
+# FP8 309 vs 371); the FP8 block formats are faster rolled (371 vs 384), and nvfp4_token's
+# whole-row programs stay rolled (compile time, registers).
+_UNROLLED = frozenset({"bf16", "fp8", "mxfp8", "mxfp4", "nvfp4"})
+# Formats whose program holds whole 16-element blocks per thread (``SPLIT``: the two
+# halves of each block loaded apart and joined; see ``_triton._tile_cols``).
+_SPLIT = frozenset({"nvfp4", "nvfp4_token"})
 
 
 def _interpreting() -> bool:
@@ -141,9 +147,14 @@ def _check_blocks(what: str, hidden: int, fmt_name: str) -> None:
         )
 
 
-def _num_warps(block_h: int, num_warps: int | None) -> int:
-    """Warps per program: about 8 columns per thread (whole-row programs get more warps)."""
-    return num_warps or max(_NUM_WARPS, min(16, block_h // 256))
+def _num_warps(fmt_name: str, block_h: int, num_warps: int | None) -> int:
+    """Warps per program: about 8 columns per thread (whole-row programs get more warps);
+    the split formats (:data:`_SPLIT`) one 16-element block per thread."""
+    if num_warps:
+        return num_warps
+    if fmt_name in _SPLIT:
+        return max(1, min(16, block_h // 512))
+    return max(_NUM_WARPS, min(16, block_h // 256))
 
 
 def _block_h(fmt_name: str, hidden: int, block_h: int | None) -> int:
@@ -202,7 +213,7 @@ def qdq(
     impl.qdq_kernel[grid](
         flat, out, amax_t if amax_t is not None else flat, hidden, flat.stride(0), out.stride(0),
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, BLOCK_H=bh,
-        HW_CAST=x.is_cuda, num_warps=_num_warps(bh, num_warps),
+        SPLIT=fmt_name in _SPLIT, HW_CAST=x.is_cuda, num_warps=_num_warps(fmt_name, bh, num_warps),
         enable_fp_fusion=False,
     )
     return out.reshape(x.shape)
@@ -438,8 +449,8 @@ def fused_combine(
         K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_position],
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, WEIGHTED=weighted,
         CHECK=check,
-        CALIB=calib_amax is not None, BLOCK_H=bh, HW_CAST=rows.is_cuda,
+        CALIB=calib_amax is not None, BLOCK_H=bh, SPLIT=fmt_name in _SPLIT, HW_CAST=rows.is_cuda,
         UNROLL=(fmt_name in _UNROLLED) if unroll is None else unroll,
-        num_warps=_num_warps(bh, num_warps), enable_fp_fusion=False,
+        num_warps=_num_warps(fmt_name, bh, num_warps), enable_fp_fusion=False,
     )
     return out

@@ -73,17 +73,19 @@ def _max_nan(a, b):
 def _e4m3(v, HW_CAST: tl.constexpr):
     """clamp(v, ±448) then RNE onto E4M3, back in FP32 (NaN stays NaN, -0.0 stays -0.0).
 
-    ``HW_CAST``: the GPU's saturating RNE convert (``cvt.rn.satfinite.e4m3x2.f32``).
+    ``HW_CAST``: the GPU's saturating RNE convert (``cvt.rn.satfinite.e4m3x2.f32``), whose
+    saturation is the clamp (a finite value above 448 rounds to 448 either way).
     Otherwise (Triton's interpreter, whose FP8 cast rounds ties away and flushes
     subnormals) the same rounding from exact FP32 steps: with ``e = max(floor(log2|v|),
     -6)`` the E4M3 step is ``2^(e-3)``, the ulp of ``magic = 1.5 * 2^(e+20)``, so
     ``(v + magic) - magic`` rounds ``v`` to the grid, ties to even; the sign is put back
     for results that round to zero.
     """
-    v = tl.minimum(tl.maximum(v, -448.0, propagate_nan=_NAN), 448.0, propagate_nan=_NAN)
     if HW_CAST:
+        # ``satfinite`` is the clamp: out-of-range finite values and infinities go to ±448.
         out = v.to(tl.float8e4nv).to(tl.float32)
     else:
+        v = tl.minimum(tl.maximum(v, -448.0, propagate_nan=_NAN), 448.0, propagate_nan=_NAN)
         bits = v.to(tl.int32, bitcast=True)
         e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
         magic = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
@@ -96,15 +98,31 @@ def _e4m3(v, HW_CAST: tl.constexpr):
 def _round_bf16(v, HW_CAST: tl.constexpr):
     """FP32 -> nearest BF16 (RNE), returned in FP32 (so a later cast to BF16 is exact).
 
-    ``HW_CAST``: the GPU's ``cvt.rn.bf16.f32``; otherwise (the interpreter truncates) RNE
-    on the bits: add ``0x7FFF`` plus the lowest kept bit, clear the 16 dropped bits.
+    ``HW_CAST``: the GPU's ``cvt.rn.bf16x2.f32`` (two elements per instruction), widened
+    back by placing each half in the top 16 bits; otherwise (the interpreter truncates)
+    RNE on the bits: add ``0x7FFF`` plus the lowest kept bit, clear the 16 dropped bits.
     """
     if HW_CAST:
-        out = v.to(tl.bfloat16).to(tl.float32)
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; "
+            "and.b32 $1, t, 0xFFFF0000; }",
+            "=r,=r,r,r", [v], dtype=tl.float32, is_pure=True, pack=2)
     else:
         bits = v.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         out = bits.to(tl.float32, bitcast=True)
+    return out
+
+
+@triton.jit
+def _widen_bf16(x, HW_CAST: tl.constexpr):
+    """BF16 -> FP32 (exact). ``HW_CAST``: one shift or mask per element on the packed pair."""
+    if HW_CAST:
+        out = tl.inline_asm_elementwise(
+            "shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;",
+            "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        out = x.to(tl.float32)
     return out
 
 
@@ -135,6 +153,18 @@ def _fma(a, b, c, HW_CAST: tl.constexpr):
 
 
 @triton.jit
+def _fma_exact(a, b, c, HW_CAST: tl.constexpr):
+    """``fl(a * b + c)`` for an ``a * b`` that is exact in FP32 (a power of two times a
+    short constant): one ``fma`` on the GPU, a multiply then an add elsewhere (the same
+    single rounding, since the product is exact)."""
+    if HW_CAST:
+        out = tl.fma(a, b, c)
+    else:
+        out = a * b + c
+    return out
+
+
+@triton.jit
 def _div_by_block(a, bs, HW_CAST: tl.constexpr):
     """``fl(a / bs)`` (FP32, RNE) for ``a`` [NB, 16] and one divisor ``bs`` [NB, 1] per block.
 
@@ -149,16 +179,28 @@ def _div_by_block(a, bs, HW_CAST: tl.constexpr):
     """
     r = tl.math.div_rn(tl.full(bs.shape, 1.0, tl.float32), bs)
     q = a * r
-    e = _fma(-q, bs + tl.zeros_like(a), a, HW_CAST)
-    q2 = _fma(e, r + tl.zeros_like(a), q, HW_CAST)
+    # ``a - q * bs`` as ``fma(q, -bs, a)``: the divisor is negated once per block (exactly,
+    # by ``* -1.0``; Triton lowers ``-x`` as ``0 - x``, one more instruction per element).
+    e = _fma(q, tl.broadcast_to(bs * -1.0, a.shape), a, HW_CAST)
+    q2 = _fma(e, tl.broadcast_to(r, a.shape), q, HW_CAST)
     return tl.where(e == e, q2, q)
 
 
 @triton.jit
-def _e2m1_magnitude(a):
-    """a >= 0 (or NaN) -> RNE onto the E2M1 magnitudes, saturating at 6."""
-    magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
-    return tl.minimum((a + magic) - magic, 6.0, propagate_nan=_NAN)
+def _e2m1_magnitude(a, HW_CAST: tl.constexpr):
+    """a >= 0 (or NaN) -> RNE onto the E2M1 magnitudes, saturating at 6 (NaN stays NaN).
+
+    Clamp to 6 first (6 is on the grid, so clamping then rounding is rounding then
+    saturating). Then ``(a + M) - M`` with ``M = 1.5 * 2^22 * p``, ``p = 2^max(E, 0)``
+    (``E`` the exponent of ``a``, read from its bits): M's ulp is the grid step (0.5 below
+    2, 1 in [2, 4), 2 in [4, 6]) and M is an even multiple of it, so the sum rounds ``a``
+    to the grid, ties to even. ``p * ±1.5*2^22`` is exact, so both steps are single FMAs.
+    """
+    a = tl.minimum(a, 6.0, propagate_nan=_NAN)
+    p = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+    p = p.to(tl.float32, bitcast=True)
+    s = _fma_exact(p, 6291456.0, a, HW_CAST)
+    return _fma_exact(p, -6291456.0, s, HW_CAST)
 
 
 @triton.jit
@@ -179,25 +221,46 @@ def _ceil_pow2_ue8m0(v):
 
 
 @triton.jit
-def _nvfp4_blocks(xb, gs, HW_CAST: tl.constexpr):
-    """ModelOpt NVFP4 on blocks ``xb`` FP32 [NB, 16] with global scale ``gs`` (FP32)."""
-    bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
+def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, SPLIT: tl.constexpr,
+                  HW_CAST: tl.constexpr):
+    """ModelOpt NVFP4 on blocks ``xb`` FP32 [NB, 16] (``SPLIT``: [NB, 8, 2], the block's
+    two halves) with global scale ``gs`` (FP32, broadcastable).
+
+    ``ZERO_SIGN``: the reference's signed zeros (``sign(x) * q * bs``: -0.0 for a negative
+    ``x`` that rounds to 0, +0.0 for either zero ``x``). Without it the sign bit of ``x``
+    is copied onto the magnitude (one instruction), which differs only for ``x = -0.0``
+    (-0.0 instead of +0.0): the combine may do that, since its sum starts at +0.0 and so is
+    never -0.0, and adding either zero to it gives the same bits.
+    """
+    ax = tl.abs(xb)
+    if SPLIT:
+        bmax = tl.reduce(tl.reduce(ax, 2, _max_nan, keep_dims=True), 1, _max_nan,
+                         keep_dims=True)
+    else:
+        bmax = tl.reduce(ax, 1, _max_nan, keep_dims=True)
     gs6 = 6.0 * gs
     bs = _e4m3(tl.minimum(tl.math.div_rn(bmax, gs6 + tl.zeros_like(bmax)), 448.0,
                           propagate_nan=_NAN), HW_CAST) * gs
     bs = tl.where(bs < 1e-5, 1.0, bs)
-    q = _e2m1_magnitude(_div_by_block(tl.abs(xb), bs, HW_CAST))
-    # sign(x) * q * bs: the magnitude, negated where x < 0 (so -0.0 for a negative x that
-    # rounds to 0, +0.0 for either zero, as the reference's sign(x) * q * bs).
-    mag = q * bs
-    return tl.where(xb < 0, mag * -1.0, mag)  # (Triton lowers -mag as 0 - mag: +0.0)
+    q = _e2m1_magnitude(_div_by_block(ax, bs, HW_CAST), HW_CAST)
+    mag = q * tl.broadcast_to(bs, q.shape)
+    if ZERO_SIGN:
+        out = tl.where(xb < 0, mag * -1.0, mag)  # (Triton lowers -mag as 0 - mag: +0.0)
+    else:
+        sign = xb.to(tl.int32, bitcast=True) & -2147483648
+        out = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return out
 
 
 @triton.jit
-def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr):
-    """Fake-quantize one row chunk ``x`` FP32 [BLOCK_H] (whole blocks; a masked tail is 0).
+def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexpr,
+         SPLIT: tl.constexpr, HW_CAST: tl.constexpr):
+    """Fake-quantize one row chunk ``x`` FP32 [BLOCK_H] (whole blocks; a masked tail is 0),
+    or, ``SPLIT`` (NVFP4 formats only), [BLOCK_H // 16, 8, 2] (see :func:`_load_tile`).
 
     ``amax`` is the FP32 per-tensor amax for ``fp8`` and ``nvfp4`` (ignored otherwise).
+    ``ZERO_SIGN``: NVFP4's signed zeros exactly as the reference (see
+    :func:`_nvfp4_blocks`; the combine passes False).
     Returns FP32 [BLOCK_H], before the cast to the output dtype. ``nvfp4_token`` needs the
     whole row in ``x`` (BLOCK_H >= H).
     """
@@ -229,22 +292,83 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexp
         if FMT == 5:
             q = _e4m3(v, HW_CAST)
         else:
-            mag = _e2m1_magnitude(tl.minimum(tl.abs(v), 6.0, propagate_nan=_NAN))
+            mag = _e2m1_magnitude(tl.abs(v), HW_CAST)
             sign_bit = v.to(tl.int32, bitcast=True) & -2147483648
             q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
-        out = tl.where(finite, q * _pow2(e), float("nan"))
-        out = tl.reshape(out, (BLOCK_H,))
+        # A block with a NaN or an infinity is NaN: its scale is NaN (one select per block).
+        scale = tl.where(finite, _pow2(e), float("nan"))
+        out = tl.reshape(q * tl.broadcast_to(scale, q.shape), (BLOCK_H,))
     else:
         if FMT == 7:
             ref = amax + tl.zeros((1,), tl.float32)
             use_ref = ref > 0
         else:
             # A NaN row keeps a NaN global scale (the reference tests ``amax == 0``).
-            ref = tl.reduce(tl.abs(x), 0, _max_nan) + tl.zeros((1,), tl.float32)
+            ref = tl.reduce(tl.abs(x), None, _max_nan) + tl.zeros((1,), tl.float32)
             use_ref = ref != 0
         gs = tl.where(use_ref, ref * _INV_2688, 1e-12)
-        xb = tl.reshape(x, (BLOCK_H // 16, 16))
-        out = tl.reshape(_nvfp4_blocks(xb, tl.reshape(gs, (1, 1)), HW_CAST), (BLOCK_H,))
+        if SPLIT:
+            out = _nvfp4_blocks(x, tl.reshape(gs, (1, 1, 1)), ZERO_SIGN, True, HW_CAST)
+        else:
+            xb = tl.reshape(x, (BLOCK_H // 16, 16))
+            out = tl.reshape(_nvfp4_blocks(xb, tl.reshape(gs, (1, 1)), ZERO_SIGN, False,
+                                           HW_CAST), (BLOCK_H,))
+    return out
+
+
+@triton.jit
+def _tile_cols(BLOCK_H: tl.constexpr, SPLIT: tl.constexpr):
+    """This program's columns. ``SPLIT`` (the 16-element block formats): [BLOCK_H // 16, 8],
+    the first half of each block (the second half is ``cols + 8``), so that a thread holds
+    whole blocks: the block maximum needs no shuffle and each block's scale is computed by
+    one thread, once. Otherwise [BLOCK_H]."""
+    base = tl.program_id(1) * BLOCK_H
+    if SPLIT:
+        cols = base + tl.arange(0, BLOCK_H // 16)[:, None] * 16 + tl.arange(0, 8)[None, :]
+    else:
+        cols = base + tl.arange(0, BLOCK_H)
+    return cols
+
+
+@triton.jit
+def _load_tile(ptrs, mask, SPLIT: tl.constexpr, BF16: tl.constexpr, HW_CAST: tl.constexpr):
+    """Load the tile at ``ptrs`` (see :func:`_tile_cols`) as FP32; ``SPLIT`` joins the two
+    halves of each block into [BLOCK_H // 16, 8, 2] (element ``(b, j, h)`` is column
+    ``16 b + 8 h + j``). ``BF16``: the data is BF16 (widened by :func:`_widen_bf16`)."""
+    if SPLIT:
+        lo = tl.load(ptrs, mask=mask, other=0.0)
+        hi = tl.load(ptrs + 8, mask=mask, other=0.0)
+        if BF16:
+            out = tl.join(_widen_bf16(lo, HW_CAST), _widen_bf16(hi, HW_CAST))
+        else:
+            out = tl.join(lo.to(tl.float32), hi.to(tl.float32))
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+        if BF16:
+            out = _widen_bf16(x, HW_CAST)
+        else:
+            out = x.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _store_tile(ptrs, v, mask, SPLIT: tl.constexpr):
+    """Store ``v`` (a tile as :func:`_load_tile` returns it) at ``ptrs``."""
+    if SPLIT:
+        lo, hi = tl.split(v)
+        tl.store(ptrs, lo, mask=mask)
+        tl.store(ptrs + 8, hi, mask=mask)
+    else:
+        tl.store(ptrs, v, mask=mask)
+
+
+@triton.jit
+def _tile_mask(mask, SPLIT: tl.constexpr):
+    """The load mask in the tile's shape (both halves of a block share it)."""
+    if SPLIT:
+        out = tl.join(mask, mask)
+    else:
+        out = mask
     return out
 
 
@@ -260,30 +384,33 @@ def _load_amax(amax_ptr, HAS_AMAX: tl.constexpr):
 @triton.jit
 def qdq_kernel(
     x_ptr, out_ptr, amax_ptr, H, stride_x, stride_o,
-    FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
+    FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     """One program per (row, column chunk): ``out[r, chunk] = qdq(x[r, chunk])``."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = _tile_cols(BLOCK_H, SPLIT)
     mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = _load_tile(x_ptr + row * stride_x + cols, mask, SPLIT,
+                   x_ptr.dtype.element_ty == tl.bfloat16, HW_CAST)
     amax = _load_amax(amax_ptr, HAS_AMAX)
-    out = _qdq(x, amax, FMT, BLOCK_H, HW_CAST)
+    out = _qdq(x, amax, FMT, BLOCK_H, True, SPLIT, HW_CAST)
     if FMT == 0 or out_ptr.dtype.element_ty == tl.bfloat16:
         # ``bf16`` rounds FP32/FP16 input to BF16, as the reference's ``x.to(bfloat16)``.
         out = _round_bf16(out, HW_CAST)
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask, SPLIT)
 
 
 @triton.jit
-def _accumulate(x, w_row, s, stride_wk, amax, acc, raw, cmax, FMT: tl.constexpr,
+def _accumulate(x, w, amax, acc, raw, cmax, FMT: tl.constexpr,
                 WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
-                BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr):
-    """Quantize the row ``x`` of slot ``s`` and add it (``acc += q`` or, weighted,
-    ``acc = fma(q, w, acc)``); the unquantized sum and the calibration max beside it."""
-    q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, HW_CAST), HW_CAST)
+                BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr):
+    """Quantize the row ``x`` and add it (``acc += q`` or, weighted, ``acc = fma(q, w,
+    acc)`` with the slot's FP32 weight ``w``); the unquantized sum and the calibration max
+    beside it."""
+    q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, False, SPLIT, HW_CAST), HW_CAST)
     if WEIGHTED:
-        w = tl.load(w_row + s * stride_wk).to(tl.float32) + tl.zeros_like(x)
+        w = tl.broadcast_to(w, x.shape)
         acc_new = _fma(q, w, acc, HW_CAST)
         if CHECK:
             raw = _fma(x, w, raw, HW_CAST)
@@ -300,7 +427,7 @@ def _accumulate(x, w_row, s, stride_wk, amax, acc, raw, cmax, FMT: tl.constexpr,
 def _combine_slot(
     row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax, acc, raw,
     cmax, routed, FMT: tl.constexpr, WEIGHTED: tl.constexpr, CHECK: tl.constexpr,
-    CALIB: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
+    CALIB: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
     """Routed slot ``s`` of one token (stored at row ``s``): if it is valid, load it,
@@ -308,25 +435,32 @@ def _combine_slot(
 
     ``valid`` is one flag for the whole program. Rolled (heavy formats): the slot is a
     branch, so an invalid row costs no arithmetic either. Unrolled (light, memory-bound
-    formats): the row is loaded under a mask and the sums are selected, so the compiler can
-    issue every slot's load up front. (The mask is ``where(valid, cmask, False)``: Triton
-    3.9's interpreter refuses a scalar-and-block ``&``.)
+    formats): the row is loaded under a mask, so the compiler can issue every slot's load
+    up front; an invalid row reads as zeros (its weight as 0), which every format
+    quantizes to +0.0, and adding +0.0 (or ``fma(0, 0, acc)``) leaves the sum's bits as
+    they are (the sum starts at +0.0 and so is never -0.0), the unquantized sum's too, and
+    the calibration max (>= 0) with it: no select is needed. (The mask is
+    ``where(valid, cmask, False)``: Triton 3.9's interpreter refuses a scalar-and-block
+    ``&``.)
     """
     valid = tl.load(idx_row + s * stride_ik) >= 0
     if UNROLL:
-        x = tl.load(row_base + s * stride_rs, mask=tl.where(valid, cmask, False),
-                    other=0.0).to(tl.float32)
-        acc_v, raw_v, cmax_v = _accumulate(x, w_row, s, stride_wk, amax, acc, raw, cmax, FMT,
-                                           WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST)
-        acc = tl.where(valid, acc_v, acc)
-        raw = tl.where(valid, raw_v, raw)
-        cmax = tl.where(valid, cmax_v, cmax)
+        x = _load_tile(row_base + s * stride_rs, tl.where(valid, cmask, False), SPLIT, True,
+                       HW_CAST)
+        w = 0.0
+        if WEIGHTED:
+            w = tl.load(w_row + s * stride_wk, mask=valid, other=0.0).to(tl.float32)
+        acc, raw, cmax = _accumulate(x, w, amax, acc, raw, cmax, FMT, WEIGHTED, CHECK, CALIB,
+                                     BLOCK_H, SPLIT, HW_CAST)
         routed += valid.to(tl.int32)
     else:
         if valid:
-            x = tl.load(row_base + s * stride_rs, mask=cmask, other=0.0).to(tl.float32)
-            acc, raw, cmax = _accumulate(x, w_row, s, stride_wk, amax, acc, raw, cmax, FMT,
-                                         WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST)
+            x = _load_tile(row_base + s * stride_rs, cmask, SPLIT, True, HW_CAST)
+            w = 0.0
+            if WEIGHTED:
+                w = tl.load(w_row + s * stride_wk).to(tl.float32)
+            acc, raw, cmax = _accumulate(x, w, amax, acc, raw, cmax, FMT, WEIGHTED, CHECK,
+                                         CALIB, BLOCK_H, SPLIT, HW_CAST)
             routed += 1
     return acc, raw, cmax, routed
 
@@ -337,7 +471,7 @@ def combine_kernel(
     H, stride_rs, stride_rt, stride_it, stride_ik, stride_wt, stride_wk, stride_o, stride_c,
     K: tl.constexpr, SHARED: tl.constexpr, FMT: tl.constexpr, HAS_AMAX: tl.constexpr,
     WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
-    BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr, UNROLL: tl.constexpr,
+    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One program per (token, column chunk): quantize, re-sum, check, calibrate.
 
@@ -345,24 +479,26 @@ def combine_kernel(
     first, 2 added last) is added unquantized in its place (``acc + row``, which is
     ``fma(row, 1.0, acc)``); each valid routed slot (``topk_idx >= 0``) in ascending order
     adds ``float(bf16(qdq(row)))``, times its router weight with one rounding when
-    WEIGHTED; invalid rows are never loaded and selected away.
+    WEIGHTED; invalid rows are never loaded (read as zeros, or skipped).
     """
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = _tile_cols(BLOCK_H, SPLIT)
     cmask = cols < H
     amax = _load_amax(amax_ptr, HAS_AMAX)
     if CHECK:
         # Read before ``out`` is written: ``check_against`` may be ``out`` itself.
-        expect = tl.load(check_ptr + t * stride_c + cols, mask=cmask, other=0.0)
-    acc = tl.zeros((BLOCK_H,), tl.float32)
-    raw = tl.zeros((BLOCK_H,), tl.float32)
-    cmax = tl.zeros((BLOCK_H,), tl.float32)
+        expect = _load_tile(check_ptr + t * stride_c + cols, cmask, SPLIT, True, HW_CAST)
+    acc = tl.zeros(cols.shape, tl.float32)
+    if SPLIT:
+        acc = tl.join(acc, acc)
+    raw = acc
+    cmax = acc
     routed = tl.full((), 0, tl.int32)
     row_base = rows_ptr + t * stride_rt + cols
     idx_row = idx_ptr + t * stride_it
     w_row = w_ptr + t * stride_wt
     if SHARED == 1:
-        shared = tl.load(row_base + K * stride_rs, mask=cmask, other=0.0).to(tl.float32)
+        shared = _load_tile(row_base + K * stride_rs, cmask, SPLIT, True, HW_CAST)
         acc += shared
         raw += shared
     if not UNROLL:
@@ -371,23 +507,27 @@ def combine_kernel(
         for s in range(K):
             acc, raw, cmax, routed = _combine_slot(
                 row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
-                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST, False)
+                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, SPLIT, HW_CAST,
+                False)
     else:
         for s in tl.static_range(K):
             acc, raw, cmax, routed = _combine_slot(
                 row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
-                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, HW_CAST, True)
+                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, SPLIT, HW_CAST,
+                True)
     if SHARED == 2:
-        shared = tl.load(row_base + K * stride_rs, mask=cmask, other=0.0).to(tl.float32)
+        shared = _load_tile(row_base + K * stride_rs, cmask, SPLIT, True, HW_CAST)
         acc += shared
         raw += shared
     if CHECK:
-        got = _round_bf16(raw, HW_CAST).to(tl.bfloat16).to(tl.int16, bitcast=True)
+        # BF16 bits compared as the FP32 bits of the widened values (the same comparison).
+        got = _round_bf16(raw, HW_CAST).to(tl.int32, bitcast=True)
         # Compared tokens: a routed row, or a fused shared row (every token has one).
         compared = (routed > 0) | (SHARED != 0)
-        bad = (got != expect.to(tl.int16, bitcast=True)) & cmask & compared
-        nbad = tl.sum(bad.to(tl.int32), 0)
+        bad = (got != expect.to(tl.int32, bitcast=True)) & _tile_mask(cmask, SPLIT) & compared
+        nbad = tl.sum(bad.to(tl.int32), None)
         tl.atomic_add(flag_ptr, nbad, mask=nbad > 0)
     if CALIB:
-        tl.atomic_max(calib_ptr, tl.reduce(cmax, 0, _max_nan), mask=routed > 0)
-    tl.store(out_ptr + t * stride_o + cols, _round_bf16(acc, HW_CAST).to(tl.bfloat16), mask=cmask)
+        tl.atomic_max(calib_ptr, tl.reduce(cmax, None, _max_nan), mask=routed > 0)
+    _store_tile(out_ptr + t * stride_o + cols, _round_bf16(acc, HW_CAST).to(tl.bfloat16), cmask,
+                SPLIT)
