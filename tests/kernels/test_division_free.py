@@ -59,7 +59,7 @@ def _div_kernel(a_ptr, b_ptr, out_ptr, NB: tl.constexpr, HW_CAST: tl.constexpr):
     cols = tl.arange(0, 16)[None, :]
     a = tl.load(a_ptr + blocks * 16 + cols)
     b = tl.load(b_ptr + blocks)
-    tl.store(out_ptr + blocks * 16 + cols, _triton._div_by_block(a, b, HW_CAST))
+    tl.store(out_ptr + blocks * 16 + cols, _triton._div_by_block(a, b, HW_CAST, False))
 
 
 @triton.jit

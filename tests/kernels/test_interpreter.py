@@ -256,3 +256,13 @@ def test_weighted_check_flag_and_calibration(shared_slot):
     # The unweighted sum is not the kernel's y: the check must see the difference.
     kernels.fused_combine(rows, idx, t, out, "nvfp4", amax, shared_slot, y, flag)
     assert int(flag) >= 1
+
+
+def test_the_split_formats_are_the_ones_the_kernels_split():
+    """The wrapper sizes programs of the split formats one 16-element block per thread; the
+    kernels split the tile for format codes >= 7. Both must name the same formats, or a
+    program would hold half blocks (wrong warps) or replicate elements."""
+    from moewire.kernels import _SPLIT, _triton
+
+    assert {f for f, c in _triton.FORMAT_CODES.items() if c >= 7} == set(_SPLIT)
+    assert all(_triton.BLOCK_SIZES[f] == 16 for f in _SPLIT)

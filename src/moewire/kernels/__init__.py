@@ -65,8 +65,9 @@ _NUM_WARPS = 4
 # FP8 309 vs 371); the FP8 block formats are faster rolled (371 vs 384), and nvfp4_token's
 # whole-row programs stay rolled (compile time, registers).
 _UNROLLED = frozenset({"bf16", "fp8", "mxfp8", "mxfp4", "nvfp4"})
-# Formats whose program holds whole 16-element blocks per thread (``SPLIT``: the two
-# halves of each block loaded apart and joined; see ``_triton._tile_cols``).
+# Formats whose program holds whole 16-element blocks per thread (the kernels' ``SPLIT``:
+# the two halves of each block loaded apart and joined; see ``_triton._tile_cols``), so
+# one thread per 16 columns.
 _SPLIT = frozenset({"nvfp4", "nvfp4_token"})
 
 
@@ -213,7 +214,7 @@ def qdq(
     impl.qdq_kernel[grid](
         flat, out, amax_t if amax_t is not None else flat, hidden, flat.stride(0), out.stride(0),
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, BLOCK_H=bh,
-        SPLIT=fmt_name in _SPLIT, HW_CAST=x.is_cuda, num_warps=_num_warps(fmt_name, bh, num_warps),
+        HW_CAST=x.is_cuda, num_warps=_num_warps(fmt_name, bh, num_warps),
         enable_fp_fusion=False,
     )
     return out.reshape(x.shape)
@@ -449,7 +450,7 @@ def fused_combine(
         K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_position],
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, WEIGHTED=weighted,
         CHECK=check,
-        CALIB=calib_amax is not None, BLOCK_H=bh, SPLIT=fmt_name in _SPLIT, HW_CAST=rows.is_cuda,
+        CALIB=calib_amax is not None, BLOCK_H=bh, HW_CAST=rows.is_cuda,
         UNROLL=(fmt_name in _UNROLLED) if unroll is None else unroll,
         num_warps=_num_warps(fmt_name, bh, num_warps), enable_fp_fusion=False,
     )

@@ -165,7 +165,7 @@ def _fma_exact(a, b, c, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _div_by_block(a, bs, HW_CAST: tl.constexpr):
+def _div_by_block(a, bs, HW_CAST: tl.constexpr, FINITE: tl.constexpr):
     """``fl(a / bs)`` (FP32, RNE) for ``a`` [NB, 16] and one divisor ``bs`` [NB, 1] per block.
 
     One exact division per block, ``r = fl(1 / bs)``; per element ``q = fl(a * r)`` is
@@ -173,7 +173,8 @@ def _div_by_block(a, bs, HW_CAST: tl.constexpr):
     ``fl(q + e * r)`` is the correctly rounded quotient (Markstein's theorem: ``r`` correctly
     rounded, ``q`` faithful; checked in ``tests/kernels/test_division_free.py`` against
     FP32 division). Where ``e`` is NaN (``a`` or ``bs`` infinite, or ``a`` NaN) ``q`` is
-    already the IEEE quotient (inf, 0 or NaN) and is kept. A subnormal quotient (below
+    already the IEEE quotient (inf, 0 or NaN) and is kept (``FINITE``: the caller knows
+    ``a`` finite and ``a / bs`` far from overflow, and skips that select). A subnormal quotient (below
     2^-126, where the theorem's no-underflow premise fails) may be an ulp off: E2M1 maps
     every quotient below 0.25 to 0, so the NVFP4 result is the reference's there too.
     """
@@ -183,20 +184,24 @@ def _div_by_block(a, bs, HW_CAST: tl.constexpr):
     # by ``* -1.0``; Triton lowers ``-x`` as ``0 - x``, one more instruction per element).
     e = _fma(q, tl.broadcast_to(bs * -1.0, a.shape), a, HW_CAST)
     q2 = _fma(e, tl.broadcast_to(r, a.shape), q, HW_CAST)
-    return tl.where(e == e, q2, q)
+    if not FINITE:
+        q2 = tl.where(e == e, q2, q)
+    return q2
 
 
 @triton.jit
-def _e2m1_magnitude(a, HW_CAST: tl.constexpr):
+def _e2m1_magnitude(a, HW_CAST: tl.constexpr, BOUNDED: tl.constexpr):
     """a >= 0 (or NaN) -> RNE onto the E2M1 magnitudes, saturating at 6 (NaN stays NaN).
 
     Clamp to 6 first (6 is on the grid, so clamping then rounding is rounding then
-    saturating). Then ``(a + M) - M`` with ``M = 1.5 * 2^22 * p``, ``p = 2^max(E, 0)``
+    saturating), unless ``BOUNDED`` (the caller knows ``a < 7``, which rounds to at most 6
+    anyway). Then ``(a + M) - M`` with ``M = 1.5 * 2^22 * p``, ``p = 2^max(E, 0)``
     (``E`` the exponent of ``a``, read from its bits): M's ulp is the grid step (0.5 below
     2, 1 in [2, 4), 2 in [4, 6]) and M is an even multiple of it, so the sum rounds ``a``
     to the grid, ties to even. ``p * ±1.5*2^22`` is exact, so both steps are single FMAs.
     """
-    a = tl.minimum(a, 6.0, propagate_nan=_NAN)
+    if not BOUNDED:
+        a = tl.minimum(a, 6.0, propagate_nan=_NAN)
     p = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
     p = p.to(tl.float32, bitcast=True)
     s = _fma_exact(p, 6291456.0, a, HW_CAST)
@@ -221,10 +226,9 @@ def _ceil_pow2_ue8m0(v):
 
 
 @triton.jit
-def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, SPLIT: tl.constexpr,
-                  HW_CAST: tl.constexpr):
-    """ModelOpt NVFP4 on blocks ``xb`` FP32 [NB, 16] (``SPLIT``: [NB, 8, 2], the block's
-    two halves) with global scale ``gs`` (FP32, broadcastable).
+def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, HW_CAST: tl.constexpr):
+    """ModelOpt NVFP4 on blocks ``xb`` FP32 [NB, 8, 2] (each block's two halves, see
+    :func:`_load_tile`) with global scale ``gs`` (FP32, broadcastable).
 
     ``ZERO_SIGN``: the reference's signed zeros (``sign(x) * q * bs``: -0.0 for a negative
     ``x`` that rounds to 0, +0.0 for either zero ``x``). Without it the sign bit of ``x``
@@ -233,16 +237,18 @@ def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, SPLIT: tl.constexpr,
     never -0.0, and adding either zero to it gives the same bits.
     """
     ax = tl.abs(xb)
-    if SPLIT:
-        bmax = tl.reduce(tl.reduce(ax, 2, _max_nan, keep_dims=True), 1, _max_nan,
-                         keep_dims=True)
-    else:
-        bmax = tl.reduce(ax, 1, _max_nan, keep_dims=True)
+    bmax = tl.reduce(tl.reduce(ax, 2, _max_nan, keep_dims=True), 1, _max_nan, keep_dims=True)
     gs6 = 6.0 * gs
     bs = _e4m3(tl.minimum(tl.math.div_rn(bmax, gs6 + tl.zeros_like(bmax)), 448.0,
                           propagate_nan=_NAN), HW_CAST) * gs
     bs = tl.where(bs < 1e-5, 1.0, bs)
-    q = _e2m1_magnitude(_div_by_block(ax, bs, HW_CAST), HW_CAST)
+    # |x| capped at cap = min(fl(6.5 bs), FLT_MAX) changes no result: above the cap the
+    # quotient is > 6.49, which saturates to 6, and so does cap / bs (< 7); an infinite x
+    # becomes finite. So the quotient needs no NaN select and the rounding no clamp. (A NaN
+    # x makes its block's bs NaN, and the result NaN, whatever the cap does with it.)
+    cap = tl.minimum(bs * 6.5, 3.4028234663852886e38)
+    q = _e2m1_magnitude(_div_by_block(tl.minimum(ax, tl.broadcast_to(cap, ax.shape)), bs,
+                                      HW_CAST, True), HW_CAST, True)
     mag = q * tl.broadcast_to(bs, q.shape)
     if ZERO_SIGN:
         out = tl.where(xb < 0, mag * -1.0, mag)  # (Triton lowers -mag as 0 - mag: +0.0)
@@ -255,8 +261,8 @@ def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, SPLIT: tl.constexpr,
 @triton.jit
 def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexpr,
          SPLIT: tl.constexpr, HW_CAST: tl.constexpr):
-    """Fake-quantize one row chunk ``x`` FP32 [BLOCK_H] (whole blocks; a masked tail is 0),
-    or, ``SPLIT`` (NVFP4 formats only), [BLOCK_H // 16, 8, 2] (see :func:`_load_tile`).
+    """Fake-quantize one row chunk ``x`` FP32 [BLOCK_H] (whole blocks; a masked tail is 0);
+    for the NVFP4 formats (``SPLIT``) [BLOCK_H // 16, 8, 2] (see :func:`_load_tile`).
 
     ``amax`` is the FP32 per-tensor amax for ``fp8`` and ``nvfp4`` (ignored otherwise).
     ``ZERO_SIGN``: NVFP4's signed zeros exactly as the reference (see
@@ -292,7 +298,7 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
         if FMT == 5:
             q = _e4m3(v, HW_CAST)
         else:
-            mag = _e2m1_magnitude(tl.abs(v), HW_CAST)
+            mag = _e2m1_magnitude(tl.abs(v), HW_CAST, False)
             sign_bit = v.to(tl.int32, bitcast=True) & -2147483648
             q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
         # A block with a NaN or an infinity is NaN: its scale is NaN (one select per block).
@@ -307,12 +313,8 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
             ref = tl.reduce(tl.abs(x), None, _max_nan) + tl.zeros((1,), tl.float32)
             use_ref = ref != 0
         gs = tl.where(use_ref, ref * _INV_2688, 1e-12)
-        if SPLIT:
-            out = _nvfp4_blocks(x, tl.reshape(gs, (1, 1, 1)), ZERO_SIGN, True, HW_CAST)
-        else:
-            xb = tl.reshape(x, (BLOCK_H // 16, 16))
-            out = tl.reshape(_nvfp4_blocks(xb, tl.reshape(gs, (1, 1)), ZERO_SIGN, False,
-                                           HW_CAST), (BLOCK_H,))
+        tl.static_assert(SPLIT, "NVFP4 tiles hold whole blocks per thread (SPLIT)")
+        out = _nvfp4_blocks(x, tl.reshape(gs, (1, 1, 1)), ZERO_SIGN, HW_CAST)
     return out
 
 
@@ -352,6 +354,28 @@ def _load_tile(ptrs, mask, SPLIT: tl.constexpr, BF16: tl.constexpr, HW_CAST: tl.
 
 
 @triton.jit
+def _load_raw(ptrs, mask, SPLIT: tl.constexpr):
+    """The tile at ``ptrs`` as loaded (BF16, not widened): the two block halves for
+    ``SPLIT``, else the tile twice (the same value; no second load)."""
+    lo = tl.load(ptrs, mask=mask, other=0.0)
+    if SPLIT:
+        hi = tl.load(ptrs + 8, mask=mask, other=0.0)
+    else:
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
+def _widen_raw(lo, hi, SPLIT: tl.constexpr, HW_CAST: tl.constexpr):
+    """FP32 tile from :func:`_load_raw`'s halves (as :func:`_load_tile` with ``BF16``)."""
+    if SPLIT:
+        out = tl.join(_widen_bf16(lo, HW_CAST), _widen_bf16(hi, HW_CAST))
+    else:
+        out = _widen_bf16(lo, HW_CAST)
+    return out
+
+
+@triton.jit
 def _store_tile(ptrs, v, mask, SPLIT: tl.constexpr):
     """Store ``v`` (a tile as :func:`_load_tile` returns it) at ``ptrs``."""
     if SPLIT:
@@ -384,10 +408,10 @@ def _load_amax(amax_ptr, HAS_AMAX: tl.constexpr):
 @triton.jit
 def qdq_kernel(
     x_ptr, out_ptr, amax_ptr, H, stride_x, stride_o,
-    FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
-    HW_CAST: tl.constexpr,
+    FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     """One program per (row, column chunk): ``out[r, chunk] = qdq(x[r, chunk])``."""
+    SPLIT: tl.constexpr = FMT >= 7  # the NVFP4 formats: whole blocks per thread
     row = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     mask = cols < H
@@ -426,43 +450,36 @@ def _accumulate(x, w, amax, acc, raw, cmax, FMT: tl.constexpr,
 @triton.jit
 def _combine_slot(
     row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax, acc, raw,
-    cmax, routed, FMT: tl.constexpr, WEIGHTED: tl.constexpr, CHECK: tl.constexpr,
-    CALIB: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr,
-    UNROLL: tl.constexpr,
+    cmax, routed, valid, lo, hi, valid_next, K: tl.constexpr, FMT: tl.constexpr,
+    WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
+    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr,
 ):
-    """Routed slot ``s`` of one token (stored at row ``s``): if it is valid, load it,
-    quantize, accumulate; an invalid row is never loaded.
+    """Routed slot ``s`` of one token (stored at row ``s``), software-pipelined: ``lo, hi``
+    hold row ``s`` (loaded one slot ahead), ``valid`` its flag and ``valid_next`` slot
+    ``s + 1``'s. First row ``s + 1``'s load and slot ``s + 2``'s flag are issued, then row
+    ``s`` is quantized and accumulated while they are in flight. Returns the sums and the
+    next slot's ``valid, lo, hi, valid_next``.
 
-    ``valid`` is one flag for the whole program. Rolled (heavy formats): the slot is a
-    branch, so an invalid row costs no arithmetic either. Unrolled (light, memory-bound
-    formats): the row is loaded under a mask, so the compiler can issue every slot's load
-    up front; an invalid row reads as zeros (its weight as 0), which every format
-    quantizes to +0.0, and adding +0.0 (or ``fma(0, 0, acc)``) leaves the sum's bits as
-    they are (the sum starts at +0.0 and so is never -0.0), the unquantized sum's too, and
-    the calibration max (>= 0) with it: no select is needed. (The mask is
-    ``where(valid, cmask, False)``: Triton 3.9's interpreter refuses a scalar-and-block
+    An invalid row is never loaded: it reads as zeros (its weight as 0), which every format
+    quantizes to +0.0; adding +0.0 (or ``fma(0, 0, acc)``) leaves the sum's bits as they
+    are (the sum starts at +0.0 and so is never -0.0), the unquantized sum's too, and the
+    calibration max (>= 0) with it, so no select or branch is needed. (Masks are
+    ``where(flag, cmask, False)``: Triton 3.9's interpreter refuses a scalar-and-block
     ``&``.)
     """
-    valid = tl.load(idx_row + s * stride_ik) >= 0
-    if UNROLL:
-        x = _load_tile(row_base + s * stride_rs, tl.where(valid, cmask, False), SPLIT, True,
-                       HW_CAST)
-        w = 0.0
-        if WEIGHTED:
-            w = tl.load(w_row + s * stride_wk, mask=valid, other=0.0).to(tl.float32)
-        acc, raw, cmax = _accumulate(x, w, amax, acc, raw, cmax, FMT, WEIGHTED, CHECK, CALIB,
-                                     BLOCK_H, SPLIT, HW_CAST)
-        routed += valid.to(tl.int32)
-    else:
-        if valid:
-            x = _load_tile(row_base + s * stride_rs, cmask, SPLIT, True, HW_CAST)
-            w = 0.0
-            if WEIGHTED:
-                w = tl.load(w_row + s * stride_wk).to(tl.float32)
-            acc, raw, cmax = _accumulate(x, w, amax, acc, raw, cmax, FMT, WEIGHTED, CHECK,
-                                         CALIB, BLOCK_H, SPLIT, HW_CAST)
-            routed += 1
-    return acc, raw, cmax, routed
+    nvalid = valid_next & (s + 1 < K)
+    s1 = tl.minimum(s + 1, K - 1)
+    lo_n, hi_n = _load_raw(row_base + s1 * stride_rs, tl.where(nvalid, cmask, False), SPLIT)
+    s2 = tl.minimum(s + 2, K - 1)
+    valid_nn = tl.load(idx_row + s2 * stride_ik) >= 0
+    w = 0.0
+    if WEIGHTED:
+        w = tl.load(w_row + s * stride_wk, mask=valid, other=0.0).to(tl.float32)
+    x = _widen_raw(lo, hi, SPLIT, HW_CAST)
+    acc, raw, cmax = _accumulate(x, w, amax, acc, raw, cmax, FMT, WEIGHTED, CHECK, CALIB,
+                                 BLOCK_H, SPLIT, HW_CAST)
+    routed += valid.to(tl.int32)
+    return acc, raw, cmax, routed, nvalid, lo_n, hi_n, valid_nn
 
 
 @triton.jit
@@ -471,7 +488,7 @@ def combine_kernel(
     H, stride_rs, stride_rt, stride_it, stride_ik, stride_wt, stride_wk, stride_o, stride_c,
     K: tl.constexpr, SHARED: tl.constexpr, FMT: tl.constexpr, HAS_AMAX: tl.constexpr,
     WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
-    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr, UNROLL: tl.constexpr,
+    BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One program per (token, column chunk): quantize, re-sum, check, calibrate.
 
@@ -481,6 +498,7 @@ def combine_kernel(
     adds ``float(bf16(qdq(row)))``, times its router weight with one rounding when
     WEIGHTED; invalid rows are never loaded (read as zeros, or skipped).
     """
+    SPLIT: tl.constexpr = FMT >= 7  # the NVFP4 formats: whole blocks per thread
     t = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     cmask = cols < H
@@ -501,20 +519,24 @@ def combine_kernel(
         shared = _load_tile(row_base + K * stride_rs, cmask, SPLIT, True, HW_CAST)
         acc += shared
         raw += shared
+    # Slot 0's row and flags before the loop (see _combine_slot's pipelining).
+    valid = tl.load(idx_row) >= 0
+    lo, hi = _load_raw(row_base, tl.where(valid, cmask, False), SPLIT)
+    valid_next = tl.load(idx_row + tl.minimum(1, K - 1) * stride_ik) >= 0
     if not UNROLL:
-        # A rolled loop holds one row in registers at a time: the heavy formats spill when
-        # all K rows are loaded up front (and whole-row programs compile much faster).
+        # A rolled loop holds one row (and the next) in registers at a time: the heavy
+        # formats would spill with every row live (and whole-row programs compile faster).
         for s in range(K):
-            acc, raw, cmax, routed = _combine_slot(
+            acc, raw, cmax, routed, valid, lo, hi, valid_next = _combine_slot(
                 row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
-                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, SPLIT, HW_CAST,
-                False)
+                acc, raw, cmax, routed, valid, lo, hi, valid_next, K, FMT, WEIGHTED, CHECK,
+                CALIB, BLOCK_H, SPLIT, HW_CAST)
     else:
         for s in tl.static_range(K):
-            acc, raw, cmax, routed = _combine_slot(
+            acc, raw, cmax, routed, valid, lo, hi, valid_next = _combine_slot(
                 row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
-                acc, raw, cmax, routed, FMT, WEIGHTED, CHECK, CALIB, BLOCK_H, SPLIT, HW_CAST,
-                True)
+                acc, raw, cmax, routed, valid, lo, hi, valid_next, K, FMT, WEIGHTED, CHECK,
+                CALIB, BLOCK_H, SPLIT, HW_CAST)
     if SHARED == 2:
         shared = _load_tile(row_base + K * stride_rs, cmask, SPLIT, True, HW_CAST)
         acc += shared
