@@ -176,8 +176,8 @@ def _div_by_block(a, bs, HW_CAST: tl.constexpr, FINITE: tl.constexpr):
     already the IEEE quotient (inf, 0 or NaN) and is kept (``FINITE``: the caller knows
     ``a`` finite and ``a / bs`` far from overflow, and skips that select). A subnormal
     quotient (below 2^-126, where the theorem's no-underflow premise fails) may be an ulp
-    off: E2M1 maps
-    every quotient below 0.25 to 0, so the NVFP4 result is the reference's there too.
+    off: E2M1 maps every quotient below 0.25 to 0, so the NVFP4 result is the reference's
+    there too.
     """
     r = tl.math.div_rn(tl.full(bs.shape, 1.0, tl.float32), bs)
     q = a * r
