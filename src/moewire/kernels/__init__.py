@@ -59,11 +59,12 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # takes the whole row (its global scale is the row's amax).
 _BLOCK_H = 1024
 _NUM_WARPS = 4
-# Formats whose slot loop is unrolled (every row's load issued up front). Measured on the
-# H200 at 8 x 8192 x 7168 with the check (benchmarks/results/h200-v4/variants_7168.json):
-# unrolled is faster for these (NVFP4 449 vs 476 us, MXFP4 364 vs 414, MXFP8 308 vs 364,
-# FP8 309 vs 371); the FP8 block formats are faster rolled (371 vs 384), and nvfp4_token's
-# whole-row programs stay rolled (compile time, registers).
+# Formats whose slot loop is unrolled (static_range) rather than rolled. Measured on the
+# H200 at 8 x 8192 x 7168 with the check, the same pipelined loop both ways
+# (benchmarks/results/h200-v4/variants_7168_run2.json, us unrolled vs rolled): NVFP4 412 vs
+# 438, MXFP4 366 vs 390, MXFP8 303 vs 339, FP8 308 vs 309, BF16 286 vs 307; the FP8 block
+# formats are faster rolled (356 vs 360), and nvfp4_token's whole-row programs stay rolled
+# (registers, compile time).
 _UNROLLED = frozenset({"bf16", "fp8", "mxfp8", "mxfp4", "nvfp4"})
 # Formats whose program holds whole 16-element blocks per thread (the kernels' ``SPLIT``:
 # the two halves of each block loaded apart and joined; see ``_triton._tile_cols``), so
