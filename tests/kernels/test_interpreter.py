@@ -266,3 +266,16 @@ def test_the_split_formats_are_the_ones_the_kernels_split():
 
     assert {f for f, c in _triton.FORMAT_CODES.items() if c >= 7} == set(_SPLIT)
     assert all(_triton.BLOCK_SIZES[f] == 16 for f in _SPLIT)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "fmt", "want"),
+    [(7168, "nvfp4", (1024, 2)), (4096, "fp8", (1024, 4)), (3584, "nvfp4", (512, 1)),
+     (3584, "mxfp4", (512, 2)), (7184, "fp8", (256, 1)), (256, "fp8", (256, 1)),
+     (7168, "nvfp4_token", (8192, 16))],
+)
+def test_default_program_size_pads_the_row_least(hidden, fmt, want):
+    """Kimi-K3's H = 3584 is seven 512-column programs, not four 1024-column ones with the
+    last half empty; 8 columns a thread (NVFP4: one 16-element block a thread)."""
+    bh = kernels._block_h(fmt, hidden, None)
+    assert (bh, kernels._num_warps(fmt, bh, None)) == want

@@ -58,7 +58,6 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Columns per program: a power of two holding whole blocks of every format; nvfp4_token
 # takes the whole row (its global scale is the row's amax).
 _BLOCK_H = 1024
-_NUM_WARPS = 4
 # Formats whose slot loop is unrolled (static_range) rather than rolled. Measured on the
 # H200 at 8 x 8192 x 7168 with the check, the same pipelined loop both ways
 # (benchmarks/results/h200-v4/variants_7168_run2.json, us unrolled vs rolled): NVFP4 412 vs
@@ -150,20 +149,29 @@ def _check_blocks(what: str, hidden: int, fmt_name: str) -> None:
 
 
 def _num_warps(fmt_name: str, block_h: int, num_warps: int | None) -> int:
-    """Warps per program: about 8 columns per thread (whole-row programs get more warps);
-    the split formats (:data:`_SPLIT`) one 16-element block per thread."""
+    """Warps per program: 8 columns per thread (at most 16 warps; a 128-column program
+    gets one warp); the split formats (:data:`_SPLIT`) one 16-element block per thread."""
     if num_warps:
         return num_warps
     if fmt_name in _SPLIT:
         return max(1, min(16, block_h // 512))
-    return max(_NUM_WARPS, min(16, block_h // 256))
+    return max(1, min(16, block_h // 256))
 
 
 def _block_h(fmt_name: str, hidden: int, block_h: int | None) -> int:
+    """Columns per program: ``block_h`` if given; else the whole row (``nvfp4_token``, or a
+    row shorter than 1024 columns), or of 1024, 512 and 256 the one that pads the row's last
+    program least, the larger on a tie (H = 3584 takes 512: seven full programs, where 1024
+    would leave the fourth half empty and still compute it)."""
     whole_row = triton_next_pow2(hidden)
     if fmt_name == "nvfp4_token":
         return whole_row
-    return min(block_h or _BLOCK_H, whole_row)
+    if block_h is not None:
+        return min(block_h, whole_row)
+    if whole_row <= _BLOCK_H:
+        return whole_row
+    return min((_BLOCK_H, _BLOCK_H // 2, _BLOCK_H // 4),
+               key=lambda bh: (-hidden % bh, -bh))
 
 
 def triton_next_pow2(n: int) -> int:
