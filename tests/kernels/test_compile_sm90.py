@@ -26,6 +26,9 @@ _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "b
 pytestmark = pytest.mark.skipif(not os.path.exists(_PTXAS), reason="Triton ships no ptxas here")
 _FORMATS = ("bf16", "fp8", "fp8_b128", "fp8_b128_ue8m0", "fp8_b32_ue8m0", "mxfp8", "mxfp4",
             "nvfp4", "nvfp4_token")
+# Hidden sizes whose default programs differ: 1024 columns (V4-Pro, the target) and 512
+# (Kimi-K3's 3584, one warp for the NVFP4 formats' 16-column threads).
+_HIDDEN = (7168, 3584)
 
 
 @functools.cache
@@ -41,15 +44,17 @@ def _compiled() -> dict[str, str]:
 
 
 def compile_all() -> dict[str, str]:
-    """(In the child) each kernel of each format, compiled for sm_90."""
+    """(In the child) each kernel of each format at each hidden size, compiled for sm_90."""
     results = {}
     for fmt in _FORMATS:
-        for kind, build in (("combine", _combine), ("qdq", _qdq)):
-            try:
-                assert build(fmt).asm["cubin"]
-                results[f"{kind}/{fmt}"] = "ok"
-            except Exception as e:  # noqa: BLE001 - reported by the test that reads it
-                results[f"{kind}/{fmt}"] = f"{type(e).__name__}: {e}"[-2000:]
+        for hidden in _HIDDEN:
+            for kind, build in (("combine", _combine), ("qdq", _qdq)):
+                key = f"{kind}/{fmt}/{hidden}"
+                try:
+                    assert build(fmt, hidden).asm["cubin"]
+                    results[key] = "ok"
+                except Exception as e:  # noqa: BLE001 - reported by the test that reads it
+                    results[key] = f"{type(e).__name__}: {e}"[-2000:]
     return results
 
 
@@ -66,7 +71,7 @@ def _compile(fn, signature: dict[str, str], constants: dict, aligned: list[str],
                           options={"num_warps": warps, "enable_fp_fusion": False})
 
 
-def _combine(fmt: str):
+def _combine(fmt: str, hidden: int):
     """Every mode at once (weighted, check, calibration, a shared row last), the format's
     default block, warps and loop."""
     from moewire import kernels
@@ -77,7 +82,7 @@ def _combine(fmt: str):
                amax_ptr="*fp32")
     ints = {n: "i32" for n in ("H", "stride_rs", "stride_rt", "stride_it", "stride_ik",
                                "stride_wt", "stride_wk", "stride_o", "stride_c")}
-    bh = kernels._block_h(fmt, 7168, None)
+    bh = kernels._block_h(fmt, hidden, None)
     constants = dict(K=8, SHARED=2, FMT=_triton.FORMAT_CODES[fmt],
                      HAS_AMAX=fmt in _triton.NEEDS_AMAX, WEIGHTED=True, CHECK=True, CALIB=True,
                      BLOCK_H=bh, HW_CAST=True, UNROLL=fmt in kernels._UNROLLED)
@@ -86,13 +91,13 @@ def _combine(fmt: str):
                     kernels._num_warps(fmt, bh, None))
 
 
-def _qdq(fmt: str):
+def _qdq(fmt: str, hidden: int):
     from moewire import kernels
     from moewire.kernels import _triton
 
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "amax_ptr": "*fp32", "H": "i32",
            "stride_x": "i32", "stride_o": "i32"}
-    bh = kernels._block_h(fmt, 7168, None)
+    bh = kernels._block_h(fmt, hidden, None)
     constants = dict(FMT=_triton.FORMAT_CODES[fmt], HAS_AMAX=fmt in _triton.NEEDS_AMAX,
                      BLOCK_H=bh, HW_CAST=True)
     return _compile(_triton.qdq_kernel, sig, constants,
@@ -106,7 +111,8 @@ def test_every_format_is_compiled():
     assert set(_FORMATS) == set(_triton.FORMAT_CODES)
 
 
+@pytest.mark.parametrize("hidden", _HIDDEN)
 @pytest.mark.parametrize("kind", ["combine", "qdq"])
 @pytest.mark.parametrize("fmt", _FORMATS)
-def test_kernel_compiles_for_sm90(kind, fmt):
-    assert _compiled()[f"{kind}/{fmt}"] == "ok"
+def test_kernel_compiles_for_sm90(kind, fmt, hidden):
+    assert _compiled()[f"{kind}/{fmt}/{hidden}"] == "ok"
