@@ -114,6 +114,28 @@ def test_check_flag_and_calibration_cuda(shared_slot):
     assert int(flag) >= 1
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4", "nvfp4_token"])
+def test_check_counts_every_mismatching_element_cuda(fmt):
+    """Exactly one per mismatching (token, column), across threads, warps and programs
+    (H 7168: 1024-column programs, several warps each; the masked per-thread atomics)."""
+    t, hidden = 40, 7168
+    rows, idx, amax = combine_case(
+        fmt, k=6, tmax=64, num_tokens=t, hidden=hidden, shared_slot=None,
+        gen=_gen("count", fmt), device=CUDA,
+    )
+    idx[:t, 0] = 0  # every token routes slot 0, with finite rows there
+    finite = torch.randn(t, hidden, generator=torch.Generator().manual_seed(5))
+    rows[0, :t] = finite.to(CUDA).to(rows.dtype)
+    y = reference_combine(rows, idx, t, "bf16", None, None)
+    corrupt = [(0, 0), (0, 7), (0, 8), (0, 1023), (0, 1024), (5, 300), (5, 7167), (39, 4096)]
+    for tok, col in corrupt:
+        rows[0, tok, col] += 64.0
+    flag = torch.zeros(1, dtype=torch.int32, device=CUDA)
+    out = torch.empty_like(y)
+    kernels.fused_combine(rows, idx, t, out, fmt, amax, None, y, flag)
+    assert int(flag) == len(corrupt)
+
+
 def test_graph_replay_equals_eager():
     t, hidden = 64, 7168
     rows, idx, amax = combine_case(

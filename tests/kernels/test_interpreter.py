@@ -131,6 +131,33 @@ def test_check_flag_and_calibration(shared_slot):
     assert int(flag) == 0, "check_against aliasing out must read y before writing it"
 
 
+# Corrupted (token, column) pairs: columns in one thread's 8, in both halves of one NVFP4
+# block (100 and 108: the same place in each 8-half) and in other threads' and
+# blocks', on two tokens, so a count per program, per thread or per block would differ.
+_CORRUPT = ((0, 3), (0, 4), (0, 21), (0, 100), (0, 108), (1, 127), (3, 64))
+
+
+@pytest.mark.parametrize("fmt,block_h", [("bf16", None), ("mxfp4", 32), ("nvfp4", None),
+                                         ("nvfp4", 32), ("nvfp4_token", None)])
+def test_check_counts_every_mismatching_element(fmt, block_h):
+    """The flag gains exactly one per mismatching (token, column), however the program
+    splits the columns between threads and however many programs a row takes."""
+    gen = torch.Generator().manual_seed(12)
+    t = 4
+    hidden = 128
+    rows, idx, amax = combine_case(fmt, k=3, tmax=8, num_tokens=t, hidden=hidden,
+                                   shared_slot=None, gen=gen)
+    idx[:t, 0] = 0  # every token routes slot 0, with finite rows there
+    rows[0, :t] = torch.randn(t, hidden, generator=torch.Generator().manual_seed(5)).to(rows.dtype)
+    y = reference_combine(rows, idx, t, "bf16", None, None)
+    for tok, col in _CORRUPT:
+        rows[0, tok, col] += 64.0
+    flag = torch.zeros(1, dtype=torch.int32)
+    out = torch.empty_like(y)
+    kernels.fused_combine(rows, idx, t, out, fmt, amax, None, y, flag, block_h=block_h)
+    assert int(flag) == len(_CORRUPT)
+
+
 def _refusal_args(**change):
     rows = torch.randn(3, 4, 128).to(torch.bfloat16)
     args = dict(

@@ -504,9 +504,6 @@ def combine_kernel(
     cols = _tile_cols(BLOCK_H, SPLIT)
     cmask = cols < H
     amax = _load_amax(amax_ptr, HAS_AMAX)
-    if CHECK:
-        # Read before ``out`` is written: ``check_against`` may be ``out`` itself.
-        expect = _load_tile(check_ptr + t * stride_c + cols, cmask, SPLIT, True, HW_CAST)
     acc = tl.zeros(cols.shape, tl.float32)
     if SPLIT:
         acc = tl.join(acc, acc)
@@ -543,13 +540,26 @@ def combine_kernel(
         acc += shared
         raw += shared
     if CHECK:
+        # Read after the slot loop, so no registers hold it across the loop (8-bit formats:
+        # 55 -> 40 registers a thread, more programs per SM), and before ``out`` is written
+        # (``check_against`` may be ``out`` itself).
+        expect = _load_tile(check_ptr + t * stride_c + cols, cmask, SPLIT, True, HW_CAST)
         # BF16 bits compared as the FP32 bits of the widened values (the same comparison).
         got = _round_bf16(raw, HW_CAST).to(tl.int32, bitcast=True)
         # Compared tokens: a routed row, or a fused shared row (every token has one).
         compared = (routed > 0) | (SHARED != 0)
         bad = (got != expect.to(tl.int32, bitcast=True)) & _tile_mask(cmask, SPLIT) & compared
-        nbad = tl.sum(bad.to(tl.int32), None)
-        tl.atomic_add(flag_ptr, nbad, mask=nbad > 0)
+        # Mismatches counted per thread's columns (a 16-block, or 8 columns), then added
+        # with a masked atomic (the compiler aggregates a warp's): no block-wide reduction,
+        # so no shared memory or barrier. The total added is the same count.
+        nbad = bad.to(tl.int32)
+        if SPLIT:
+            nbad = tl.sum(tl.sum(nbad, 2), 1)
+        elif BLOCK_H >= 8:
+            nbad = tl.sum(tl.reshape(nbad, (BLOCK_H // 8, 8)), 1)
+        else:
+            nbad = tl.sum(nbad, 0, keep_dims=True)
+        tl.atomic_add(flag_ptr + tl.zeros(nbad.shape, tl.int32), nbad, mask=nbad > 0)
     if CALIB:
         tl.atomic_max(calib_ptr, tl.reduce(cmax, None, _max_nan), mask=routed > 0)
     _store_tile(out_ptr + t * stride_o + cols, _round_bf16(acc, HW_CAST).to(tl.bfloat16), cmask,
