@@ -2,10 +2,11 @@
 
 Each revision is a file holding ``moewire.kernels._triton`` as it was at some commit
 (``git show REV:src/moewire/kernels/_triton.py > /tmp/REV.py``) or the current one
-(``current``). For every format and every (revision, block_h, num_warps, loop) in the grid
-this times ``combine_kernel`` with the layout check at one shape (default the issue's
-8 x 8192 x 7168: rows random normal x 0.05 in BF16, every slot valid, static amax = max
-|rows|), by CUDA-graph replay as ``benchmarks/combine.py`` does, beside a copy of the same
+(``current``). For every format and revision it times the revision's default tuning and,
+for ``current`` (every revision with ``--grid-all``), the tuning grid (block_h, num_warps,
+loop): ``combine_kernel`` with the layout check at one shape (default the issue's 8 x 8192
+x 7168: rows random normal x 0.05 in BF16, every slot valid, static amax = max |rows|),
+by CUDA-graph replay as ``benchmarks/combine.py`` does, beside a copy of the same
 bytes. Before timing, each variant's output is compared bit for bit with the first
 revision's default and its check flag must stay 0 (the rows are the kernel's own ``y``).
 
@@ -38,9 +39,9 @@ from moewire.kernels import _triton  # noqa: E402
 FORMATS = ("nvfp4", "mxfp4", "nvfp4_token", "fp8", "mxfp8", "fp8_b128", "fp8_b32_ue8m0", "bf16")
 # Tunings tried per format besides each revision's default: (block_h, num_warps, unroll).
 GRID = {
-    "nvfp4": ((1024, 2, True), (1024, 2, False), (512, 1, True)),
+    "nvfp4": ((1024, 2, True), (1024, 2, False), (512, 1, True), (512, 1, False)),
     "nvfp4_token": (),
-    "mxfp4": ((1024, 4, True), (1024, 4, False), (512, 2, True)),
+    "mxfp4": ((1024, 4, True), (1024, 4, False), (512, 2, True), (512, 2, False)),
 }
 GRID_DEFAULT = ((1024, 4, True), (1024, 4, False), (512, 2, True), (512, 2, False))
 # The loop each revision unrolls by default (the file predates a table of its own).
@@ -60,17 +61,22 @@ def load_revision(spec: str) -> tuple[str, ModuleType]:
     return name, module
 
 
-def default_tuning(mod: ModuleType, fmt: str, h: int) -> tuple[int, int, bool]:
-    if mod is _triton:
+def default_tuning(mod: ModuleType, fmt: str, k: int, h: int,
+                   check: bool) -> tuple[int, int, bool]:
+    """The tuning the product would launch ``mod`` with: the current package's for the
+    current module and for saved files of the same program layout (v4 on: they have
+    ``_tile_cols``); the layout's defaults before that."""
+    if mod is _triton or hasattr(mod, "_tile_cols"):
         bh = kernels._block_h(fmt, h, None)
-        return bh, kernels._num_warps(fmt, bh, None), fmt in kernels._UNROLLED
+        return bh, kernels._num_warps(fmt, bh, None), kernels._unroll(fmt, k, check)
     if fmt == "nvfp4_token":
         return kernels.triton_next_pow2(h), 16, False
     return 1024, 4, fmt in _UNROLLED_BEFORE
 
 
-def launcher(mod, fmt, rows, idx, y, out, flag, block_h, num_warps, unroll):
-    """A call of ``mod.combine_kernel`` (check on, no weights, no shared row)."""
+def launcher(mod, fmt, rows, idx, y, out, flag, block_h, num_warps, unroll, check=True):
+    """A call of ``mod.combine_kernel`` (the layout check on unless ``check`` is False; no
+    weights, no shared row)."""
     import triton
 
     t, h = y.shape
@@ -79,7 +85,7 @@ def launcher(mod, fmt, rows, idx, y, out, flag, block_h, num_warps, unroll):
         block_h = kernels.triton_next_pow2(h)
     grid = (t, triton.cdiv(h, block_h))
     kw = dict(K=rows.shape[0], SHARED=0, FMT=mod.FORMAT_CODES[fmt], HAS_AMAX=amax is not None,
-              WEIGHTED=False, CHECK=True, CALIB=False, BLOCK_H=block_h, HW_CAST=True,
+              WEIGHTED=False, CHECK=check, CALIB=False, BLOCK_H=block_h, HW_CAST=True,
               UNROLL=unroll, num_warps=num_warps, enable_fp_fusion=False)
     if "SPLIT" in mod.combine_kernel.arg_names:  # one revision took the tile split as an arg
         kw["SPLIT"] = fmt in ("nvfp4", "nvfp4_token")
@@ -93,7 +99,7 @@ def launcher(mod, fmt, rows, idx, y, out, flag, block_h, num_warps, unroll):
     return call
 
 
-def run(revisions, fmts, k, t, h) -> dict:
+def run(revisions, fmts, k, t, h, grid_all=False, check=True) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(1)
     rows = (torch.randn((k, t, h), device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
     idx = torch.randint(0, 256, (t, k), device="cuda", generator=gen)
@@ -109,16 +115,17 @@ def run(revisions, fmts, k, t, h) -> dict:
     for fmt in fmts:
         first_name, first = revisions[0]
         ref = torch.empty_like(y)
-        launcher(first, fmt, rows, idx, y, ref, flag, *default_tuning(first, fmt, h))(0)
+        launcher(first, fmt, rows, idx, y, ref, flag, *default_tuning(first, fmt, k, h, check),
+                 check)(0)
         for name, mod in revisions:
-            tunings = [default_tuning(mod, fmt, h)]
-            if mod is _triton:
+            tunings = [default_tuning(mod, fmt, k, h, check)]
+            if mod is _triton or grid_all:
                 tunings += [g for g in GRID.get(fmt, GRID_DEFAULT) if g not in tunings]
             for bh, nw, unroll in tunings:
                 r = dict(fmt=fmt, rev=name, block_h=bh, num_warps=nw, unroll=unroll)
                 out = torch.empty_like(y)
                 try:
-                    call = launcher(mod, fmt, rows, idx, y, out, flag, bh, nw, unroll)
+                    call = launcher(mod, fmt, rows, idx, y, out, flag, bh, nw, unroll, check)
                     flag.zero_()
                     call(0)
                     torch.cuda.synchronize()
@@ -130,7 +137,7 @@ def run(revisions, fmts, k, t, h) -> dict:
                     r["error"] = f"{type(e).__name__}: {e}"[:300]
                 results.append(r)
                 print(r, flush=True)
-    return dict(copy_us=copy_us, k=k, T=t, H=h, results=results)
+    return dict(copy_us=copy_us, k=k, T=t, H=h, check=check, results=results)
 
 
 def main() -> None:
@@ -142,12 +149,17 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--grid-all", action="store_true",
+                        help="time every revision over the tuning grid (default: only current)")
+    parser.add_argument("--no-check", action="store_true",
+                        help="time the kernels without the layout check")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernel_variants.py times CUDA kernels: run it on the H200")
     revisions = [load_revision(s) for s in (args.rev or ["current"])]
-    doc = run(revisions, args.formats, args.k, args.tokens, args.hidden)
+    doc = run(revisions, args.formats, args.k, args.tokens, args.hidden, args.grid_all,
+              not args.no_check)
     print(f"\n{'fmt':14s} {'rev':10s} {'block_h':>7s} {'warps':>5s} {'loop':7s} "
           f"{'us':>8s} {'of copy':>8s} same flag")
     for r in doc["results"]:

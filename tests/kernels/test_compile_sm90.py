@@ -48,7 +48,9 @@ def compile_all() -> dict[str, str]:
     results = {}
     for fmt in _FORMATS:
         for hidden in _HIDDEN:
-            for kind, build in (("combine", _combine), ("qdq", _qdq)):
+            for kind, build in (("combine-unrolled", functools.partial(_combine, unroll=True)),
+                                ("combine-rolled", functools.partial(_combine, unroll=False)),
+                                ("qdq", _qdq)):
                 key = f"{kind}/{fmt}/{hidden}"
                 try:
                     assert build(fmt, hidden).asm["cubin"]
@@ -71,9 +73,10 @@ def _compile(fn, signature: dict[str, str], constants: dict, aligned: list[str],
                           options={"num_warps": warps, "enable_fp_fusion": False})
 
 
-def _combine(fmt: str, hidden: int):
+def _combine(fmt: str, hidden: int, unroll: bool):
     """Every mode at once (weighted, check, calibration, a shared row last), the format's
-    default block, warps and loop."""
+    default block and warps, the slot loop unrolled or rolled (the default picks either by
+    format, k and the check: ``kernels._unroll``)."""
     from moewire import kernels
     from moewire.kernels import _triton
 
@@ -85,7 +88,7 @@ def _combine(fmt: str, hidden: int):
     bh = kernels._block_h(fmt, hidden, None)
     constants = dict(K=8, SHARED=2, FMT=_triton.FORMAT_CODES[fmt],
                      HAS_AMAX=fmt in _triton.NEEDS_AMAX, WEIGHTED=True, CHECK=True, CALIB=True,
-                     BLOCK_H=bh, HW_CAST=True, UNROLL=fmt in kernels._UNROLLED)
+                     BLOCK_H=bh, HW_CAST=True, UNROLL=unroll)
     return _compile(_triton.combine_kernel, {**ptr, **ints}, constants,
                     [*ptr, "H", "stride_rt", "stride_it", "stride_o", "stride_c"],
                     kernels._num_warps(fmt, bh, None))
@@ -112,7 +115,7 @@ def test_every_format_is_compiled():
 
 
 @pytest.mark.parametrize("hidden", _HIDDEN)
-@pytest.mark.parametrize("kind", ["combine", "qdq"])
+@pytest.mark.parametrize("kind", ["combine-unrolled", "combine-rolled", "qdq"])
 @pytest.mark.parametrize("fmt", _FORMATS)
 def test_kernel_compiles_for_sm90(kind, fmt, hidden):
     assert _compiled()[f"{kind}/{fmt}/{hidden}"] == "ok"

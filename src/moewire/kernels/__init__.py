@@ -58,13 +58,35 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Columns per program: a power of two holding whole blocks of every format; nvfp4_token
 # takes the whole row (its global scale is the row's amax).
 _BLOCK_H = 1024
-# Formats whose slot loop is unrolled (static_range) rather than rolled. Measured on the
-# H200 at 8 x 8192 x 7168 with the check, the same pipelined loop both ways
-# (benchmarks/results/h200-v4/variants_7168_run2.json, us unrolled vs rolled): NVFP4 412 vs
-# 438, MXFP4 366 vs 390, MXFP8 303 vs 339, FP8 308 vs 309, BF16 286 vs 307; the FP8 block
-# formats are faster rolled (356 vs 360), and nvfp4_token's whole-row programs stay rolled
-# (registers, compile time).
-_UNROLLED = frozenset({"bf16", "fp8", "mxfp8", "mxfp4", "nvfp4"})
+# The slot loop unrolled (static_range) or rolled: see _unroll.
+_UNROLLED = frozenset({"bf16", "mxfp8", "mxfp4"})
+_UNROLLED_UP_TO_K8 = frozenset({"fp8", "fp8_b128", "fp8_b128_ue8m0", "fp8_b32_ue8m0"})
+_UNROLLED_UNCHECKED_UP_TO_K8 = frozenset({"nvfp4"})
+
+
+def _unroll(fmt_name: str, k: int, check: bool) -> bool:
+    """Whether the combine kernel's slot loop is unrolled by default, from the tuning grid
+    of ``benchmarks/kernel_variants.py`` on the H200 (T = 8192, each shape at its default
+    program size; benchmarks/results/h200-v5/: ``variants_*`` with the check, ``nochk_*``
+    without). Unrolling overlaps more rows, rolling needs fewer registers:
+
+    - BF16, MXFP8, MXFP4 (:data:`_UNROLLED`): unrolled on every shape, or within 3%.
+    - The FP8 formats (:data:`_UNROLLED_UP_TO_K8`): unrolled up to k = 8 (FP8 with the
+      check 279 vs 296 us at 8 x 8192 x 7168), rolled at Kimi-K3's k = 16 (FP8 block 128
+      with the check 311 vs 335 us; within 1% without it).
+    - NVFP4 (:data:`_UNROLLED_UNCHECKED_UP_TO_K8`): with the check it holds the expected
+      tile and the unchecked sum besides, and unrolled it needs 116+ registers a thread
+      (8 programs an SM) where rolled takes 96 (10): rolled is faster (395 vs 425 us at
+      8 x 8192 x 7168, 364 vs 452 at k = 16, within 1% at k = 6). Without the check it is
+      unrolled up to k = 8 (366 vs 383 us; V4-Pro 266 vs 294) and rolled at k = 16 (372 vs
+      423 us).
+    - nvfp4_token: rolled (whole-row programs: registers, compile time).
+    """
+    if fmt_name in _UNROLLED_UNCHECKED_UP_TO_K8:
+        return not check and k <= 8
+    if fmt_name in _UNROLLED_UP_TO_K8:
+        return k <= 8
+    return fmt_name in _UNROLLED
 # Formats whose program holds whole 16-element blocks per thread (the kernels' ``SPLIT``:
 # the two halves of each block loaded apart and joined; see ``_triton._tile_cols``), so
 # one thread per 16 columns.
@@ -424,7 +446,8 @@ def fused_combine(
         check_against, check_flag, calib_amax: see above.
         weights: ``None`` (rows already router-weighted), or FP32 ``[>= T, k]``, the staged
             ``topk_weights`` of a kernel that leaves unweighted rows (``nvfp4_mega_moe``).
-        block_h, num_warps, unroll: tuning only (``unroll``: load all k rows up front).
+        block_h, num_warps, unroll: tuning only (``unroll``: unroll the slot loop; default
+            :func:`_unroll`).
 
     Returns:
         ``out``.
@@ -460,7 +483,7 @@ def fused_combine(
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, WEIGHTED=weighted,
         CHECK=check,
         CALIB=calib_amax is not None, BLOCK_H=bh, HW_CAST=rows.is_cuda,
-        UNROLL=(fmt_name in _UNROLLED) if unroll is None else unroll,
+        UNROLL=_unroll(fmt_name, topk_idx.shape[1], check) if unroll is None else unroll,
         num_warps=_num_warps(fmt_name, bh, num_warps), enable_fp_fusion=False,
     )
     return out
