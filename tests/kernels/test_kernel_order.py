@@ -3,8 +3,9 @@
 Under Triton's interpreter on CPU (CI), compiled on CUDA where there is a GPU, against the
 independent NumPy oracle of ``tests/order_cases.py``: routed slots ascending, the shared row
 first or last, one BF16 rounding. Formats with per-block scales keep the crafted values
-exact, so the order still shows after quantization; both the unrolled (``bf16``,
-``mxfp8``) and the rolled loop (``mxfp4``, ``fp8_b*_ue8m0``) are covered.
+exact, so the order still shows after quantization. Each format runs with the slot loop
+unrolled and rolled (the default picks one by format, k and the check: ``kernels._unroll``),
+so both loops are covered whatever the defaults.
 """
 
 from __future__ import annotations
@@ -35,20 +36,21 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 ORDER_FORMATS = ("bf16", "mxfp8", "mxfp4", "fp8_b32_ue8m0", "fp8_b128_ue8m0")
 
 
-def _fused(rows, topk_idx, t, out, fmt, position):
+def _fused(rows, topk_idx, t, out, fmt, position, unroll=None):
     return kernels.fused_combine(
-        rows.to(DEVICE), topk_idx.to(DEVICE), t, out, fmt, None, position
+        rows.to(DEVICE), topk_idx.to(DEVICE), t, out, fmt, None, position, unroll=unroll
     )
 
 
+@pytest.mark.parametrize("loop", ["unrolled", "rolled"])
 @pytest.mark.parametrize("position", POSITIONS, ids=POSITION_IDS)
 @pytest.mark.parametrize("fmt", ORDER_FORMATS)
-def test_fused_combine_sums_in_the_kernel_order(fmt, position):
+def test_fused_combine_sums_in_the_kernel_order(fmt, position, loop):
     seed = seed_of("kernel-order", fmt, position)
     routed, shared, idx, t = make_case(seed)
     rows = stored_rows(routed, shared, position)
     out = torch.full((t, rows.shape[2]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    _fused(rows, idx, t, out, fmt, position)
+    _fused(rows, idx, t, out, fmt, position, unroll=loop == "unrolled")
     q = formats.get(fmt).reference(routed, None).float().numpy()
     args = (q, shared.float().numpy(), idx.numpy(), t)
     want = oracle(*args, position)
