@@ -100,7 +100,7 @@ def _qdq(fmt: str, hidden: int):
 
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "amax_ptr": "*fp32", "H": "i32",
            "stride_x": "i32", "stride_o": "i32"}
-    bh = kernels._block_h(fmt, hidden, None)
+    bh = kernels._block_h(fmt, hidden, None, pad_least=False)
     constants = dict(FMT=_triton.FORMAT_CODES[fmt], HAS_AMAX=fmt in _triton.NEEDS_AMAX,
                      BLOCK_H=bh, HW_CAST=True)
     return _compile(_triton.qdq_kernel, sig, constants,

@@ -180,18 +180,24 @@ def _num_warps(fmt_name: str, block_h: int, num_warps: int | None) -> int:
     return max(1, min(16, block_h // 256))
 
 
-def _block_h(fmt_name: str, hidden: int, block_h: int | None) -> int:
+def _block_h(fmt_name: str, hidden: int, block_h: int | None, *,
+             pad_least: bool = True) -> int:
     """Columns per program: ``block_h`` if given; else the whole row (``nvfp4_token``, or a
-    row shorter than 1024 columns), or of 1024, 512 and 256 the one that pads the row's last
-    program least, the larger on a tie (H = 3584 takes 512: seven full programs, where 1024
-    would leave the fourth half empty and still compute it)."""
+    row shorter than 1024 columns); else 1024, or with ``pad_least`` (the combine) of 1024,
+    512 and 256 the one that pads the row's last program least, the larger on a tie.
+
+    The combine takes ``pad_least``: at H = 3584 (Kimi-K3) seven full 512-column programs
+    beat four 1024-column ones whose last is half empty but still runs the slot loop. The
+    dispatch QDQ (one pass, no loop) does not: there 512-column programs are 18% slower
+    than 1024 at H = 3584 on the H200 (36.2 vs 30.5 us for FP8 at T = 8192, every format
+    alike; ``benchmarks/results/h200-v5/qdq_block_grid.log``)."""
     whole_row = triton_next_pow2(hidden)
     if fmt_name == "nvfp4_token":
         return whole_row
     if block_h is not None:
         return min(block_h, whole_row)
-    if whole_row <= _BLOCK_H:
-        return whole_row
+    if whole_row <= _BLOCK_H or not pad_least:
+        return min(whole_row, _BLOCK_H)
     return min((_BLOCK_H, _BLOCK_H // 2, _BLOCK_H // 4),
                key=lambda bh: (-hidden % bh, -bh))
 
@@ -240,7 +246,7 @@ def qdq(
     out = torch.empty_like(flat, memory_format=torch.contiguous_format)
     if flat.numel() == 0:
         return out.reshape(x.shape)
-    bh = _block_h(fmt_name, hidden, block_h)
+    bh = _block_h(fmt_name, hidden, block_h, pad_least=False)
     grid = (flat.shape[0], _triton_mod().cdiv(hidden, bh))
     impl.qdq_kernel[grid](
         flat, out, amax_t if amax_t is not None else flat, hidden, flat.stride(0), out.stride(0),
