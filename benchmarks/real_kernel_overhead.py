@@ -59,6 +59,7 @@ COLUMNS = [
     ("graph_us", "graph us", ".1f"), ("added_pct", "added %", ".2f"),
     ("spread_pct", "plain spread %", ".1f"), ("moewire_us", "moewire us", ".1f"),
     ("copy_us", "copy us", ".1f"), ("of_copy", "x copy", ".2f"),
+    ("sequential_added_pct", "old way added %", ".1f"),
 ]
 
 
@@ -171,6 +172,14 @@ def interleaved(graphs: dict[str, torch.cuda.CUDAGraph], reps: int, trials: int
     return times
 
 
+def sequential(graphs: dict[str, torch.cuda.CUDAGraph], reps: int, trials: int
+               ) -> dict[str, float]:
+    """The old method, kept to show what it measured: each mode's ``trials`` replays back to
+    back, one mode after the other; median us per forward."""
+    return {name: statistics.median(_time(g, reps) for _ in range(trials))
+            for name, g in graphs.items()}
+
+
 def _device_us(event) -> float:
     for attr in ("device_time_total", "cuda_time_total", "self_device_time_total"):
         value = getattr(event, attr, None)
@@ -221,7 +230,8 @@ def _added(profiles: dict[str, dict[str, float]], mode: str) -> dict[str, float]
 
 
 def run(kernels: tuple[str, ...], tokens: tuple[int, ...], reps: int, trials: int, group,
-        out: Path | None, profile_out: Path | None, meta: dict) -> list[dict]:
+        out: Path | None, profile_out: Path | None, meta: dict, old_way: bool = False
+        ) -> list[dict]:
     rows: list[dict] = []
     profiles_all: list[dict] = []
     for kernel in kernels:
@@ -248,6 +258,7 @@ def run(kernels: tuple[str, ...], tokens: tuple[int, ...], reps: int, trials: in
                     m(x, w, ids)  # JIT, and the eager layout check
                     graphs[label] = _capture(lambda m=m, a=(x, w, ids): m(*a), reps)
                 times = interleaved(graphs, reps, trials)
+                old = sequential(graphs, reps, trials) if old_way else {}
                 profiles = {label: profile(g, reps) for label, g in graphs.items()} \
                     if profile_out else {}
             base = times[PLAIN]
@@ -267,6 +278,7 @@ def run(kernels: tuple[str, ...], tokens: tuple[int, ...], reps: int, trials: in
                     added_pct=100 * statistics.median(ratios), spread_pct=spread,
                     trials=times[label], moewire_us=moewire_us, copy_us=copy,
                     of_copy=(moewire_us / copy) if moewire_us and copy else None,
+                    sequential_added_pct=(100 * (old[label] / old[PLAIN] - 1)) if old else None,
                 )
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
@@ -308,6 +320,8 @@ def main() -> None:
                         choices=list(sm90.KERNELS))
     parser.add_argument("--reps", type=int, default=10, help="forwards per graph")
     parser.add_argument("--trials", type=int, default=15, help="interleaved replays per mode")
+    parser.add_argument("--sequential", action="store_true",
+                        help="also time the old way (modes one after the other) for comparison")
     args = parser.parse_args()
     ok, why = sm90.available()
     if not ok:
@@ -317,7 +331,7 @@ def main() -> None:
                 deep_gemm=getattr(sm90.deep_gemm, "__version__", "?"), shape=SHAPE,
                 reps=args.reps, trials=args.trials, commit=os.environ.get("MOEWIRE_COMMIT", "?"))
     rows = run(tuple(args.kernels), tuple(args.tokens), args.reps, args.trials, group,
-               args.out, args.profile, meta)
+               args.out, args.profile, meta, old_way=args.sequential)
     if args.profile and args.profile.exists():
         print("\n== moewire's launches per forward (us), beside the Mega-MoE kernel's ==")
         for t in args.tokens:
