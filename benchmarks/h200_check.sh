@@ -2,12 +2,13 @@
 # One device call on an H200 (torch 2.11, Python 3.12): every `gpu` test, the EP check on the
 # GPUs there are, then (when the SM90 kit is carried in .real-kernel/) the real-kernel tier,
 # the study on the real kernel and the overhead benchmark (scripts/real_kernel/device_run.py).
-# Logs and JSON go to $OUT (at most 8 files, the device tool's limit); the last lines printed
-# are the summary.
+# Logs and JSON go to $OUT/results.tgz (one archive: the device tool brings back at most 8
+# files); the last lines printed are the summary.
 #   OUT=/tmp/out bash benchmarks/h200_check.sh [TIER_S STUDY_S BENCH_S]
 set -u
-OUT=${OUT:-/tmp/moewire-h200}
-mkdir -p "$OUT"
+DEST=${OUT:-/tmp/moewire-h200}
+OUT=/tmp/moewire-h200-raw
+mkdir -p "$OUT" "$DEST"
 ROOT=$PWD
 # ModelOpt 0.47 and what the image lacks, carried as wheels in .whl/ (gitignored).
 if ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
@@ -29,8 +30,10 @@ torchrun --nproc-per-node "$gpus" benchmarks/ep_check.py --out /tmp/ep 2>&1 \
 cp /tmp/ep/*.json "$OUT/" 2>/dev/null
 if [ -f .real-kernel/run.sh ]; then
   OUT=/tmp/rk bash .real-kernel/run.sh scripts/real_kernel/device_run.py "$@" 2>&1 | tail -80
-  for f in tier.log study.log study_results.json overhead.log overhead.json; do
+  for f in tier.log tier.xml study.log study_results.json overhead.log overhead.json \
+      profile.json; do
     [ -f /tmp/rk/$f ] && cp /tmp/rk/$f "$OUT/rk_$f"
   done
 fi
+tar czf "$DEST/results.tgz" -C "$OUT" .
 echo "== gpu tests =="; tail -1 "$OUT/gpu_tests.log"

@@ -3,7 +3,8 @@
 Run from the project root on a Hopper GPU with DeepGEMM's SM90 package on PYTHONPATH
 (``bash .real-kernel/run.sh scripts/real_kernel/device_run.py``). Writes to ``$OUT``:
 ``tier.log`` and ``tier.xml`` (pytest), ``study.log`` and ``study_results.json`` (``moewire
-study --kernel deepgemm-sm90 --model v4-flash``), ``overhead.log`` and ``overhead.json``.
+study --kernel deepgemm-sm90 --model v4-flash``), ``overhead.log``, ``overhead.json`` and
+``profile.json`` (the per-launch profile, and the old sequential timing beside).
 Arguments: the seconds allowed to the tier, the study and the benchmark.
 """
 
@@ -47,7 +48,8 @@ def main() -> None:
     if Path("/tmp/study/results.json").exists():
         (OUT / "study_results.json").write_text(Path("/tmp/study/results.json").read_text())
     if bench_s:
-        _run(env_py + ["benchmarks/real_kernel_overhead.py", "--out", str(OUT / "overhead.json")],
+        _run(env_py + ["benchmarks/real_kernel_overhead.py", "--out", str(OUT / "overhead.json"),
+                       "--profile", str(OUT / "profile.json"), "--sequential"],
              OUT / "overhead.log", bench_s)
     print("\n== tier ==")
     lines = (OUT / "tier.log").read_text().splitlines()
