@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import moewire  # noqa: E402
-from moewire.megamoe import combine_rows, wrapper  # noqa: E402
+from moewire.megamoe import combine_rows, layout_check  # noqa: E402
 from moewire.reference import MegaMoEExperts, deep_gemm, forward_context, make_weights  # noqa: E402
 
 RECIPE = "moe_fp8_dispatch_nvfp4_combine"
@@ -147,7 +147,7 @@ def main() -> None:
     )
 
     y = model.experts(x0, w0, ids0)  # the eager layout check runs here
-    result["layout_checked"] = wrapper.layout_checked(experts.get_symm_buffer())
+    result["layout_checked"] = layout_check.layout_checked(experts.get_symm_buffer())
     result["y_finite"] = bool(torch.isfinite(y).all())
     t_quant = median_ms(lambda: model.experts(x0, w0, ids0), args.reps)
     result["ms"] = {"unquantized": t_plain, "quantized": t_quant}
@@ -155,7 +155,7 @@ def main() -> None:
     # A corrupted row on rank 0 only must be caught there (fresh check state).
     caught = None
     if rank == 0:
-        wrapper.reset_layout_checks()
+        layout_check.reset_layout_checks()
         real = deep_gemm.fp8_fp4_mega_moe
         deep_gemm.fp8_fp4_mega_moe = corrupting(real)
         try:
@@ -170,7 +170,7 @@ def main() -> None:
     result["corrupted_row_caught_on_rank0"] = caught
 
     if world == 1 and cuda:
-        wrapper.reset_layout_checks()
+        layout_check.reset_layout_checks()
         static = [t.clone() for t in make_batch(args, rank, 10, device)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -1,7 +1,7 @@
 """The wrapper's one-pass combine (issue 15): while a buffer is unchecked, the fused
 kernel quantizes, re-sums and runs the layout check in one pass over the rows.
 
-On CUDA the wrapper takes this path by itself (``wrapper._one_pass``). Here, without a GPU,
+On CUDA the wrapper takes this path by itself (``layout_check.one_pass``). Here, without a GPU,
 the same code runs on CPU tensors under Triton's interpreter: ``_one_pass`` is patched to
 skip its ``is_cuda`` test, everything else is the product's code. Each case is compared
 with the torch path of the same layer (``MOEWIRE_DISABLE_KERNELS``-equivalent: the
@@ -23,8 +23,9 @@ if torch.cuda.is_available():
                 allow_module_level=True)
 
 from moewire import kernels  # noqa: E402
-from moewire.megamoe import wrapper  # noqa: E402
-from moewire.megamoe.wrapper import convert, layout_checked  # noqa: E402
+from moewire.megamoe import layout_check  # noqa: E402
+from moewire.megamoe.convert import convert  # noqa: E402
+from moewire.megamoe.layout_check import layout_checked  # noqa: E402
 from moewire.quantizer import WireQuantizer  # noqa: E402
 from moewire.reference import deep_gemm, forward_context  # noqa: E402
 
@@ -36,16 +37,16 @@ HIDDEN = SHAPES["bf16xbf16"][0]
 
 @pytest.fixture(autouse=True)
 def fresh_checks():
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 @pytest.fixture
 def one_pass(monkeypatch):
     """Take the one-pass path on CPU (interpreter) and record the kernel and torch calls."""
     calls = {"kernel": [], "resum": 0}
-    real_kernel, real_resum = kernels.fused_combine, wrapper.resum
+    real_kernel, real_resum = kernels.fused_combine, layout_check.resum
 
     def gate(quantizer, y):
         fmt = getattr(quantizer, "fmt", None)
@@ -59,9 +60,9 @@ def one_pass(monkeypatch):
         calls["resum"] += 1
         return real_resum(*args, **kwargs)
 
-    monkeypatch.setattr(wrapper, "_one_pass", gate)
+    monkeypatch.setattr(layout_check, "one_pass", gate)
     monkeypatch.setattr(kernels, "fused_combine", kernel)
-    monkeypatch.setattr(wrapper, "resum", counted_resum)
+    monkeypatch.setattr(layout_check, "resum", counted_resum)
     return calls
 
 
@@ -90,7 +91,7 @@ def test_one_pass_equals_the_torch_path(one_pass, fmt, fused, monkeypatch):
     assert layout_checked(experts.get_symm_buffer())
 
     monkeypatch.undo()
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     want = _layer(fused, fmt)(x, w, ids)
     assert_same_bits(got, want, seed=40, what=f"one pass vs torch path, {fmt}")
 
@@ -158,7 +159,7 @@ def test_the_gate_follows_resum(monkeypatch):
     kernel, and nothing else."""
     monkeypatch.setattr(kernels, "available", lambda: True)
     cpu = torch.empty(2, 128, dtype=torch.bfloat16)
-    assert not wrapper._one_pass(WireQuantizer("mxfp4"), cpu)
+    assert not layout_check.one_pass(WireQuantizer("mxfp4"), cpu)
 
     class Cuda(torch.Tensor):
         @property
@@ -166,14 +167,14 @@ def test_the_gate_follows_resum(monkeypatch):
             return True
 
     y = cpu.as_subclass(Cuda)
-    assert wrapper._one_pass(WireQuantizer("mxfp4"), y)
-    assert not wrapper._one_pass(WireQuantizer("logfmt10"), y)
-    assert not wrapper._one_pass(WireQuantizer("mxfp4", enable=False), y)
+    assert layout_check.one_pass(WireQuantizer("mxfp4"), y)
+    assert not layout_check.one_pass(WireQuantizer("logfmt10"), y)
+    assert not layout_check.one_pass(WireQuantizer("mxfp4", enable=False), y)
     calibrating = WireQuantizer("mxfp4")
     with calibrating.calibrating():
-        assert not wrapper._one_pass(calibrating, y)
+        assert not layout_check.one_pass(calibrating, y)
     monkeypatch.setattr(kernels, "available", lambda: False)
-    assert not wrapper._one_pass(WireQuantizer("mxfp4"), y)
+    assert not layout_check.one_pass(WireQuantizer("mxfp4"), y)
 
 
 

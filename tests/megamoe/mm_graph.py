@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from mm_helpers import SHAPES, batch, make_experts, region
 
-from moewire.megamoe.wrapper import convert
+from moewire.megamoe.convert import convert
 from moewire.quantizer import WireQuantizer
 from moewire.reference import deep_gemm, forward_context
 

@@ -13,7 +13,7 @@ from mm_helpers import SHAPES, Model, batch, region
 from torch import nn
 
 import moewire
-from moewire.megamoe import wrapper
+from moewire.megamoe import layout_check
 from moewire.megamoe.api import calibrating, quantizers
 from moewire.reference import forward_context
 
@@ -31,9 +31,9 @@ RECIPE = {
 
 @pytest.fixture(autouse=True)
 def fresh_checks():
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 def padded_batch(seed, t=T):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from moewire.megamoe import wrapper
+from moewire.megamoe import layout_check
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
@@ -20,9 +20,9 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(autouse=True)
 def fresh_checks():
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -36,7 +36,7 @@ def test_replay_equals_eager_and_no_host_sync_after_the_check(monkeypatch):
     with pytest.warns(UserWarning, match="runs inside the CUDA graph being captured"):
         cap = Captured(patch=monkeypatch.setattr)
     buf = cap.experts.get_symm_buffer()
-    assert not wrapper.layout_checked(buf)
+    assert not layout_check.layout_checked(buf)
     address = cap.y.data_ptr()
     first_eager = True
     for seed in range(1, 5):
@@ -44,7 +44,7 @@ def test_replay_equals_eager_and_no_host_sync_after_the_check(monkeypatch):
         assert cap.y.data_ptr() == address
         if first_eager:
             eager = cap.eager(seed)  # the eager check runs here (one host sync) and passes
-            assert wrapper.layout_checked(buf)
+            assert layout_check.layout_checked(buf)
             first_eager = False
         else:
             eager = cap.eager(seed, no_sync=True)

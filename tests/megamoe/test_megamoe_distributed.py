@@ -25,7 +25,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         from mm_helpers import SHAPES, Model, batch, region
 
         from moewire.megamoe.api import calibrate
-        from moewire.megamoe.wrapper import convert
+        from moewire.megamoe.convert import convert
         from moewire.quantizer import WireQuantizer
         from moewire.reference import forward_context
 

@@ -452,9 +452,9 @@ def test_resum_refusals(kwargs, exc, match):
         "from moewire.megamoe import resum",
         "import moewire.megamoe.resum\nfrom moewire.megamoe import resum",
         "from moewire.megamoe.resum import resum as r\nfrom moewire.megamoe import resum",
-        "import moewire.megamoe.wrapper\nfrom moewire.megamoe import resum",
+        "import moewire.megamoe.layout_check\nfrom moewire.megamoe import resum",
     ],
-    ids=["package-first", "submodule-first", "from-submodule-first", "wrapper-first"],
+    ids=["package-first", "submodule-first", "from-submodule-first", "layout-check-first"],
 )
 def test_package_resum_is_the_function_in_every_import_order(program):
     # Issue 14: importing the submodule used to leave the package attribute pointing at it.

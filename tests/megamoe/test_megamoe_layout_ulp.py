@@ -15,8 +15,9 @@ from mm_helpers import SHAPES, Model, batch, region
 
 import order_cases
 from bitexact import assert_same_bits, seed_of
-from moewire.megamoe import flavours, wrapper
-from moewire.megamoe.wrapper import convert, layout_checked
+from moewire.megamoe import flavours, layout_check
+from moewire.megamoe.convert import convert
+from moewire.megamoe.layout_check import layout_checked
 from moewire.quantizer import WireQuantizer
 from moewire.reference import MegaMoEExperts, deep_gemm
 
@@ -28,9 +29,9 @@ ONE_TOKEN = r"layout check failed.*\(1 of \d+ compared tokens differ\)"
 
 @pytest.fixture(autouse=True)
 def fresh_checks():
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 def experts_with_combine(fused: int = 0, mma: str = "bf16xbf16") -> MegaMoEExperts:

@@ -17,7 +17,7 @@ from torch import nn
 
 import moewire
 from moewire import formats
-from moewire.megamoe import flavours, layout, wrapper
+from moewire.megamoe import flavours, layout, layout_check, quant_experts
 from moewire.megamoe.resum import resum
 from moewire.reference import NVFP4MegaMoEExperts, deep_gemm, forward_context
 
@@ -53,9 +53,9 @@ class _Model(nn.Module):
 
 @pytest.fixture(autouse=True)
 def _fresh_checks():
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 # -- an exact, independent oracle of the weighted combine ------------------------------------
@@ -233,7 +233,7 @@ def test_calibration_takes_the_amax_of_the_unweighted_valid_rows():
     assert amax == float(routed.abs().max())
     weighted = (rows[:K, :13].float() * buf.topk_weights[:13].T.unsqueeze(-1))[valid]
     assert amax != float(weighted.abs().max())
-    assert wrapper.amax_rows(model.experts) == "unweighted"
+    assert quant_experts.amax_rows(model.experts) == "unweighted"
 
 
 def test_dispatch_quantizer_quantizes_the_nvfp4_staging_input_out_of_place():
@@ -402,7 +402,7 @@ def test_nvfp4_kernel_layer_on_cuda_takes_the_weighted_fused_kernel(fmt, fused, 
     outs = []
     for disable in ("0", "1"):
         monkeypatch.setenv("MOEWIRE_DISABLE_KERNELS", disable)
-        wrapper.reset_layout_checks()
+        layout_check.reset_layout_checks()
         model = _Model(fused=fused, device="cuda")
         moewire.quantize(model, _combine_recipe(fmt, amax))
         calls = []

@@ -9,9 +9,10 @@ import torch
 from mm_helpers import SHAPES, Layer, Model, batch, make_experts, region
 from torch import nn
 
-from moewire.megamoe import wrapper
+from moewire.megamoe import hooks, layout_check, quant_experts
+from moewire.megamoe.convert import convert
+from moewire.megamoe.layout_check import layout_checked
 from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
-from moewire.megamoe.wrapper import convert, layout_checked
 from moewire.quantizer import WireQuantizer
 from moewire.reference import MegaMoEExperts, MegaMoEWeights, deep_gemm, forward_context
 
@@ -21,9 +22,9 @@ K_SLOTS = 4
 
 @pytest.fixture(autouse=True)
 def fresh_checks():
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_convert_is_idempotent_and_keeps_names():
     model = converted(Model(n=1))
     experts = experts_of(model)
     assert convert(experts) is experts
-    assert type(experts).__mro__[1] is wrapper.QuantExperts
+    assert type(experts).__mro__[1] is quant_experts.QuantExperts
     assert [n for n, _ in model.named_modules()][:3] == ["", "layers", "layers.0"]
     assert experts._moewire_name == "layers.0.experts"
 
@@ -426,7 +427,7 @@ def test_passthrough_outside_quantized_forward():
     from moewire.reference import experts as experts_module
 
     converted(Model(n=1))
-    assert isinstance(experts_module.stage_mega_moe_inputs, wrapper._StagingProxy)
+    assert isinstance(experts_module.stage_mega_moe_inputs, hooks._StagingProxy)
     plain = make_experts(seed=4)
     layer = Layer(plain)
     x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=17)
@@ -484,7 +485,7 @@ def _corrupting_kernel(real):
 def test_capture_branch_records_an_assert_instead_of_syncing(corrupt, monkeypatch):
     # The branch taken under CUDA-graph capture, exercised on CPU: there
     # torch._assert_async raises at once, where on CUDA it fails the replay.
-    monkeypatch.setattr(wrapper, "_capturing", lambda t: True)
+    monkeypatch.setattr(layout_check, "_capturing", lambda t: True)
     experts = combine_on(converted(Model(n=1)))
     if corrupt:
         monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _corrupting_kernel(deep_gemm.bf16_mega_moe))
@@ -621,7 +622,7 @@ def test_a_padding_token_proves_the_shared_row(monkeypatch):
         experts(x, w, ids)
     assert layout_checked(buf)
     monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _shared_stored_first(deep_gemm.bf16_mega_moe))
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     with forward_context(is_padding=pad), pytest.raises(RuntimeError, match="layout check"):
         experts(x, w, ids)
 
@@ -693,7 +694,7 @@ class _LocalImport(MegaMoEExperts):
 
 def test_a_local_deep_gemm_import_is_hooked_on_the_module_object():
     experts = _bypassing(_LocalImport, "combine")
-    assert isinstance(deep_gemm, wrapper._HookedModule)
+    assert isinstance(deep_gemm, hooks._HookedModule)
     y = _run(experts)
     rows, topk = valid_rows_np(experts.get_symm_buffer(), T)
     want = oracles.resum(rows, topk, T, quant=lambda r: oracles.mxfp8(r[None])[0])
@@ -869,7 +870,7 @@ def test_a_cast_inside_the_staging_call_is_not_a_second_staging(fp8_model, monke
 
 def test_deepgemms_cast_passes_through_outside_a_quantized_forward(fp8_model):
     converted(fp8_model)
-    assert isinstance(deep_gemm.utils, wrapper._HookedModule)
+    assert isinstance(deep_gemm.utils, hooks._HookedModule)
     assert deep_gemm.utils.per_token_cast_to_fp8 is deep_gemm.per_token_cast_to_fp8
     x = batch(T, SHAPES["fp8xfp4"][0], seed=45)[0]
     q, sf = deep_gemm.utils.per_token_cast_to_fp8(x, True, 32, True)

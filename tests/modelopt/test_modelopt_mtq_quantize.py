@@ -16,7 +16,7 @@ import modelopt.torch.quantization as mtq  # noqa: E402
 
 import moewire  # noqa: E402
 from moewire.integrations import modelopt as mw_mo  # noqa: E402
-from moewire.megamoe.wrapper import reset_layout_checks  # noqa: E402
+from moewire.megamoe.layout_check import reset_layout_checks  # noqa: E402
 from moewire.reference import MegaMoEExperts, forward_context, make_weights  # noqa: E402
 
 E, K, H, INTER, TMAX = 8, 2, 512, 512, 32

@@ -51,8 +51,8 @@ def ep_group():
 
 @pytest.fixture(autouse=True)
 def _fresh_layout_checks():
-    from moewire.megamoe import wrapper
+    from moewire.megamoe import layout_check
 
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()

@@ -18,7 +18,7 @@ import torch
 import moewire
 from moewire import formats, kernels
 from moewire.integrations import deepgemm_sm90 as sm90
-from moewire.megamoe import flavours, wrapper
+from moewire.megamoe import flavours, layout_check
 from moewire.megamoe.layout import combine_rows
 from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
 from moewire.megamoe.resum import resum
@@ -60,7 +60,7 @@ def test_layout_rows_resum_to_y_and_check_passes(kernel, shape, ep_group):
     assert not y[-shape.padding :].view(torch.int16).any()
     moewire.quantize(module, _combine("bf16"))
     y_moewire = module(x, w, ids)
-    assert wrapper.layout_checked(buf)
+    assert layout_check.layout_checked(buf)
     assert rk.mismatches(rk.oracle(rk.rows_of(buf, shape.tokens), ids), y_moewire) == 0
     if kernel == "fp8_mega_moe":  # deterministic: the same y as the kernel alone
         assert rk.mismatches(y_moewire, y) == 0
@@ -91,7 +91,7 @@ def test_layout_check_refuses_a_wrong_base(kernel, ep_group):
     x, w, ids, _ = rk.batch(rk.TINY, "wrong-base")
     with pytest.raises(RuntimeError, match="layout check failed"):
         module(x, w, ids)
-    assert not wrapper.layout_checked(buf)
+    assert not layout_check.layout_checked(buf)
 
 
 @pytest.mark.parametrize("kernel", rk.KERNELS, ids=KERNEL_IDS)
@@ -221,7 +221,7 @@ def test_cuda_graph_after_padding_only_warmup(kernel, ep_group):
     moewire.quantize(module, _combine("fp8", 64.0))
     x0, w0, ids0, _ = rk.batch(shape, "warmup", padding_only=True)
     assert not module(x0, w0, ids0).view(torch.int16).any()
-    assert not wrapper.layout_checked(module.symm_buffer)
+    assert not layout_check.layout_checked(module.symm_buffer)
     x, w, ids, _ = rk.batch(shape, "graph")
     sx, sw, sids = x0.clone(), w0.clone(), ids0.clone()
     stream = torch.cuda.Stream()
@@ -295,7 +295,7 @@ def test_debug_env_zeroes_the_rows_and_moewire_refuses(kernel, ep_group, monkeyp
     # Refused before the kernel ran: it would have zeroed the rows.
     assert torch.equal(rk.rows_of(buf, shape.tokens).view(torch.int16),
                        rows_before.view(torch.int16))
-    assert not wrapper.layout_checked(buf)
+    assert not layout_check.layout_checked(buf)
     dispatch_only = moewire.quantize(rk.experts(kernel, shape, ep_group), {"quant_cfg": [
         {"quantizer_name": "*dispatch_quantizer", "cfg": {"format": "mxfp4"}}]})
     assert dispatch_only(x, w, ids).view(torch.int16).any()
@@ -313,9 +313,9 @@ def test_fp4_kernel_nondeterminism_is_per_call(ep_group, record_property):
     moewire.quantize(module, _combine("bf16"))
     first, changed = None, []
     for _ in range(6):
-        wrapper.reset_layout_checks()
+        layout_check.reset_layout_checks()
         y = module(x, w, ids)
-        assert wrapper.layout_checked(module.symm_buffer)
+        assert layout_check.layout_checked(module.symm_buffer)
         rows = rk.rows_of(module.symm_buffer, shape.tokens).clone()
         assert rk.mismatches(rk.oracle(rows, ids), y) == 0
         if first is None:

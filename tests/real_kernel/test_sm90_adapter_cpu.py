@@ -14,7 +14,7 @@ from torch import nn
 
 import moewire
 from moewire.integrations import deepgemm_sm90 as sm90
-from moewire.megamoe import flavours, wrapper
+from moewire.megamoe import flavours, layout_check
 from moewire.megamoe.layout import combine_rows
 
 T, TMAX, H, K, E = 12, 16, 64, 4, 8
@@ -98,9 +98,9 @@ def batch(tag: str):
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 def test_flavour_locates_rows_by_data_ptr_on_views_without_shared_storage():
@@ -118,7 +118,7 @@ def test_quantize_a_user_module_calling_the_sm90_api():
     moewire.quantize(module, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "bf16"}}]})
     assert torch.equal(module(x, w, ids).view(torch.int16), y_plain.view(torch.int16))
-    assert wrapper.layout_checked(module.buf)
+    assert layout_check.layout_checked(module.buf)
     moewire.quantize(module, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]})
     y = module(x, w, ids)
@@ -143,7 +143,7 @@ def test_debug_env_refuses_the_combine_before_the_kernel(monkeypatch):
         module(x, w, ids)
     rows_after = combine_rows(module.buf, sm90.FLAVOUR, "fp8_mega_moe")
     assert torch.equal(rows_after.view(torch.int16), rows_before.view(torch.int16))
-    assert not wrapper.layout_checked(module.buf)
+    assert not layout_check.layout_checked(module.buf)
     module.combine_quantizer.disable()
     module(x, w, ids)  # the combine off: the kernel runs (and zeroes the buffer)
     assert not module.buf.buffer.any()
@@ -155,7 +155,7 @@ def test_debug_env_zero_means_unset(monkeypatch):
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "bf16"}}]})
     monkeypatch.setenv("DG_COMM_KERNEL_DEBUG", "0")
     module(*batch("zero"))
-    assert wrapper.layout_checked(module.buf)
+    assert layout_check.layout_checked(module.buf)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from rb_helpers import FP8, NVFP4, RECIPE, Model, batch, calibrated, loop, outpu
 
 import moewire
 from moewire.megamoe.api import quantizers
-from moewire.megamoe.wrapper import is_converted
+from moewire.megamoe.convert import is_converted
 
 
 def _refused(model, recipe, exc, match, **kwargs):

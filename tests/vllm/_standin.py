@@ -129,10 +129,11 @@ def use_reference_deep_gemm(flavour: str | None = None) -> Iterator[Any]:
             stack.enter_context(reference.use_flavour(flavour))
         namespace = _ReferenceForVllm(reference)
         _vllm_bridge.set_kernel_override(lambda: namespace)
-        for stage_global in list(_vllm_bridge._installed_sites.values()):
-            patch(_vllm_bridge, stage_global, prepare_megamoe_inputs_reference)
-        for (_, stage_fn), stage_global in list(_vllm_bridge._installed_extra.items()):
-            if stage_fn == NVFP4_STAGE_FN:
+        installed = _vllm_bridge.installed_stage_globals()
+        for _, stage_fn, stage_global in installed:
+            if stage_fn == _vllm_bridge.PRIMARY_STAGE_FN:
+                patch(_vllm_bridge, stage_global, prepare_megamoe_inputs_reference)
+            elif stage_fn == NVFP4_STAGE_FN:
                 from moewire.reference import prepare_megamoe_nvfp4_inputs
 
                 patch(_vllm_bridge, stage_global, prepare_megamoe_nvfp4_inputs)
@@ -200,7 +201,7 @@ def _bypass_capability_checks(patch: Callable[[Any, str, Any], None]) -> None:
 
         patch(dsv4, "get_deep_gemm_mega_moe_backend", sm100_backend)
     # 0.33 checks in the experts' __init__; also a 0.33 module loaded under another name.
-    for name in {mega.__name__, *_vllm_bridge._installed_sites}:
+    for name in {mega.__name__, *(m for m, _, _ in _vllm_bridge.installed_stage_globals())}:
         module = importlib.import_module(name)
         if hasattr(module, "check_deep_gemm_mega_moe_supported"):
             patch(module, "check_deep_gemm_mega_moe_supported", lambda *args: None)

@@ -177,7 +177,7 @@ def test_nvfp4_quantized_combine_and_dispatch(vllm_config, vllm_module):
 
 def test_nvfp4_calibration_sees_unweighted_rows(vllm_config, vllm_module):
     import moewire
-    from moewire.megamoe import layout, wrapper
+    from moewire.megamoe import layout, quant_experts
 
     weights = _weights()
     x, ids, w = _routing(8, seed=4)
@@ -192,4 +192,4 @@ def test_nvfp4_calibration_sees_unweighted_rows(vllm_config, vllm_module):
         rows = layout.combine_rows(buf, "vllm-0.33", "nvfp4_mega_moe")
     amax = float(experts.combine_quantizer.static_amax)
     assert amax == float(rows[:, :8].float().abs().max())
-    assert wrapper.amax_rows(experts) == "unweighted"
+    assert quant_experts.amax_rows(experts) == "unweighted"

@@ -118,7 +118,7 @@ def test_032_fused_shared_combine_on_order_visible_rows(vllm_config, monkeypatch
     check."""
     from vllm.models.deepseek_v4.nvidia.model import DeepseekV4MegaMoEExperts
 
-    from moewire.megamoe import wrapper
+    from moewire.megamoe import layout_check
     from moewire.reference.nvfp4_mega_moe import shared_sf_row
 
     vllm_mod.register_vllm_experts()
@@ -185,7 +185,7 @@ def test_032_fused_shared_combine_on_order_visible_rows(vllm_config, monkeypatch
             for f in ("vllm-0.32", "vllm-0.33")
         ]
         assert same_base[0] == same_base[1]
-        wrapper.reset_layout_checks()
+        layout_check.reset_layout_checks()
         monkeypatch.setenv("MOEWIRE_FLAVOUR", "vllm-0.33")
         with pytest.raises(
             RuntimeError, match=r"flavour 'vllm-0\.33'.*added first\) does not reproduce"

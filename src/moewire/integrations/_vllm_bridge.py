@@ -12,7 +12,8 @@ names one module (this one) for both, as ``docs/architecture.md`` asks:
 - ``stage__<site>``: the staging function of one vLLM forward module.
 
 Both rebinds keep behaviour: outside a quantized module's forward vLLM gets exactly what it
-got before.
+got before. Both go through moewire's undo ledger (:mod:`moewire.patches`), so
+``moewire.unquantize`` puts vLLM's own back.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-_UNRESOLVED = object()
+from moewire import patches
+
 _resolver: dict[str, Callable[[], Any] | None] = {"vllm": None, "override": None}
-_installed_sites: dict[str, str] = {}
-# Staging functions other than ``prepare_megamoe_inputs`` of a site (vLLM 0.33/0.34's
-# ``prepare_megamoe_nvfp4_inputs``): (forward module, function) -> global name here.
-_installed_extra: dict[tuple[str, str], str] = {}
+# Every staging function rebound so far: (forward module, function) -> global name here
+# (vLLM 0.33/0.34 sites have a second one, ``prepare_megamoe_nvfp4_inputs``). Undone
+# rebinds stay listed; :func:`installed_stage_globals` reads the live ones.
+_installed: dict[tuple[str, str], str] = {}
 PRIMARY_STAGE_FN = "prepare_megamoe_inputs"
 
 
@@ -106,6 +108,22 @@ def _stage_trampoline(global_name: str) -> Callable[..., Any]:
     return prepare_megamoe_inputs
 
 
+def _is_live(forward_module: str, stage_fn: str, name: str) -> bool:
+    """Whether ``forward_module.<stage_fn>`` is this module's trampoline to ``name``."""
+    module = sys.modules.get(forward_module)
+    bound = getattr(module, stage_fn, None) if module is not None else None
+    return getattr(bound, "_moewire_trampoline", None) == name
+
+
+def installed_stage_globals() -> list[tuple[str, str, str]]:
+    """The staging functions rebound now: ``(forward module, function, global name here)``."""
+    return [
+        (module, fn, name)
+        for (module, fn), name in _installed.items()
+        if _is_live(module, fn, name)
+    ]
+
+
 def install(forward_module: str, stage_fn: str) -> str:
     """Rebind ``forward_module.<stage_fn>`` and vLLM's DeepGEMM import to this module.
 
@@ -123,13 +141,11 @@ def install(forward_module: str, stage_fn: str) -> str:
     utils = importlib.import_module("vllm.utils.deep_gemm")
     if utils._import_deep_gemm is not import_deep_gemm:
         _resolver["vllm"] = utils._import_deep_gemm
-        utils._import_deep_gemm = import_deep_gemm
+        patches.patch_attr(utils, "_import_deep_gemm", import_deep_gemm)
     name = stage_global_name(forward_module)
     if stage_fn != PRIMARY_STAGE_FN:
         name = f"{name}__{stage_fn}"
-        if _installed_extra.get((forward_module, stage_fn)) == name:
-            return name
-    elif _installed_sites.get(forward_module) == name:
+    if _is_live(forward_module, stage_fn, name):
         return name
     module = importlib.import_module(forward_module)
     original = getattr(module, stage_fn, None)
@@ -138,12 +154,9 @@ def install(forward_module: str, stage_fn: str) -> str:
             f"{forward_module}: no staging function {stage_fn!r} to interpose on; this vLLM "
             "build differs from the versions moewire supports (docs/vllm.md, version table)"
         )
-    globals()[name] = original
+    patches.patch_attr(sys.modules[__name__], name, original)
     trampoline = _stage_trampoline(name)
     trampoline.__name__ = stage_fn
-    setattr(module, stage_fn, trampoline)
-    if stage_fn != PRIMARY_STAGE_FN:
-        _installed_extra[(forward_module, stage_fn)] = name
-    else:
-        _installed_sites[forward_module] = name
+    patches.patch_attr(module, stage_fn, trampoline)
+    _installed[(forward_module, stage_fn)] = name
     return name

@@ -57,7 +57,7 @@ except ImportError as err:  # pragma: no cover - exercised only without modelopt
 from moewire import formats
 from moewire.config import USE_CONSTANT_AMAX, CfgError, parse_cfg
 from moewire.formats.base import amax_is_valid
-from moewire.megamoe.wrapper import QUANTIZER_NAMES
+from moewire.megamoe.quant_experts import QUANTIZER_NAMES
 from moewire.quantizer import WireQuantizer, WireQuantizerLike, calibration, max_all_reduce
 
 __all__ = [
@@ -351,14 +351,14 @@ class _QuantMegaMoEExperts(QuantModule):
 
     ModelOpt's registry builds ``Quant<Cls>(_QuantMegaMoEExperts, QuantModule, Cls)`` and
     swaps the module's class to it; :meth:`_setup` then hands the module to moewire's
-    wrapper (``moewire.megamoe.wrapper.convert``: call-time proxies, layout check, combine
+    wrapper (``moewire.megamoe.convert.convert``: call-time proxies, layout check, combine
     re-sum; a second class swap, to the wrapper's ``Quant<...>`` subclass), which attaches
     ModelOpt quantizers (``make_quantizer``/``attach``) instead of its own.
     """
 
     def _setup(self) -> None:
+        from moewire.megamoe.convert import convert
         from moewire.megamoe.registry import adapter_for
-        from moewire.megamoe.wrapper import convert
 
         # TensorQuantizers in place of the wrapper's own: ModelOpt's cfg wildcards,
         # calibration, summary and state only see those. Registered as ModelOpt's
@@ -429,7 +429,7 @@ def _register_model_classes(model: torch.nn.Module) -> None:
 
 def _name_converted_modules(model: torch.nn.Module) -> None:
     """ModelOpt post-conversion plugin: the wrapper's errors name the module's path."""
-    from moewire.megamoe.wrapper import convert
+    from moewire.megamoe.convert import convert
 
     for name, module in model.named_modules():
         if isinstance(module, _QuantMegaMoEExperts):

@@ -33,6 +33,7 @@ from typing import Any
 
 from torch import nn
 
+from moewire import patches
 from moewire.integrations import _vllm_bridge
 
 __all__ = [
@@ -317,7 +318,7 @@ def _wrap_model_loader() -> None:
         return model
 
     load_model._moewire = True  # type: ignore[attr-defined]
-    BaseModelLoader.load_model = load_model
+    patches.patch_attr(BaseModelLoader, "load_model", load_model)
 
 
 def register() -> None:

@@ -14,17 +14,10 @@ import torch
 from torch import nn
 
 from moewire.formats.base import amax_is_valid
+from moewire.megamoe.convert import _module_device, convert, is_converted
 from moewire.megamoe.flavours import ROWS_KINDS
+from moewire.megamoe.quant_experts import QUANTIZER_NAMES, amax_rows, kernel_rows, set_amax_rows
 from moewire.megamoe.registry import adapter_for, registered_classes
-from moewire.megamoe.wrapper import (
-    QUANTIZER_NAMES,
-    _module_device,
-    amax_rows,
-    convert,
-    is_converted,
-    kernel_rows,
-    set_amax_rows,
-)
 from moewire.quantizer import WireQuantizer, WireQuantizerLike, calibration
 
 __all__ = ["calibrate", "calibrating", "load_scales", "quantize", "quantizers", "save_scales",

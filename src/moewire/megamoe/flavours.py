@@ -32,7 +32,7 @@ build differ (``bf16_mega_moe`` in ``vllm-0.33``).
 
 :func:`detect` names the flavour of an imported ``deep_gemm`` module from facts of the
 module itself (which functions it has, their parameters); the layout check of the first
-batch (``moewire.megamoe.wrapper``) is what proves the choice. ``MOEWIRE_FLAVOUR=<name>``
+batch (``moewire.megamoe.layout_check``) is what proves the choice. ``MOEWIRE_FLAVOUR=<name>``
 overrides the detection.
 
 Base rules locate regions by ``data_ptr()`` differences: a view may be a DLPack tensor that

@@ -1,0 +1,354 @@
+"""The quantized experts class: what ``Quant<Cls>.forward`` does around the experts' own.
+
+:class:`QuantExperts` is the mixin first in the MRO of every generated ``Quant<Cls>``
+(:mod:`moewire.megamoe.convert`). Its forward marks itself running
+(:mod:`moewire.megamoe.active`), runs the experts' own forward, and fails closed if an
+enabled quantizer's hook was not reached. The hooks (:mod:`moewire.megamoe.hooks`) call
+back into it:
+
+- the staging hook (:meth:`QuantExperts._moewire_stage`): the ``hidden_states`` argument
+  of the staging call is replaced by ``dispatch_quantizer(hidden_states)``, out of place,
+  so the router and an unfused shared expert (added after the kernel) see the original
+  tokens;
+- the combine hook (:meth:`QuantExperts._moewire_combine`), right after the kernel returns
+  (before ``y += shared_experts(...)``): the combine rows are read from the buffer (at the
+  place the flavour gives for that kernel), checked (:mod:`moewire.megamoe.layout_check`),
+  fake-quantized, re-summed in the kernel's order (:func:`~moewire.megamoe.resum.resum`)
+  and written into ``y`` in place.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from moewire.megamoe import flavours as _flavours
+from moewire.megamoe import layout_check
+from moewire.megamoe.active import ACTIVE, CAST_CALIBRATION, REACHED
+from moewire.megamoe.layout import combine_rows
+from moewire.megamoe.registry import ExpertsAdapter, adapter_for
+
+__all__ = [
+    "FUSION_SWITCH",
+    "QUANTIZER_NAMES",
+    "QuantExperts",
+    "amax_rows",
+    "kernel_rows",
+    "original_class",
+    "set_amax_rows",
+    "set_module_name",
+]
+
+FUSION_SWITCH = "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=1"
+QUANTIZER_NAMES = ("dispatch_quantizer", "combine_quantizer")
+
+
+def _locate_hidden(
+    fn: Callable, args: tuple, kwargs: dict, where: int | str, name: str
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[tuple, dict]]]:
+    """Find ``hidden_states`` in a staging call; returns it and a function that rebuilds
+    the call's ``(args, kwargs)`` with a replacement."""
+    if isinstance(where, int) and len(args) > where:
+
+        def put_positional(value: torch.Tensor) -> tuple[tuple, dict]:
+            return args[:where] + (value,) + args[where + 1 :], kwargs
+
+        return args[where], put_positional
+    if isinstance(where, str) and where in kwargs:
+
+        def put_keyword(value: torch.Tensor) -> tuple[tuple, dict]:
+            return args, {**kwargs, where: value}
+
+        return kwargs[where], put_keyword
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    key = params[where] if isinstance(where, int) and where < len(params) else where
+    if isinstance(key, str) and key in kwargs:
+        return _locate_hidden(fn, args, kwargs, key, name)
+    if isinstance(key, str) and key in params and params.index(key) < len(args):
+        return _locate_hidden(fn, args, kwargs, params.index(key), name)
+    raise RuntimeError(
+        f"{name}: the staging call has no hidden_states argument at {where!r} (got "
+        f"{len(args)} positional and keywords {sorted(kwargs)}); fix the adapter's "
+        "stage_hidden_arg"
+    )
+
+
+
+class QuantExperts:
+    """Mixin of the generated ``Quant<Cls>`` classes (first in their MRO).
+
+    Needs two submodules, ``dispatch_quantizer`` and ``combine_quantizer``, with the
+    :class:`~moewire.quantizer.WireQuantizer` surface (``mode``, ``is_static_scale()``,
+    ``static_amax``, ``collect(x)``, ``__call__``); another class-swap framework (ModelOpt's
+    ``QuantModuleRegistry``) can put this mixin first in its own generated class, create
+    the two quantizers and call :func:`install_proxies` for the class's adapter. The
+    adapter is looked up from the class (``adapter_for``); :func:`set_module_name` sets the
+    name used in errors (default: the class name).
+    """
+
+    _moewire_quant_class = True
+    dispatch_quantizer: nn.Module
+    combine_quantizer: nn.Module
+
+    @property
+    def _moewire_adapter(self) -> ExpertsAdapter:
+        adapter = self.__dict__.get("_moewire_adapter_")
+        if adapter is None:
+            adapter = adapter_for(self)
+            if adapter is None:
+                raise TypeError(
+                    f"{type(self).__name__} has no experts adapter; register its base class "
+                    "with moewire.megamoe.register_experts_class"
+                )
+            self.__dict__["_moewire_adapter_"] = adapter
+        return adapter
+
+    @property
+    def _moewire_name(self) -> str:
+        return self.__dict__.get("_moewire_name_") or type(self).__name__
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        reached: set[str] = set()
+        pending: list[torch.Tensor] = []
+        token, reached_token = ACTIVE.set(self), REACHED.set(reached)
+        pending_token = CAST_CALIBRATION.set(pending)
+        try:
+            result = super().forward(*args, **kwargs)
+        finally:
+            ACTIVE.reset(token)
+            REACHED.reset(reached_token)
+            CAST_CALIBRATION.reset(pending_token)
+        if pending:
+            raise RuntimeError(
+                f"{self._moewire_name}: dispatch_quantizer is calibrating and the forward of "
+                f"{original_class(type(self)).__qualname__} staged its tokens with DeepGEMM's "
+                "per_token_cast_to_fp8, but no hooked Mega-MoE kernel call followed, so "
+                "moewire never saw which tokens were staged with a valid slot (padding must "
+                "stay out of the amax) and collected nothing; call the kernel through the "
+                "deep_gemm module in the same forward, or calibrate through a staging "
+                "function (an experts adapter's stage_fn)"
+            )
+        self._moewire_require_hooks(reached)
+        return result
+
+    def _moewire_require_hooks(self, reached: set[str]) -> None:
+        """Fail closed: an enabled quantizer whose hook the forward never reached.
+
+        The dispatch quantizer acts in the staging call, the combine quantizer right after
+        the kernel call; a forward that stages inline, imports ``deep_gemm`` under another
+        name or calls a kernel function no flavour describes would otherwise run
+        unquantized without a word.
+        """
+        needed = (
+            ("dispatch_quantizer", "staging", "the staging call"),
+            ("combine_quantizer", "kernel", "the Mega-MoE kernel call"),
+        )
+        for quantizer_name, hook, what in needed:
+            if getattr(self, quantizer_name).mode == "disabled" or hook in reached:
+                continue
+            adapter = self._moewire_adapter
+            if hook == "staging":
+                looked = (
+                    f"{adapter.forward_module}.{adapter.stage_fn}, or the first "
+                    "per_token_cast_to_fp8 of [T, hidden] tokens through the hooked deep_gemm "
+                    "module before the kernel call"
+                )
+            else:
+                looked = (
+                    f"{adapter.forward_module}.{adapter.kernel_ns}.<"
+                    f"{'|'.join(sorted(_flavours.kernel_functions()))}>"
+                )
+            raise RuntimeError(
+                f"{self._moewire_name}: the forward of {original_class(type(self)).__qualname__} "
+                f"({adapter.runtime()}) finished without reaching moewire's {hook} hook "
+                f"({what}, through {looked}), so {quantizer_name} did not run and the output "
+                "is unquantized. This forward stages or calls the kernel some other way "
+                "(inline staging, a local import of deep_gemm, a kernel function no flavour "
+                f"describes); register an experts adapter for it, or disable {quantizer_name}"
+            )
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    def _moewire_stage(
+        self, fn: Callable, args: tuple, kwargs: dict, cast: str | None = None
+    ) -> Any:
+        """The staging hook: run ``fn`` (the staging function, or with ``cast`` DeepGEMM's
+        staging cast of that name, hidden states first) on ``dispatch_quantizer(hidden)``.
+
+        Calibrating, ``fn`` runs on the original tokens and the tokens with a valid staged
+        slot are collected: right after a staging function (it stages the ids), or at the
+        kernel call after a cast (the caller stages the ids after casting).
+        """
+        quantizer = self.dispatch_quantizer
+        if quantizer.mode == "disabled":
+            return fn(*args, **kwargs)
+        adapter = self._moewire_adapter
+        if adapter.fused_shared(self):
+            raise RuntimeError(
+                f"{self._moewire_name}: the dispatch quantizer is enabled but a shared expert "
+                "is fused into the Mega-MoE kernel, which reads the same staged tokens, so it "
+                f"would see quantized inputs too; run with {FUSION_SWITCH} (vLLM) or build "
+                "the layer with the shared expert unfused, or disable the dispatch quantizer"
+            )
+        where = adapter.stage_hidden_arg if cast is None else 0
+        hidden, put = _locate_hidden(fn, args, kwargs, where, self._moewire_name)
+        _on_device(quantizer, hidden.device, self._moewire_name, "dispatch_quantizer")
+        if quantizer.mode == "calibrate":
+            result = fn(*args, **kwargs)
+            if cast is None:
+                self._moewire_collect_staged(hidden)
+            else:
+                pending = CAST_CALIBRATION.get()
+                if pending is not None:
+                    pending.append(hidden)
+            return result
+        args, kwargs = put(quantizer(hidden))
+        return fn(*args, **kwargs)
+
+    def _moewire_collect_staged(self, hidden: torch.Tensor) -> None:
+        """Calibrate the dispatch amax on the tokens staged with a valid slot."""
+        staged = self._moewire_adapter.get_symm_buffer(self).topk_idx[: hidden.shape[0]]
+        # Only tokens with a valid slot reach an expert; padding never does. Boolean
+        # indexing syncs with the host, which calibration (eager, before capture) allows.
+        self.dispatch_quantizer.collect(hidden[(staged >= 0).any(dim=1)])
+
+    def _moewire_collect_cast_calibration(self) -> None:
+        """At the kernel call, before the kernel runs (it may clear the buffer): collect
+        the tokens a staging cast saw, now that their ids are staged."""
+        pending = CAST_CALIBRATION.get()
+        while pending:
+            self._moewire_collect_staged(pending.pop())
+
+    # -- combine -------------------------------------------------------------------------
+
+    def _moewire_before_kernel(
+        self, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The staged ids and router weights of this call, copied before the kernel runs
+        (or None when the combine is off): a kernel may clear the buffer
+        (``DG_COMM_KERNEL_DEBUG=1`` zeroes all of it), and validity read afterwards would
+        turn padding into routed slots."""
+        if self.combine_quantizer.mode == "disabled":
+            return None
+        symm_buffer = self._moewire_adapter.get_symm_buffer(self)
+        t = y.shape[0]
+        return symm_buffer.topk_idx[:t].clone(), symm_buffer.topk_weights[:t].clone()
+
+    def _moewire_combine(
+        self, y: torch.Tensor, staged: tuple[torch.Tensor, torch.Tensor], kernel: str
+    ) -> None:
+        """Check, then calibrate or re-sum the combine rows into ``y``.
+
+        Args:
+            y: the kernel's output, BF16 ``[T, H]``.
+            staged: int64 ``[T, k]`` ids and FP32 ``[T, k]`` router weights, as staged
+                before the kernel ran (the weights enter the sum of a weighted kernel only).
+            kernel: the kernel function that ran (``"fp8_fp4_mega_moe"``).
+        """
+        topk_idx, topk_weights = staged
+        quantizer = self.combine_quantizer
+        name = self._moewire_name
+        if quantizer.mode == "quantize" and not quantizer.is_static_scale():
+            raise RuntimeError(
+                f"{name}: the combine quantizer needs a calibrated or constant amax (each "
+                "rank re-quantizes rows from all expert ranks, and a scale computed per call "
+                "from this rank's rows would also see padding and stale rows); run "
+                "calibration or set constant_amax"
+            )
+        adapter = self._moewire_adapter
+        flavour = _flavours.get(adapter.flavour(self))
+        fused = bool(adapter.fused_shared(self))
+        symm_buffer = adapter.get_symm_buffer(self)
+        layout = flavour.layout(kernel)
+        rows = combine_rows(symm_buffer, flavour, kernel, fused_shared=fused)
+        kind = _flavours.rows_kind(layout)
+        self.__dict__["_moewire_kernel_rows_"] = kind
+        described = amax_rows(self)
+        if quantizer.mode == "quantize" and described not in (None, kind):
+            raise RuntimeError(
+                f"{name}: the combine quantizer's amax was calibrated on {described} combine "
+                f"rows, but {kernel} leaves {kind} rows (nvfp4_mega_moe's rows are unweighted "
+                "expert outputs, fp8_fp4_mega_moe's and bf16_mega_moe's are router-weighted); "
+                "calibrate the combine amax on this kernel, or load scales saved from it"
+            )
+        shared = layout.shared_position if fused else None
+        # nvfp4_mega_moe's rows are unweighted: its combine applies the router weights.
+        weights = topk_weights.float() if layout.weighted else None
+        num_tokens = y.shape[0]
+        _on_device(quantizer, y.device, name, "combine_quantizer")
+        state = layout_check.buffer_state(symm_buffer)
+        call = layout_check.Combine(rows, topk_idx, num_tokens, shared, weights, y, flavour, kernel)
+        if not state.checked and layout_check.one_pass(quantizer, y):
+            layout_check.check_in_one_pass(name, quantizer, state, call)
+            return
+        if not state.checked:
+            layout_check.check(name, state, call)
+        if quantizer.mode == "calibrate":
+            # Valid rows only: invalid slots hold stale rows, padding tokens have no valid
+            # slot, and the fused shared row (index k) is not on the wire. For a weighted
+            # kernel these are the unweighted expert outputs (docs/formats.md).
+            valid = (topk_idx[:num_tokens] >= 0).T
+            quantizer.collect(rows[: topk_idx.shape[1], :num_tokens][valid])
+            self.__dict__["_moewire_amax_rows_"] = kind
+            return
+        call.resum(row_quantizer=quantizer, out=y)
+
+
+def amax_rows(module: nn.Module) -> str | None:
+    """Which combine rows the module's combine amax describes (``flavours.rows_kind``):
+    set by calibration or :func:`set_amax_rows`; ``None`` when unknown."""
+    return module.__dict__.get("_moewire_amax_rows_")
+
+
+def kernel_rows(module: nn.Module) -> str | None:
+    """The kind of combine rows the module's kernel left in its last forward, or ``None``."""
+    return module.__dict__.get("_moewire_kernel_rows_")
+
+
+def set_amax_rows(module: nn.Module, kind: str | None) -> None:
+    """Record which combine rows a loaded amax describes (``load_scales``)."""
+    if kind is not None and kind not in _flavours.ROWS_KINDS:
+        raise ValueError(
+            f"set_amax_rows: kind must be 'weighted', 'unweighted' or None, got {kind!r}"
+        )
+    module.__dict__["_moewire_amax_rows_"] = kind
+
+
+
+def _on_device(quantizer: nn.Module, device: torch.device, name: str, which: str) -> None:
+    """Keep the quantizer's state where the data is: moved eagerly, refused mid-capture."""
+    state = [t for t in (quantizer.static_amax, *quantizer.buffers()) if t is not None]
+    if all(t.device == device for t in state):
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{name}.{which}: its state is on {state[0].device} while a CUDA graph is being "
+            f"captured on {device}; move the model to the device (model.to({str(device)!r})) "
+            "or run one eager forward before capture"
+        )
+    quantizer.to(device)
+
+
+
+def set_module_name(module: nn.Module, name: str) -> None:
+    """Set the name a quantized experts module uses in its errors (its path in the model)."""
+    module.__dict__["_moewire_name_"] = name
+
+
+def original_class(quant: type) -> type:
+    """The experts class a generated ``Quant<Cls>`` was made from.
+
+    Raises:
+        TypeError: ``quant`` is not a class generated by moewire's ``convert``.
+    """
+    cls = quant.__dict__.get("_moewire_original_class")
+    if cls is None:
+        raise TypeError(f"{quant.__qualname__} is not a class generated by moewire's convert")
+    return cls

@@ -1,0 +1,136 @@
+"""The undo ledger: every change moewire makes to an object it does not own, undoable.
+
+moewire interposes on other packages' objects: the call-time globals of an experts
+forward's module (:mod:`moewire.megamoe.hooks`), the class of DeepGEMM's module objects
+(``_HookedModule``), vLLM's ``_import_deep_gemm`` and staging globals
+(:mod:`moewire.integrations._vllm_bridge`) and ``BaseModelLoader.load_model``
+(:mod:`moewire.integrations.vllm`). Each such change goes through :func:`patch_attr` or
+:func:`patch_class`, which record the original value first; :func:`undo_all` puts every
+original back (``moewire.unquantize`` calls it once no converted module remains).
+
+The ledger holds the patched objects weakly where they allow it (modules, classes), so a
+record never keeps an object alive nor outlives it; the originals are held strongly (they
+must come back).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["active_patches", "is_patched", "patch_attr", "patch_class", "undo_all"]
+
+# The attribute was not in the object's own namespace (inherited, or absent): undo deletes it.
+_MISSING = object()
+
+
+@dataclass
+class _Patch:
+    target: Callable[[], Any]  # the patched object, weakly where it allows
+    name: str | None  # the attribute; None for the object's class
+    original: Any  # the value before moewire's first patch (or _MISSING)
+    value: Any  # the value moewire set last
+
+
+_LEDGER: list[_Patch] = []
+
+
+def _ref(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _own(obj: Any, name: str) -> Any:
+    """``obj``'s own value of ``name`` (not an inherited one), or ``_MISSING``."""
+    try:
+        return vars(obj).get(name, _MISSING)
+    except TypeError:  # no __dict__ (slots): what getattr gives is the object's own
+        return getattr(obj, name, _MISSING)
+
+
+def _entry(obj: Any, name: str | None) -> _Patch | None:
+    for patch in _LEDGER:
+        if patch.name == name and patch.target() is obj:
+            return patch
+    return None
+
+
+def patch_attr(obj: Any, name: str, value: Any) -> None:
+    """``setattr(obj, name, value)``, recording the original the first time.
+
+    Args:
+        obj: a module, class or object moewire does not own.
+        name: the attribute.
+        value: the replacement.
+    """
+    patch = _entry(obj, name)
+    current = _own(obj, name)
+    if patch is not None and current is not patch.value:
+        # Someone replaced moewire's value since: what is there now is the original.
+        _LEDGER.remove(patch)
+        patch = None
+    if patch is None:
+        _LEDGER.append(_Patch(_ref(obj), name, current, value))
+    else:
+        patch.value = value
+    setattr(obj, name, value)
+
+
+def patch_class(obj: Any, new_cls: type) -> None:
+    """``obj.__class__ = new_cls``, recording the original class the first time."""
+    patch = _entry(obj, None)
+    if patch is not None and type(obj) is not patch.value:
+        _LEDGER.remove(patch)
+        patch = None
+    if patch is None:
+        _LEDGER.append(_Patch(_ref(obj), None, type(obj), new_cls))
+    else:
+        patch.value = new_cls
+    obj.__class__ = new_cls
+
+
+def is_patched(obj: Any, name: str | None = None) -> bool:
+    """Whether moewire's patch of ``obj``'s ``name`` (``None``: its class) is recorded."""
+    return _entry(obj, name) is not None
+
+
+def active_patches() -> list[tuple[Any, str | None]]:
+    """Every recorded patch still in effect, oldest first: ``(object, attribute or None
+    for its class)``."""
+    return [
+        (patch.target(), patch.name) for patch in _LEDGER if patch.target() is not None
+    ]
+
+
+def undo_all() -> int:
+    """Put back every original, newest patch first, and empty the ledger.
+
+    A value that someone else replaced after moewire (a test's monkeypatch, another
+    library) is left alone: restoring moewire's original would undo their change.
+
+    Returns:
+        The number of patches undone.
+    """
+    undone = 0
+    while _LEDGER:
+        patch = _LEDGER.pop()
+        obj = patch.target()
+        if obj is None:
+            continue
+        if patch.name is None:
+            if type(obj) is patch.value:
+                obj.__class__ = patch.original
+                undone += 1
+            continue
+        if _own(obj, patch.name) is not patch.value:
+            continue
+        if patch.original is _MISSING:
+            delattr(obj, patch.name)
+        else:
+            setattr(obj, patch.name, patch.original)
+        undone += 1
+    return undone
