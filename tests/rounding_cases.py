@@ -224,13 +224,15 @@ TOKENS = [
     # 1 + 2^-8 + 2^-9, above the BF16 tie: 1+2^-7. A BF16 rounding per add gives 1.0.
     (((1.0, 1 + 2**-9 + 2**-10), (1.0, 2**-9 + 2**-10), None, None), 1,
      (1 + 2**-7, 1 + 2**-6 + 2**-7, 1 + 2**-6 + 2**-7)),
+    # Each FP32 step rounds 1+2^-8+2^-24 to the tie 1+2^-8 (even), which rounds to BF16 1.0;
+    # an accumulator wider than FP32 keeps 1+2^-8+2^-23, BF16 1+2^-7.
+    (((1.0, 1 + 2**-8), (_bf16(2**-24), 1.0), (_bf16(2**-24), 1.0), None), 1,
+     (1.0, 1 + 2**-6, 1 + 2**-6)),
     # The FP32 sum exactly at a BF16 tie: ties to even going down, then up.
     (((1.0, 1.0), None, (_bf16(2**-7), 0.5), None), 1, (1.0, 1 + 2**-6, 1 + 2**-6)),
     (((1.0, 1 + 2**-7), (_bf16(2**-7), 0.5), None, None), 1,
      (1 + 2**-6, 1 + 2**-5, 1 + 2**-5)),
 ]
-# The tokens (first four) whose FMA step is inexact in float64.
-DOUBLE_ROUNDING_TOKENS = (0, 1, 2, 3)
 # Columns that hold the crafted values (one per 128-column block, the rest random).
 CRAFTED = (3, 130)
 

@@ -23,6 +23,7 @@ import rounding_cases as rc
 from bitexact import assert_same_bits, seed_of
 from moewire.megamoe.resum import _fma_f32, resum
 from moewire.reference import _nvfp4_numerics
+from moewire.reference.nvfp4_mega_moe import weighted_combine
 
 CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -176,3 +177,24 @@ def test_weighted_resum_rounds_once_per_slot(position, device):
         other = rc.weighted_oracle(*args, position, wrong=wrong)
         assert (other[:n][:, list(rc.CRAFTED)] != want[:n][:, list(rc.CRAFTED)]).any(), (
             f"the tokens do not separate one rounding from {wrong}")
+
+
+@pytest.mark.parametrize("position", [None, "last"], ids=["no-shared", "shared-last"])
+def test_nvfp4_reference_kernel_combine_rounds_once_per_slot(position):
+    """The NVFP4 reference kernel's own combine (``reference.nvfp4_mega_moe.
+    weighted_combine``, the stand-in for the real kernel's ``__ffma2_rn`` loop; its shared
+    row is always last) on the same tokens: the oracle's bits and the table's.
+
+    Catches (verified by making the change): its FMA as a multiply then an add (mutant
+    ``reference-combine-multiply-then-add``), and its ``fma_f32`` without round-to-odd.
+    """
+    seed = seed_of("reference-weighted-combine", position)
+    routed, shared, idx, weights, t = rc.make_tokens(seed)
+    got = weighted_combine(_rows(routed, shared, position), idx[:t], weights[:t], t,
+                           position == "last")
+    args = (routed.float().numpy(), shared.float().numpy(), idx.numpy(), weights.numpy(), t)
+    assert_same_bits(got, rc.weighted_oracle(*args, position), seed=seed,
+                     what=f"reference weighted_combine, shared {position}")
+    for col in rc.CRAFTED:
+        assert_same_bits(got[: len(rc.TOKENS), col], rc.expected_crafted(position), seed=seed,
+                         what=f"reference weighted_combine at column {col}")
