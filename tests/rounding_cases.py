@@ -7,11 +7,11 @@ the Triton interpreter (``moewire.kernels._triton._fma``): the float64 product i
 float64 sum is made round-to-odd from its exact error (TwoSum), then rounded to FP32. On
 random data a wrong rounding rarely changes a BF16 result, so these cases are crafted:
 
-- :data:`FMA_CASES`: ``(a, b, c)`` whose exact ``a * b + c`` sits at, or within 2^-29 ulp
-  of, a tie between two FP32 values, both parities, both signs, subnormal, near overflow,
-  with large exponent gaps. The oracle is :func:`fma_oracle`: exact rationals
-  (``fractions.Fraction``) rounded to FP32 by :func:`round_to_f32`, this module's own
-  round-to-nearest-even (no float arithmetic on the way).
+- :data:`FMA_CASES`: ``(a, b, c)`` whose exact ``a * b + c`` sits at a tie between two
+  FP32 values, or less than 2^-28 of an FP32 ulp from one: both parities, both signs,
+  subnormal, near overflow, with large exponent gaps. The oracle is :func:`fma_oracle`:
+  exact rationals (``fractions.Fraction``) rounded to FP32 by :func:`round_to_f32`, this
+  module's own round-to-nearest-even (no float arithmetic on the way).
 - :data:`TOKENS`: combine tokens (BF16 rows, FP32 weights, a fused shared row) whose BF16
   result changes under each plausible wrong rounding (:data:`WRONG`), checked by the
   oracle :func:`weighted_oracle` that can also compute those wrong roundings.
@@ -156,8 +156,8 @@ FMA_IDS = [f"{i}-{why.split(':')[0][:40]}" for i, (_, _, _, why) in enumerate(FM
 
 
 def near_tie_cases(seed: int, n: int = 600) -> list[tuple[float, float, float]]:
-    """Random ``(a, b, c)`` whose exact ``a * b + c`` lies at an FP32 tie, or within 2^-30
-    (relative to ``c``) above or below one: ``c`` random (sign, 24-bit significand,
+    """Random ``(a, b, c)`` whose exact ``a * b + c`` lies at an FP32 tie, or less than 2^-28
+    of an FP32 ulp above or below one: ``c`` random (sign, 24-bit significand,
     exponent), ``a * b = ulp(c) / 2 * (1 + 2^-3k)`` or ``* (1 - 2^-2j)`` (exact products of
     two FP32 values: ``(1 + x)(1 - x + x^2) = 1 + x^3``, ``(1 + x)(1 - x) = 1 - x^2``), or
     exactly half an ulp, with either sign."""
