@@ -15,6 +15,8 @@ with ``MOEWIRE_SCALES`` = A's file.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.resources
 import json
 import os
@@ -26,6 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 pytestmark = pytest.mark.vllm
 
@@ -346,16 +349,291 @@ def test_worker_is_the_platform_worker_with_the_rpcs():
     assert Path(_worker_mod().__file__).name == "vllm_worker.py"
 
 
-def test_changed_scheduler_output_is_refused():
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    with pytest.raises(RuntimeError, match="does not take the fields of vLLM 0.32's"):
-        _worker_mod()._build(SchedulerOutput, scheduled_new_reqs=[], not_a_field=1)
-
-
 def test_worker_refuses_a_bad_environment_before_loading(monkeypatch):
     monkeypatch.setenv("MOEWIRE_SAVE_SCALES", "s.pt")
     monkeypatch.delenv("MOEWIRE_RECIPE", raising=False)
     with pytest.raises(ValueError, match="without MOEWIRE_RECIPE"):
         _worker_mod().MoewireWorker(vllm_config=None, local_rank=0, rank=0,
                                     distributed_init_method="", is_driver_worker=True)
+
+
+# -- the scheduler types: each vLLM shape, the refusals, a calibration through each ----------
+
+SHAPE_IDS = ["0.32", "0.33", "0.34", "main"]
+
+
+def _shape(name: str):
+    """0.32: the installed vLLM's own types; the others: ``_scheduler_types``' stand-ins."""
+    from _scheduler_types import SHAPES
+
+    return _worker_mod().scheduler_types() if name == "0.32" else SHAPES[name]
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+@pytest.mark.parametrize("shape", SHAPE_IDS)
+def test_scheduler_output_for_each_vllm_shape(shape):
+    """The step as each release's scheduler would send two fresh prefills.
+
+    Breaks that fail it: dropping ``prefill_token_ids`` (vLLM 0.32's V2 runner asserts it,
+    0.34 requires it), passing ``num_common_prefix_blocks`` unconditionally (0.34 has no
+    such field), or numbering blocks from 0 (vLLM's null block).
+    """
+    types = _shape(shape)
+    out = _worker_mod().scheduler_output(
+        [("a", [5, 6, 7]), ("b", [8])], {"x"}, [2, 4], types=types
+    )
+    assert type(out) is types.scheduler_output
+    a, b = out.scheduled_new_reqs
+    assert type(a) is types.new_request_data
+    assert (a.req_id, a.prompt_token_ids, a.prefill_token_ids, a.num_computed_tokens) == (
+        "a", [5, 6, 7], [5, 6, 7], 0)
+    # Per KV cache group ceil(n / size) blocks, from one pool, numbered from 1.
+    assert a.block_ids == ([1, 2], [3]) and b.block_ids == ([4], [5])
+    assert type(a.sampling_params) is types.sampling_params
+    assert a.sampling_params.max_tokens == 1
+    assert out.num_scheduled_tokens == {"a": 3, "b": 1}
+    assert out.total_num_scheduled_tokens == 4
+    assert out.finished_req_ids == {"x"}
+    assert out.scheduled_cached_reqs.req_ids == []
+    fields = _fields(types.scheduler_output)
+    assert ("num_common_prefix_blocks" in fields) == (shape != "0.34")
+    if "num_common_prefix_blocks" in fields:
+        assert out.num_common_prefix_blocks == [0, 0]
+    if "new_block_ids_to_zero" in fields:
+        assert out.new_block_ids_to_zero is None
+
+
+@pytest.mark.parametrize("shape", ["0.32", "0.33", "0.34"])
+def test_zeroing_lists_every_block_of_the_step(shape):
+    """With ``needs_kv_cache_zeroing`` every block the step uses is zeroed first (each step
+    reuses blocks from 1); a step of no requests zeroes nothing (``None``, as vLLM's
+    scheduler sends)."""
+    build = _worker_mod().scheduler_output
+    types = _shape(shape)
+    out = build([("a", [5, 6, 7]), ("b", [8])], set(), [2, 4], zero_blocks=True, types=types)
+    assert out.new_block_ids_to_zero == [1, 2, 3, 4, 5]
+    empty = build([], {"a", "b"}, [2, 4], zero_blocks=True, types=types)
+    assert empty.new_block_ids_to_zero is None and empty.scheduled_new_reqs == []
+
+
+def _variant(cls, add: str | None = None, drop: str | None = None):
+    """``cls`` with a required field ``add`` and without ``drop`` (and no methods)."""
+    fields = [f for f in dataclasses.fields(cls) if f.name != drop]
+    required = [(f.name, f.type) for f in fields if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    optional = [(f.name, f.type, f) for f in fields if (f.name, f.type) not in required]
+    extra = [(add, int)] if add else []
+    return dataclasses.make_dataclass(cls.__name__, required + extra + optional)
+
+
+def _refusal_types(case: str):
+    from _scheduler_types import (
+        CachedRequestData034,
+        NewRequestData034,
+        SamplingParams,
+        SchedulerOutput034,
+    )
+
+    base = _shape("0.34")
+    changes = {
+        "request-new-required": {"new_request_data": _variant(NewRequestData034, add="epoch")},
+        "request-field-gone": {
+            "new_request_data": _variant(NewRequestData034, drop="prompt_token_ids")},
+        "output-new-required": {"scheduler_output": _variant(SchedulerOutput034, add="epoch")},
+        "output-field-gone": {
+            "scheduler_output": _variant(SchedulerOutput034, drop="finished_req_ids")},
+        "cached-new-required": {
+            "cached_request_data": _variant(CachedRequestData034, add="epoch")},
+        "sampling-max-tokens-gone": {
+            "sampling_params": _variant(SamplingParams, drop="max_tokens")},
+    }[case]
+    return dataclasses.replace(base, **changes, version="0.99.0")
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("request-new-required", r"NewRequestData034 requires the field\(s\) \['epoch'\]"),
+        ("request-field-gone", r"NewRequestData034 lacks the field\(s\) \['prompt_token_ids'\]"),
+        ("output-new-required", r"SchedulerOutput034 requires the field\(s\) \['epoch'\]"),
+        ("output-field-gone", r"SchedulerOutput034 lacks the field\(s\) \['finished_req_ids'\]"),
+        ("cached-new-required", r"CachedRequestData034 requires the field\(s\) \['epoch'\]"),
+        ("sampling-max-tokens-gone", r"SamplingParams lacks the field\(s\) \['max_tokens'\]"),
+    ],
+)
+def test_unknown_scheduler_shape_is_refused(case, match):
+    """A changed type is refused by name, with the vLLM version and the way out; never a
+    ``TypeError`` from inside vLLM's constructor. (``cached-new-required``: a type without
+    ``make_empty`` is built field by field, so its new required field is seen.)"""
+    with pytest.raises(RuntimeError, match=match) as info:
+        _worker_mod().scheduler_output([("a", [1, 2])], set(), [16], types=_refusal_types(case))
+    assert "vLLM 0.99.0's" in str(info.value)
+    assert "moewire.integrations.vllm.calibrate" in str(info.value)
+
+
+def test_zeroing_without_the_field_is_refused():
+    """vLLM main (a9b1694) has no ``new_block_ids_to_zero``: a KV cache that needs zeroing
+    there is refused rather than calibrated on stale blocks."""
+    with pytest.raises(RuntimeError, match=r"lacks the field\(s\) \['new_block_ids_to_zero'\]"):
+        _worker_mod().scheduler_output([("a", [1])], set(), [16], zero_blocks=True,
+                                       types=_shape("main"))
+
+
+def test_cached_requests_without_make_empty_are_built_field_by_field():
+    from _scheduler_types import CachedRequestData034
+
+    types = dataclasses.replace(
+        _shape("0.34"), cached_request_data=_variant(CachedRequestData034)
+    )
+    assert not hasattr(types.cached_request_data, "make_empty")
+    out = _worker_mod().scheduler_output([("a", [1])], set(), [16], types=types)
+    assert out.scheduled_cached_reqs == types.cached_request_data([], [], [], [], [])
+
+
+def test_worker_refuses_unknown_scheduler_types_before_loading(monkeypatch):
+    mod = _worker_mod()
+    monkeypatch.setenv("MOEWIRE_RECIPE", RECIPE)
+    for key in ("MOEWIRE_SCALES", "MOEWIRE_SAVE_SCALES", "MOEWIRE_CALIB_DATA"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(mod, "scheduler_types", lambda: _refusal_types("output-new-required"))
+    with pytest.raises(RuntimeError, match=r"requires the field\(s\) \['epoch'\]"):
+        mod.MoewireWorker(vllm_config=None, local_rank=0, rank=0,
+                          distributed_init_method="", is_driver_worker=True)
+
+
+# A model whose experts are moewire's stand-in class, converted before the worker runs (as
+# the plugin converts at load, whichever vLLM path built the experts).
+VOCAB_FAKE, E_FAKE, K_FAKE, H_FAKE, MAX_T = 97, 8, 4, 512, 24
+
+
+class _TokenMoE(nn.Module):
+    def __init__(self) -> None:
+        from moewire.reference import MegaMoEExperts
+
+        super().__init__()
+        g = torch.Generator().manual_seed(zlib.crc32(b"moewire worker shapes"))
+        self.register_buffer("embed", torch.randn(VOCAB_FAKE, H_FAKE, generator=g).bfloat16())
+        self.register_buffer("router", torch.randn(H_FAKE, E_FAKE, generator=g))
+        self.layers = nn.ModuleList(
+            MegaMoEExperts(E_FAKE, K_FAKE, H_FAKE, 512, MAX_T, mma_type="fp8xfp4", seed=j)
+            for j in range(2)
+        )
+
+    def forward(self, token_ids: list[int]) -> None:
+        x = self.embed[torch.tensor(token_ids)]
+        w, ids = (x.float() @ self.router).softmax(-1).topk(K_FAKE)
+        for experts in self.layers:
+            x = experts(x, w, ids).to(x.dtype)
+
+
+class _Eplb:
+    suppressed = False
+
+    def suppress(self):
+        @contextlib.contextmanager
+        def scope():
+            self.suppressed = True
+            try:
+                yield
+            finally:
+                self.suppressed = False
+
+        return scope()
+
+
+class _FakeWorker:
+    """What ``calibrate_in_worker`` reads of a vLLM worker; ``execute_model`` checks each
+    step as vLLM's V2 runner reads it, then runs the step's prompts through the model."""
+
+    def __init__(self, model, block_sizes, zeroing=False, eplb=False):
+        kv_cache_config = SimpleNamespace(
+            kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=s))
+                             for s in block_sizes],
+            num_blocks=64, needs_kv_cache_zeroing=zeroing,
+        )
+        self.model_runner = SimpleNamespace(get_model=lambda: model,
+                                            kv_cache_config=kv_cache_config)
+        if eplb:
+            self.model_runner.eplb = _Eplb()
+        self.vllm_config = SimpleNamespace(
+            parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=MAX_T, max_num_seqs=3),
+        )
+        self.model_config = SimpleNamespace(
+            skip_tokenizer_init=True, get_vocab_size=lambda: VOCAB_FAKE, max_model_len=64
+        )
+        self.model, self.zeroing, self.eplb = model, zeroing, eplb
+        self.live: set[str] = set()
+        self.steps: list[list[list[int]]] = []
+        self.sampled = 0
+
+    def execute_model(self, out):
+        assert out.finished_req_ids == self.live  # the previous step's requests, freed
+        if self.eplb:
+            assert self.model_runner.eplb.suppressed
+        used = []
+        for req in out.scheduled_new_reqs:
+            assert req.prefill_token_ids == req.prompt_token_ids  # 0.32's V2 runner asserts
+            assert out.num_scheduled_tokens[req.req_id] == len(req.prompt_token_ids)
+            used += [b for group in req.block_ids for b in group]
+        assert 0 not in used and len(used) == len(set(used))
+        if self.zeroing:
+            assert out.new_block_ids_to_zero == (sorted(used) or None)
+        prompts = [req.prompt_token_ids for req in out.scheduled_new_reqs]
+        if prompts:
+            self.model([t for p in prompts for t in p])
+        self.live = {req.req_id for req in out.scheduled_new_reqs}
+        self.steps.append(prompts)
+
+    def sample_tokens(self, grammar_output):
+        self.sampled += 1
+
+
+CALIB_SEQS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38], [32, 79, 50],
+              [28, 84, 19, 71, 69, 39, 93], [75, 10, 58, 20, 9, 74]]
+
+
+@pytest.mark.parametrize(
+    ("shape", "zeroing", "eplb"),
+    [("0.32", False, False), ("0.33", True, True), ("0.34", True, True),
+     ("main", False, False)],
+    ids=["0.32", "0.33-zeroing-eplb", "0.34-zeroing-eplb", "main"],
+)
+def test_worker_calibrates_any_converted_experts_in_each_shape(
+    vllm_config, monkeypatch, shape, zeroing, eplb
+):
+    """The worker calibrates the converted experts whatever class they are (moewire's
+    stand-in here, not one of vLLM's: it finds them through the registry, not a class it
+    names), through steps of each vLLM shape, to the amaxes of ``api.calibrate`` on the
+    same batches.
+
+    Breaks that fail it: a builder that drops or reorders a request's tokens (other
+    amaxes), one that re-quantizes a converted model through ``quantize_vllm_model``
+    (refused: no vLLM experts class), steps outside EPLB's ``suppress`` (0.33+), a missing
+    final step (the last requests never freed).
+    """
+    from moewire.megamoe import api
+
+    mod = _worker_mod()
+    types = _shape(shape)
+    monkeypatch.setattr(mod, "scheduler_types", lambda: types)
+    model = api.quantize(_TokenMoE(), RECIPE)
+    worker = _FakeWorker(model, [4, 8], zeroing=zeroing, eplb=eplb)
+    line = mod.calibrate_in_worker(
+        worker, mod.CalibrationPlan(recipe=RECIPE, data=json.dumps(CALIB_SEQS))
+    )
+    steps = [[CALIB_SEQS[i] for i in step] for step in mod.pack_steps(
+        [len(s) for s in CALIB_SEQS], MAX_T, 3, [4, 8], 63)]
+    assert worker.steps == [*steps, []] and worker.sampled == len(steps) + 1
+    assert len(steps) > 1  # the test packs more than one step
+    assert "calibrated 4 quantizers on 30 tokens" in line
+
+    reference = api.quantize(_TokenMoE(), RECIPE)
+    api.calibrate(reference, lambda m: [m([t for p in step for t in p]) for step in steps])
+    got = {name: float(q.amax) for name, _, q in api.quantizers(model)}
+    want = {name: float(q.amax) for name, _, q in api.quantizers(reference)}
+    assert got == want and len(got) == 4
+    assert {q.amax_source for _, _, q in api.quantizers(model)} == {"calibrated"}

@@ -26,8 +26,10 @@ tokenizer); a path to a ``.txt`` file (one sample per non-empty line) or a ``.js
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.resources
+import inspect
 import json
 import logging
 import math
@@ -44,6 +46,7 @@ from moewire.integrations.vllm import (
     MoewireWorkerExtension,
     _rank_path,
     quantize_vllm_model,
+    vllm_version,
 )
 
 __all__ = [
@@ -52,13 +55,17 @@ __all__ = [
     "ENV_CALIB_MAX_SEQS",
     "ENV_CALIB_SEQ_LEN",
     "ENV_SAVE_SCALES",
+    "KNOWN_SCHEDULER_SHAPES",
     "CalibrationPlan",
     "MoewireWorker",
+    "SchedulerTypes",
     "calibration_plan",
     "calibration_token_ids",
     "calibrate_in_worker",
     "dp_shards",
     "pack_steps",
+    "scheduler_output",
+    "scheduler_types",
 ]
 
 # A child of vLLM's logger: its handler puts these lines in the server log.
@@ -288,51 +295,184 @@ def _parallel(worker: Any) -> tuple[Any, int, int]:
     return group, dp.world_size, dp.rank_in_group
 
 
-def _build(cls: type, **fields: Any) -> Any:
-    try:
-        return cls(**fields)
-    except TypeError as exc:
-        raise RuntimeError(
-            f"moewire worker: this vLLM's {cls.__name__} does not take the fields of vLLM "
-            f"0.32's ({exc}); one-launch calibration cannot build its steps here. Calibrate "
-            "with the two-RPC path (moewire.integrations.vllm.calibrate) and serve with "
-            f"{ENV_SCALES}"
-        ) from exc
+@dataclass(frozen=True)
+class SchedulerTypes:
+    """The vLLM types a calibration step is built from.
+
+    Attributes:
+        scheduler_output: ``vllm.v1.core.sched.output.SchedulerOutput``.
+        new_request_data: ``vllm.v1.core.sched.output.NewRequestData``.
+        cached_request_data: ``vllm.v1.core.sched.output.CachedRequestData``.
+        sampling_params: ``vllm.SamplingParams``.
+        version: the vLLM version they come from (named in refusals).
+    """
+
+    scheduler_output: type
+    new_request_data: type
+    cached_request_data: type
+    sampling_params: type
+    version: str
 
 
-def _scheduler_output(
-    batch: list[tuple[str, list[int]]], finished: set[str], block_sizes: list[int]
-) -> Any:
+def scheduler_types() -> SchedulerTypes:
+    """The installed vLLM's scheduler types."""
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
     from vllm import SamplingParams
 
-    new_reqs, counts = [], {}
+    return SchedulerTypes(
+        SchedulerOutput, NewRequestData, CachedRequestData, SamplingParams, vllm_version()
+    )
+
+
+#: The shapes :func:`scheduler_output` was checked against (named in refusals).
+KNOWN_SCHEDULER_SHAPES = "vLLM 0.32, 0.33, 0.34 and main"
+
+
+def _refuse(types: SchedulerTypes, cls: type, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"moewire worker: vLLM {types.version}'s {cls.__name__} {what}; one-launch "
+        f"calibration builds its steps for the scheduler types of {KNOWN_SCHEDULER_SHAPES} "
+        "only. Calibrate with the two-RPC path (moewire.integrations.vllm.calibrate) and "
+        f"serve with {ENV_SCALES}"
+    )
+
+
+def _build(
+    types: SchedulerTypes, cls: type, values: Mapping[str, Any], needed: frozenset[str]
+) -> Any:
+    """``cls(**kwargs)`` with the fields of ``values`` that ``cls``'s constructor takes.
+
+    A field moewire gives a value to but the constructor lacks is left out (vLLM 0.34
+    dropped ``SchedulerOutput.num_common_prefix_blocks``); a field the constructor has and
+    moewire does not know keeps its default.
+
+    Raises:
+        RuntimeError: a field of ``needed`` is gone (the type no longer means what the
+            steps assume), or the constructor requires a field moewire has no value for.
+    """
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError) as exc:
+        raise _refuse(types, cls, f"has no readable constructor signature ({exc})") from exc
+    named = {
+        name: p for name, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    gone = sorted(needed - named.keys())
+    if gone:
+        raise _refuse(types, cls, f"lacks the field(s) {gone} the steps fill")
+    unknown = sorted(
+        name for name, p in named.items()
+        if p.default is inspect.Parameter.empty and name not in values
+    )
+    if unknown:
+        raise _refuse(types, cls, f"requires the field(s) {unknown}, which moewire does not know")
+    try:
+        return cls(**{name: value for name, value in values.items() if name in named})
+    except (TypeError, ValueError) as exc:
+        raise _refuse(types, cls, f"refused the steps' fields ({exc})") from exc
+
+
+_NEEDED_REQUEST = frozenset(
+    {"req_id", "prompt_token_ids", "sampling_params", "block_ids", "num_computed_tokens"}
+)
+_NEEDED_OUTPUT = frozenset(
+    {"scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
+     "total_num_scheduled_tokens", "finished_req_ids"}
+)
+_ZERO_FIELD = "new_block_ids_to_zero"
+
+
+def _no_cached_requests(types: SchedulerTypes) -> Any:
+    cls = types.cached_request_data
+    make_empty = getattr(cls, "make_empty", None)
+    if callable(make_empty):
+        return make_empty()  # vLLM's own empty value, right for its fields
+    return _build(types, cls, {
+        "req_ids": [], "resumed_req_ids": set(), "new_token_ids": [], "all_token_ids": {},
+        "new_block_ids": [], "num_computed_tokens": [], "num_output_tokens": [],
+    }, frozenset({"req_ids"}))
+
+
+def scheduler_output(
+    batch: list[tuple[str, list[int]]], finished: set[str], block_sizes: list[int], *,
+    zero_blocks: bool = False, types: SchedulerTypes | None = None,
+) -> Any:
+    """One calibration step: ``batch`` as fresh prefill requests, ``finished`` released.
+
+    Built field by field from the constructors' signatures (:func:`_build`), so it takes
+    the shapes of vLLM 0.32 to 0.34 and main: ``prefill_token_ids`` (optional and read by
+    the V2 model runner in 0.32/0.33, required in 0.34) is the prompt, and
+    ``num_common_prefix_blocks`` (required on main, deprecated in 0.32/0.33, gone in 0.34)
+    is zero per KV cache group where the type has it.
+
+    Args:
+        batch: ``(request id, token ids)`` per request, each a whole prompt.
+        finished: the previous step's request ids (their state and blocks are freed).
+        block_sizes: the block size of each KV cache group; a request of ``n`` tokens gets
+            ``ceil(n / size)`` blocks in each group, numbered from 1 (0 is vLLM's null
+            block) in one pool shared by the groups.
+        zero_blocks: the KV cache needs fresh blocks zeroed (``needs_kv_cache_zeroing``:
+            Mamba or mixed-precision caches): every block of the step is listed in
+            ``new_block_ids_to_zero``.
+        types: the scheduler types (default: the installed vLLM's).
+
+    Raises:
+        RuntimeError: a scheduler type whose shape moewire does not know (a required field
+            it has no value for, a field it needs that is gone), or ``zero_blocks`` on a
+            ``SchedulerOutput`` without ``new_block_ids_to_zero``.
+    """
+    types = scheduler_types() if types is None else types
+    sampling = _build(types, types.sampling_params, {"max_tokens": 1}, frozenset({"max_tokens"}))
+    new_reqs, counts, used = [], {}, []
     next_block = 1  # block 0 is vLLM's null block; the groups share one pool
     for req_id, tokens in batch:
-        block_ids = []
+        block_ids, first = [], next_block
         for size in block_sizes:
             count = math.ceil(len(tokens) / size)
             block_ids.append(list(range(next_block, next_block + count)))
             next_block += count
-        new_reqs.append(_build(
-            NewRequestData, req_id=req_id, prompt_token_ids=tokens, mm_features=[],
-            sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
-            block_ids=tuple(block_ids), num_computed_tokens=0, lora_request=None,
-        ))
+        used.extend(range(first, next_block))
+        new_reqs.append(_build(types, types.new_request_data, {
+            "req_id": req_id, "prompt_token_ids": tokens, "prefill_token_ids": list(tokens),
+            "mm_features": [], "sampling_params": sampling, "pooling_params": None,
+            "block_ids": tuple(block_ids), "num_computed_tokens": 0, "lora_request": None,
+        }, _NEEDED_REQUEST))
         counts[req_id] = len(tokens)
-    return _build(
-        SchedulerOutput,
-        scheduled_new_reqs=new_reqs,
-        scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens=counts,
-        total_num_scheduled_tokens=sum(counts.values()),
-        scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={},
-        num_common_prefix_blocks=[0] * len(block_sizes),
-        finished_req_ids=finished,
-        free_encoder_mm_hashes=[],
-    )
+    values: dict[str, Any] = {
+        "scheduled_new_reqs": new_reqs,
+        "scheduled_cached_reqs": _no_cached_requests(types),
+        "num_scheduled_tokens": counts,
+        "total_num_scheduled_tokens": sum(counts.values()),
+        "scheduled_spec_decode_tokens": {},
+        "scheduled_encoder_inputs": {},
+        "num_common_prefix_blocks": [0] * len(block_sizes),
+        "finished_req_ids": finished,
+        "free_encoder_mm_hashes": [],
+    }
+    needed = _NEEDED_OUTPUT
+    if zero_blocks:
+        # The scheduler lists the blocks it just allocated; every step reuses blocks from 1.
+        values[_ZERO_FIELD] = used or None
+        needed = needed | {_ZERO_FIELD}
+    return _build(types, types.scheduler_output, values, needed)
+
+
+def check_scheduler_types(types: SchedulerTypes | None = None) -> None:
+    """Refuse a vLLM whose scheduler types the steps cannot be built for (a probe step).
+
+    Raises:
+        RuntimeError: as :func:`scheduler_output`.
+    """
+    scheduler_output([("moewire-probe", [0])], set(), [1], types=types)
+
+
+def _eplb_suppressed(runner: Any) -> contextlib.AbstractContextManager[Any]:
+    # vLLM 0.33+'s V2 runner: EPLBController.suppress() keeps warm-up forwards from
+    # stepping EPLB or recording expert load; 0.32 and the V1 runner have no such switch.
+    suppress = getattr(getattr(runner, "eplb", None), "suppress", None)
+    return suppress() if callable(suppress) else contextlib.nullcontext()
 
 
 def _run_step(worker: Any, output: Any) -> None:
@@ -361,7 +501,9 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
 
     Raises:
         ValueError: bad calibration data (see :func:`calibration_token_ids`).
-        RuntimeError: pipeline parallelism (steps would need intermediate tensors).
+        RuntimeError: pipeline parallelism (steps would need intermediate tensors); scheduler
+            types of a shape moewire does not know (:func:`scheduler_output`), refused
+            before anything is quantized or run.
     """
     from moewire.megamoe import api
 
@@ -372,6 +514,15 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
             "calibrate with the two-RPC path (moewire.integrations.vllm.calibrate) or serve "
             f"with {ENV_SCALES}"
         )
+    kv_config = worker.model_runner.kv_cache_config
+    block_sizes = [g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups]
+    zero = bool(getattr(kv_config, "needs_kv_cache_zeroing", False))
+    types = scheduler_types()
+
+    def step_output(batch: list[tuple[str, list[int]]], finished: set[str]) -> Any:
+        return scheduler_output(batch, finished, block_sizes, zero_blocks=zero, types=types)
+
+    step_output([("moewire-probe", [0])], set())  # an unknown vLLM shape: refused up front
     model = worker.model_runner.get_model()
     if not any(True for _ in api.quantizers(model)):
         quantize_vllm_model(model, plan.recipe)
@@ -383,8 +534,6 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
     dp_group, dp_size, dp_rank = _parallel(worker)
     shards = dp_shards(seqs, dp_size)
     seqs = shards[dp_rank]
-    kv_config = worker.model_runner.kv_cache_config
-    block_sizes = [g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups]
     scheduler = worker.vllm_config.scheduler_config
     # Packed on the longest sequence at each position over the shards: every DP rank runs
     # the same steps (vLLM coordinates each execute_model across DP).
@@ -399,16 +548,19 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
         plan.recipe, len(seqs), total, len(steps),
     )
 
-    # moewire's one calibration: collect, then max-reduce over EP and DP, then load.
-    with api.calibrating(model, extra_groups=(dp_group,)):
+    # moewire's one calibration: collect, then max-reduce over EP and DP, then load. As
+    # vLLM's own warm-up (0.33+), the forwards record no expert load for EPLB.
+    with _eplb_suppressed(worker.model_runner), api.calibrating(
+        model, extra_groups=(dp_group,)
+    ):
         finished: set[str] = set()
         for number, step in enumerate(steps, 1):
             batch = [(f"moewire-calib-{dp_rank}-{i}", seqs[i]) for i in step]
-            _run_step(worker, _scheduler_output(batch, finished, block_sizes))
+            _run_step(worker, step_output(batch, finished))
             finished = {req_id for req_id, _ in batch}
             logger.info("moewire: calibration step %d/%d (%d sequences)", number, len(steps),
                         len(batch))
-        _run_step(worker, _scheduler_output([], finished, block_sizes))
+        _run_step(worker, step_output([], finished))
     saved = ""
     if plan.save is not None:
         saved = f"; saved {api.save_scales(model, _rank_path(plan.save))}"
@@ -455,7 +607,11 @@ class _OneLaunch:
     """``compile_or_warm_up_model``: moewire's calibration (or scale load) first."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        calibration_plan()  # refuse a bad environment before the weights load
+        # Refuse a bad environment, or a vLLM whose scheduler types the calibration steps
+        # cannot be built for, before the weights load.
+        plan = calibration_plan()
+        if plan is not None and plan.calibrates:
+            check_scheduler_types()
         super().__init__(*args, **kwargs)
 
     def compile_or_warm_up_model(self) -> Any:
