@@ -22,6 +22,10 @@ tokenizer); a path to a ``.txt`` file (one sample per non-empty line) or a ``.js
 (a list of token-id lists); or an inline JSON list of token-id lists (``[[1, 2, 3], [4, 5]]``).
 ``MOEWIRE_CALIB_MAX_SEQS`` (default 64) caps the sequences and ``MOEWIRE_CALIB_SEQ_LEN``
 (default 512) their length.
+
+The steps are built from vLLM's scheduler types field by field (:func:`scheduler_output`),
+for the constructor shapes of vLLM 0.32, 0.33, 0.34 and main; a shape it does not know is
+refused when the worker is built, before the weights load.
 """
 
 from __future__ import annotations
