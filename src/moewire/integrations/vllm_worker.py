@@ -66,6 +66,7 @@ __all__ = [
     "calibration_plan",
     "calibration_token_ids",
     "calibrate_in_worker",
+    "check_scheduler_types",
     "dp_shards",
     "pack_steps",
     "scheduler_output",
@@ -428,7 +429,6 @@ def scheduler_output(
             ``SchedulerOutput`` without ``new_block_ids_to_zero``.
     """
     types = scheduler_types() if types is None else types
-    sampling = _build(types, types.sampling_params, {"max_tokens": 1}, frozenset({"max_tokens"}))
     new_reqs, counts, used = [], {}, []
     next_block = 1  # block 0 is vLLM's null block; the groups share one pool
     for req_id, tokens in batch:
@@ -440,7 +440,9 @@ def scheduler_output(
         used.extend(range(first, next_block))
         new_reqs.append(_build(types, types.new_request_data, {
             "req_id": req_id, "prompt_token_ids": tokens, "prefill_token_ids": list(tokens),
-            "mm_features": [], "sampling_params": sampling, "pooling_params": None,
+            "mm_features": [], "sampling_params": _build(
+                types, types.sampling_params, {"max_tokens": 1}, frozenset({"max_tokens"})
+            ), "pooling_params": None,
             "block_ids": tuple(block_ids), "num_computed_tokens": 0, "lora_request": None,
         }, _NEEDED_REQUEST))
         counts[req_id] = len(tokens)
