@@ -44,7 +44,7 @@ def _float_at_least(minimum: float):
 
 
 def _study_parser(sub) -> argparse.ArgumentParser:
-    from moewire.study.config import (
+    from moewire.study.settings import (
         DEFAULT_COMBINE,
         DEFAULT_DISPATCH,
         DEFAULT_ROUTER_IMBALANCE,
@@ -111,7 +111,7 @@ def _study_parser(sub) -> argparse.ArgumentParser:
 
 
 def _config_from_args(args: argparse.Namespace):
-    from moewire.study.config import StudyConfig, with_formats
+    from moewire.study.settings import StudyConfig, with_formats
 
     cfg = StudyConfig(
         model=args.model, experts=args.experts, tokens=args.tokens, ranks=args.ranks,
@@ -143,7 +143,7 @@ def _run_study(args: argparse.Namespace) -> int:
               f"run: {sys.executable} -m pip install {' '.join(missing)}", file=sys.stderr)
         return 1
     from moewire.study import report
-    from moewire.study.config import check_out_dir, validate
+    from moewire.study.settings import check_out_dir, validate
     from moewire.study.runner import Progress, run_study
 
     cfg = validate(_config_from_args(args))

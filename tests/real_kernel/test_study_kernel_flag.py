@@ -9,7 +9,7 @@ import torch
 from moewire import cli
 from moewire.study import StudyConfig, run_study
 from moewire.study import real_kernel as study_real
-from moewire.study.config import validate
+from moewire.study.settings import validate
 from moewire.study.errors import StudyArgumentError
 
 SMALL = ["study", "--model", "demo", "--tokens", "128", "--calib-batches", "1",

@@ -234,10 +234,10 @@ def test_study_reports_the_target_and_lands_near_it(tmp_path):
 
 
 def test_the_study_mma_table_agrees_with_the_stand_in():
-    """``study/config.py`` keeps its own MMA table because the CLI validates flags before
+    """``study/settings.py`` keeps its own MMA table because the CLI validates flags before
     torch is imported (the stand-in kernel imports torch); this keeps the two in step."""
     from moewire.reference import deep_gemm
-    from moewire.study import config
+    from moewire.study import settings
 
-    assert config.MMA_TYPES == (*deep_gemm.MMA_TYPES, "nvfp4")
-    assert config._HIDDEN_MULTIPLE == {**deep_gemm.HIDDEN_MULTIPLE, "nvfp4": 128}
+    assert settings.MMA_TYPES == (*deep_gemm.MMA_TYPES, "nvfp4")
+    assert settings._HIDDEN_MULTIPLE == {**deep_gemm.HIDDEN_MULTIPLE, "nvfp4": 128}

@@ -29,7 +29,7 @@ from moewire.reference import (
     make_nvfp4_weights,
 )
 from moewire.reference import make_weights as reference_make_weights
-from moewire.study.config import NONE, StudyConfig, check_layer_shapes, router_imbalance
+from moewire.study.settings import NONE, StudyConfig, check_layer_shapes, router_imbalance
 from moewire.study.data import LayerWeights, Router, balanced_bias, load_weights, norm_gamma
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

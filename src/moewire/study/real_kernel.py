@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from moewire.study.config import StudyConfig, check_layer_shapes, router_imbalance
+from moewire.study.settings import StudyConfig, check_layer_shapes, router_imbalance
 from moewire.study.data import Router, load_weights, norm_gamma
 from moewire.study.errors import StudyArgumentError
 from moewire.study.layer import MoELayer, StudyLayer, _shared_from_dense, synthetic_router

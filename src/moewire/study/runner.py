@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import moewire
-from moewire.study.config import StudyConfig, validate
+from moewire.study.settings import StudyConfig, validate
 from moewire.study.data import load_activations, synthetic_hidden_states
 from moewire.study.errors import StudyArgumentError
 from moewire.study.layer import (
