@@ -9,8 +9,8 @@ import torch
 from moewire import cli
 from moewire.study import StudyConfig, run_study
 from moewire.study import real_kernel as study_real
-from moewire.study.settings import validate
 from moewire.study.errors import StudyArgumentError
+from moewire.study.settings import validate
 
 SMALL = ["study", "--model", "demo", "--tokens", "128", "--calib-batches", "1",
          "--eval-batches", "1", "--dispatch", "fp8", "--combine", "nvfp4"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import torch
@@ -29,8 +30,8 @@ from moewire.reference import (
     make_nvfp4_weights,
 )
 from moewire.reference import make_weights as reference_make_weights
-from moewire.study.settings import NONE, StudyConfig, check_layer_shapes, router_imbalance
 from moewire.study.data import LayerWeights, Router, balanced_bias, load_weights, norm_gamma
+from moewire.study.settings import NONE, StudyConfig, check_layer_shapes, router_imbalance
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -264,57 +265,129 @@ def check_resources(cfg: StudyConfig) -> str:
     return plan
 
 
-def build_layer(cfg: StudyConfig, generator: torch.Generator) -> StudyLayer:
-    """The layer of ``cfg``: synthetic seeded weights, or ``--weights``/``--layer``.
+#: The synthetic layer is built in this many chunks of experts, each reported to the
+#: progress (a full-size layer takes minutes on a CPU: about 2.6 s per V4-Flash expert).
+BUILD_CHUNKS = 8
 
-    Synthetic: :func:`moewire.reference.make_weights` (seed ``cfg.seed``; four input
-    channels of each matrix 16x larger, which the FP4 block scales must absorb), a seeded
-    unfused :class:`~moewire.reference.SharedExpert` of ``num_shared * I`` when the preset
-    has one, and a router ``weight ~ N(0, 1/H)`` whose selection bias is fitted to
-    ``cfg.router_imbalance`` (:func:`synthetic_router`). From a checkpoint: its experts,
-    shared expert and router (a synthetic router when the file has none); the preset gives
-    top-k and gating only.
+
+def _concat(parts: list[Any]) -> Any:
+    """Expert-major concatenation of chunk tensors, or of ``(values, scales)`` pairs."""
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0])))
+    return torch.cat(parts)
+
+
+def synthetic_kernel_weights(
+    cfg: StudyConfig, num_experts: int, hidden: int, intermediate: int,
+    device: torch.device, report: Callable[[int, int], None] = lambda done, total: None,
+) -> MegaMoEWeights | NVFP4MegaMoEWeights:
+    """The stand-in kernel's seeded weights, built in :data:`BUILD_CHUNKS` chunks of experts.
+
+    :func:`moewire.reference.make_weights` draws expert ``e`` from its own seed and the
+    layout transform works expert by expert, so chunks concatenated along the expert dim
+    are bit-identical to one call for all experts; chunking only lets the build report
+    ``report(experts built, experts total)`` as it goes.
+    """
+    step = -(-num_experts // BUILD_CHUNKS)
+    chunks = []
+    report(0, num_experts)
+    for first in range(0, num_experts, step):
+        ids = range(first, min(first + step, num_experts))
+        if cfg.mma == "nvfp4":
+            chunks.append(make_nvfp4_weights(num_experts, hidden, intermediate, experts=ids,
+                                             seed=cfg.seed, device=device))
+        else:
+            chunks.append(reference_make_weights(num_experts, hidden, intermediate,
+                                                 experts=ids, mma_type=cfg.mma,
+                                                 seed=cfg.seed, device=device))
+        report(ids.stop, num_experts)
+    if len(chunks) == 1:
+        return chunks[0]
+    fields = {}
+    for name in [f.name for f in dataclass_fields(chunks[0]) if f.name != "experts"]:
+        value = getattr(chunks[0], name)
+        if isinstance(value, (torch.Tensor, tuple)):
+            fields[name] = _concat([getattr(c, name) for c in chunks])
+            for c in chunks:  # free each chunk's copy as soon as it is joined
+                setattr(c, name, None)
+        else:
+            fields[name] = value
+    return type(chunks[0])(experts=tuple(range(num_experts)), **fields)
+
+
+def build_layer(
+    cfg: StudyConfig, generator: torch.Generator,
+    report: Callable[[int, int], None] = lambda done, total: None,
+) -> StudyLayer:
+    """The layer of ``cfg``, on the stand-in kernel or the real one (``--kernel``).
+
+    The one builder of the study: the weights come from ``--weights``/``--layer`` (its
+    experts, shared expert and router; a synthetic router when the file has none; the
+    preset gives top-k and gating only) or are synthetic and seeded; only the routed
+    experts' kernel format depends on ``--kernel``:
+
+    - ``reference``: :func:`synthetic_kernel_weights` (``moewire.reference.make_weights``,
+      four input channels of each matrix 16x larger, which the FP4 block scales must
+      absorb) or :func:`kernel_weights_from_dense`;
+    - ``deepgemm-sm90``: :func:`moewire.study.real_kernel.kernel_experts` (the real kernel's
+      own weight recipe and its symmetric buffer).
+
+    The shared expert (unfused, :class:`~moewire.reference.SharedExpert`, ``num_shared * I``)
+    and the router (``weight ~ N(0, 1/H)``, selection bias fitted to
+    ``cfg.router_imbalance``, :func:`synthetic_router`) are the same for both kernels.
+
+    Args:
+        cfg: the settings.
+        generator: seeds the norm weights and the synthetic router (after the weights).
+        report: ``report(experts built, experts total)`` while synthetic experts are built.
     """
     preset = cfg.preset
+    real = cfg.kernel == "deepgemm-sm90"
+    if real:
+        from moewire.study import real_kernel
+
+        real_kernel.check(cfg)
     device = torch.device(cfg.device)
+    dense: LayerWeights | None = None
     if cfg.weights is not None:
-        dense: LayerWeights = load_weights(cfg.weights, cfg.layer, preset.top_k)
+        dense = load_weights(cfg.weights, cfg.layer, preset.top_k)
         num_experts, hidden, inter = dense.num_experts, dense.hidden, dense.intermediate
-        check_layer_shapes(cfg, num_experts, preset.top_k, hidden, inter)
-        weights = kernel_weights_from_dense(dense.w1.to(device), dense.w2.to(device), cfg.mma)
-        shared = None
-        if dense.shared_w1 is not None:
-            shared = _shared_from_dense(dense.shared_w1, dense.shared_w2, device)
-        router = None
-        if dense.router.numel():
-            router = Router(dense.router.to(device), None if dense.router_bias is None
-                            else dense.router_bias.to(device), preset.top_k, preset.gating)
         shared_inter, source = dense.num_shared_intermediate, dense.source
     else:
         num_experts = cfg.experts or preset.num_experts
         hidden, inter = preset.hidden, preset.intermediate
-        check_layer_shapes(cfg, num_experts, preset.top_k, hidden, inter)
-        if cfg.mma == "nvfp4":
-            weights = make_nvfp4_weights(num_experts, hidden, inter, seed=cfg.seed, device=device)
-        else:
-            weights = reference_make_weights(
-                num_experts, hidden, inter, mma_type=cfg.mma, seed=cfg.seed, device=device
-            )
         shared_inter = preset.num_shared * inter
-        shared = None
-        if shared_inter:
-            shared = SharedExpert(hidden, shared_inter, seed=cfg.seed, device=device)
-        router = None
-        source = f"synthetic(seed={cfg.seed})"
+        source = f"synthetic{'-bf16' if real else ''}(seed={cfg.seed})"
+    check_layer_shapes(cfg, num_experts, preset.top_k, hidden, inter)
+
+    extra: dict[str, Any] = {}
+    if real:
+        extra = real_kernel.kernel_experts(cfg, dense, num_experts, hidden, inter)
+        weights = None
+    elif dense is not None:
+        weights = kernel_weights_from_dense(dense.w1.to(device), dense.w2.to(device), cfg.mma)
+    else:
+        weights = synthetic_kernel_weights(cfg, num_experts, hidden, inter, device, report)
+
+    shared = router = None
+    if dense is not None:
+        if dense.shared_w1 is not None:
+            shared = _shared_from_dense(dense.shared_w1, dense.shared_w2, device)
+        if dense.router.numel():
+            router = Router(dense.router.to(device), None if dense.router_bias is None
+                            else dense.router_bias.to(device), preset.top_k, preset.gating)
+    elif shared_inter:
+        shared = SharedExpert(hidden, shared_inter, seed=cfg.seed, device=device)
     gamma = norm_gamma(hidden, generator)
     imbalance = None
     if router is None:
         imbalance = router_imbalance(cfg, num_experts, preset.top_k)
         router = synthetic_router(num_experts, hidden, preset.top_k, preset.gating,
                                   imbalance, generator, gamma, device)
-    return StudyLayer(
+    cls = real_kernel.RealKernelLayer if real else StudyLayer
+    return cls(
         num_experts, preset.top_k, hidden, inter, shared_inter, weights, shared, router,
-        source, cfg.tokens, cfg.mma, device, imbalance, gamma,
+        source, cfg.tokens, cfg.mma, device, imbalance, gamma, **extra,
     )
 
 

@@ -1,7 +1,8 @@
 """The study's layer on the real SM90 Mega-MoE kernel (``moewire study --kernel deepgemm-sm90``).
 
-Same layer as :mod:`moewire.study.layer` (router and unfused shared expert on the
-unquantized tokens, ``moewire.quantize`` on the experts), but the routed experts run on
+Built by the study's one builder, :func:`moewire.study.layer.build_layer` (router and
+unfused shared expert on the unquantized tokens, ``moewire.quantize`` on the experts); here
+only what differs: the routed experts run on
 DeepGEMM's SM90 ``fp8_fp4_mega_moe`` (PR #323) through
 :class:`moewire.integrations.deepgemm_sm90.SM90MegaMoEExperts`: the real kernel's own
 numerics (its FP8 staging, FP4 weights with UE8M0 scales per 32, its SwiGLU and combine
@@ -19,12 +20,12 @@ from typing import Any
 
 import torch
 
-from moewire.study.settings import StudyConfig, check_layer_shapes, router_imbalance
-from moewire.study.data import Router, load_weights, norm_gamma
+from moewire.study.data import LayerWeights
 from moewire.study.errors import StudyArgumentError
-from moewire.study.layer import MoELayer, StudyLayer, _shared_from_dense, synthetic_router
+from moewire.study.layer import MoELayer, StudyLayer
+from moewire.study.settings import StudyConfig
 
-__all__ = ["RealKernelLayer", "build_layer", "check"]
+__all__ = ["RealKernelLayer", "check", "kernel_experts"]
 
 # The stand-in's --mma name -> the SM90 kernel function with those operand types.
 _SM90_KERNEL = {"fp8xfp4": "fp8_fp4_mega_moe"}
@@ -96,51 +97,28 @@ def _synthetic_dense(e: int, h: int, i: int, seed: int, device: torch.device):
         i**-0.5)
 
 
-def build_layer(cfg: StudyConfig, generator: torch.Generator) -> RealKernelLayer:
-    """The layer of ``cfg`` on the real kernel: ``--weights``/``--layer`` or synthetic BF16
-    weights ``N(0, 1/fan_in)`` (seeded from ``--seed``), quantized by the kernel's own
-    weight recipe (:func:`moewire.integrations.deepgemm_sm90.quantize_weights`)."""
-    from moewire.integrations import deepgemm_sm90
-    from moewire.reference import SharedExpert
+def kernel_experts(cfg: StudyConfig, dense: LayerWeights | None, num_experts: int,
+                   hidden: int, intermediate: int) -> dict[str, Any]:
+    """The routed experts of :func:`moewire.study.layer.build_layer` on the real kernel.
 
-    check(cfg)
-    preset, device = cfg.preset, torch.device("cuda")
+    The dense weights of ``--weights`` (``dense``), or synthetic BF16 weights
+    ``N(0, 1/fan_in)`` seeded from ``--seed``, quantized by the kernel's own weight recipe
+    (:func:`moewire.integrations.deepgemm_sm90.quantize_weights`), and the kernel's symmetric
+    buffer on a one-rank group.
+
+    Returns:
+        The :class:`RealKernelLayer` fields ``kernel``, ``kernel_weights``, ``symm_buffer``.
+    """
+    from moewire.integrations import deepgemm_sm90
+
+    device = torch.device("cuda")
     kernel = _SM90_KERNEL[cfg.mma]
-    if cfg.weights is not None:
-        dense = load_weights(cfg.weights, cfg.layer, preset.top_k)
-        e, h, i = dense.num_experts, dense.hidden, dense.intermediate
-        check_layer_shapes(cfg, e, preset.top_k, h, i)
+    if dense is not None:
         w1, w2 = dense.w1.to(device, torch.bfloat16), dense.w2.to(device, torch.bfloat16)
-        shared = None
-        if dense.shared_w1 is not None:
-            shared = _shared_from_dense(dense.shared_w1, dense.shared_w2, device)
-        router = None
-        if dense.router.numel():
-            router = Router(dense.router.to(device), None if dense.router_bias is None
-                            else dense.router_bias.to(device), preset.top_k, preset.gating)
-        shared_inter, source = dense.num_shared_intermediate, dense.source
     else:
-        e, h, i = cfg.experts or preset.num_experts, preset.hidden, preset.intermediate
-        check_layer_shapes(cfg, e, preset.top_k, h, i)
-        w1, w2 = _synthetic_dense(e, h, i, cfg.seed, device)
-        shared_inter = preset.num_shared * i
-        shared = SharedExpert(h, shared_inter, seed=cfg.seed, device=device) if shared_inter \
-            else None
-        router = None
-        source = f"synthetic-bf16(seed={cfg.seed})"
+        w1, w2 = _synthetic_dense(num_experts, hidden, intermediate, cfg.seed, device)
     weights = deepgemm_sm90.quantize_weights(w1, w2, kernel)
     del w1, w2
     buffer = deepgemm_sm90.deep_gemm.get_symm_buffer_for_sm90_mega_moe(
-        _one_rank_group(), e, cfg.tokens, preset.top_k, h, i)
-    # The router and the tokens' norm weights as the stand-in study draws them.
-    gamma = norm_gamma(h, generator)
-    imbalance = None
-    if router is None:
-        imbalance = router_imbalance(cfg, e, preset.top_k)
-        router = synthetic_router(e, h, preset.top_k, preset.gating, imbalance, generator,
-                                  gamma, device)
-    return RealKernelLayer(
-        e, preset.top_k, h, i, shared_inter, None, shared, router, source, cfg.tokens,
-        cfg.mma, device, imbalance, gamma, kernel=kernel, kernel_weights=weights,
-        symm_buffer=buffer,
-    )
+        _one_rank_group(), num_experts, cfg.tokens, cfg.preset.top_k, hidden, intermediate)
+    return {"kernel": kernel, "kernel_weights": weights, "symm_buffer": buffer}

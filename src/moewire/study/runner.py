@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 import moewire
-from moewire.study.settings import StudyConfig, validate
 from moewire.study.data import load_activations, synthetic_hidden_states
 from moewire.study.errors import StudyArgumentError
 from moewire.study.layer import (
@@ -41,6 +40,7 @@ from moewire.study.layer import (
     run_pair,
 )
 from moewire.study.metrics import error_metrics
+from moewire.study.settings import StudyConfig, validate
 from moewire.study.wire import remote_fraction, wire_cost
 
 SCHEMA = "moewire.study/1"
