@@ -44,6 +44,8 @@ def _float_at_least(minimum: float):
 
 
 def _study_parser(sub) -> argparse.ArgumentParser:
+    from moewire.study.comm import DEFAULT_EP_SIZE, PROFILES
+    from moewire.study.presets import PRESETS
     from moewire.study.settings import (
         DEFAULT_COMBINE,
         DEFAULT_DISPATCH,
@@ -52,7 +54,6 @@ def _study_parser(sub) -> argparse.ArgumentParser:
         MMA_TYPES,
         StudyConfig,
     )
-    from moewire.study.presets import PRESETS
 
     d = StudyConfig()
     p = sub.add_parser(
@@ -104,6 +105,21 @@ def _study_parser(sub) -> argparse.ArgumentParser:
                    help="the synthetic router's hottest expert gets X times the mean expected "
                    f"load (default {DEFAULT_ROUTER_IMBALANCE}, as DeepSeek's balanced routing, "
                    "at most E/k; 1 = uniform); ignored with a --weights router")
+    t = p.add_argument_group(
+        "time estimate", "dispatch and combine time per format on an interconnect, from "
+        "published DeepEP figures (docs/study.md, 'Reading the time estimate')")
+    t.add_argument("--interconnect", choices=list(PROFILES), default=d.interconnect,
+                   help=f"interconnect profile (default {d.interconnect}): "
+                   + "; ".join(f"{k}: {v.description}" for k, v in PROFILES.items()))
+    t.add_argument("--ep-size", type=_int_at_least(1), default=None, metavar="N",
+                   help=f"expert-parallel ranks of the estimate (default {DEFAULT_EP_SIZE}, or "
+                   "the largest divisor of the expert and token counts below it)")
+    t.add_argument("--ep-tokens", type=_int_at_least(1), default=None, metavar="T",
+                   help="tokens each rank dispatches per step (default --tokens / --ranks)")
+    t.add_argument("--link-gbps", type=_float_at_least(0.0), default=None, metavar="GB/s",
+                   help="override the profile's bandwidth per GPU (GB/s, every EP size)")
+    t.add_argument("--link-latency-us", type=_float_at_least(0.0), default=None, metavar="US",
+                   help="override the profile's latency per dispatch or combine (us)")
     p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
     p.add_argument("--out", default=d.out, metavar="DIR",
                    help=f"output directory (default ./{d.out}/)")
@@ -119,9 +135,51 @@ def _config_from_args(args: argparse.Namespace):
         weights=args.weights, layer=args.layer, activations=args.activations,
         mma=args.mma, device=args.device, seed=args.seed, out=args.out,
         router_imbalance=args.router_imbalance,
-        kernel=args.kernel,
+        kernel=args.kernel, interconnect=args.interconnect, ep_size=args.ep_size,
+        ep_tokens=args.ep_tokens, link_gbps=args.link_gbps,
+        link_latency_us=args.link_latency_us,
     )
     return with_formats(cfg, args.dispatch, args.combine)
+
+
+def _line_hooks():
+    """Progress for logs (no terminal): one line per stage, per built chunk of experts and
+    per finished pair, each saying what is done of what total."""
+    from moewire.study.runner import Progress
+
+    return Progress(
+        phase=lambda label: print(label, flush=True),
+        build=lambda done, total: print(f"  built {done}/{total} experts", flush=True),
+        pair_done=lambda done, total, label: print(f"[{done}/{total} pairs done] {label}",
+                                                   flush=True),
+    )
+
+
+def _rich_hooks(bar):
+    """Progress for a terminal: one bar for the build (experts), then one for the pairs."""
+    from moewire.study.runner import Progress
+
+    tasks = {}
+
+    def phase(label: str) -> None:
+        if "build" not in tasks:
+            tasks["build"] = bar.add_task(label, total=None)
+        else:
+            bar.update(tasks.get("pairs", tasks["build"]), description=label)
+
+    def build(done: int, total: int) -> None:
+        bar.update(tasks["build"], completed=done, total=total)
+
+    def pair_start(done: int, total: int, label: str) -> None:
+        if "pairs" not in tasks:
+            bar.update(tasks["build"], visible=False)
+            tasks["pairs"] = bar.add_task(label, total=total)
+        bar.update(tasks["pairs"], completed=done, description=label)
+
+    def pair_done(done: int, total: int, label: str) -> None:
+        bar.update(tasks["pairs"], completed=done)
+
+    return Progress(phase=phase, build=build, pair_start=pair_start, pair_done=pair_done)
 
 
 #: What ``moewire study`` imports beyond torch (import name -> pip name); part of the
@@ -143,8 +201,8 @@ def _run_study(args: argparse.Namespace) -> int:
               f"run: {sys.executable} -m pip install {' '.join(missing)}", file=sys.stderr)
         return 1
     from moewire.study import report
+    from moewire.study.runner import run_study
     from moewire.study.settings import check_out_dir, validate
-    from moewire.study.runner import Progress, run_study
 
     cfg = validate(_config_from_args(args))
     check_out_dir(cfg.out)
@@ -158,27 +216,10 @@ def _run_study(args: argparse.Namespace) -> int:
         bar = RichProgress("[progress.description]{task.description}", BarColumn(),
                            MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                            transient=True)
-        task = bar.add_task("building the layer", total=None)
-        hooks = Progress(
-            start=lambda total: bar.update(task, total=total),
-            step=lambda: bar.advance(task),
-            phase=lambda label: bar.update(task, description=label),
-        )
         with bar:
-            doc = run_study(cfg, hooks)
+            doc = run_study(cfg, _rich_hooks(bar))
     else:
-        state = {"done": 0, "total": 0}
-
-        def step() -> None:
-            state["done"] += 1
-
-        def start(total: int) -> None:
-            state["total"] = total
-
-        def phase(label: str) -> None:
-            print(f"[{state['done']}/{state['total'] or '?'}] {label}", flush=True)
-
-        doc = run_study(cfg, Progress(start=start, step=step, phase=phase))
+        doc = run_study(cfg, _line_hooks())
 
     paths = report.write_all(doc, Path(cfg.out))
     if tty:
@@ -195,6 +236,7 @@ def _run_study(args: argparse.Namespace) -> int:
         f"load{target_text}; {100 * routing['remote_fraction']:.1f}% of copies leave their "
         f"rank ({cfg.ranks} rank(s))"
     )
+    print(report.time_note(doc))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 

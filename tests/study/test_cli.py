@@ -18,7 +18,8 @@ TINY = ["study", "--model", "tiny", "--tokens", "16", "--calib-batches", "1",
         "--eval-batches", "1", "--dispatch", "fp8", "--combine", "nvfp4,mxfp8"]
 METRICS = ("rel_l2", "sqnr_db", "cosine", "max_abs_err")
 COSTS = ("dispatch_bytes_per_token", "combine_bytes_per_token", "bytes_per_token",
-         "ratio_to_bf16")
+         "ratio_to_bf16", "dispatch_us", "combine_us", "comm_us", "bf16_comm_us", "saved_us",
+         "time_ratio_to_bf16")
 
 
 def _run(tmp_path, name, *extra):
@@ -42,9 +43,9 @@ def test_writes_the_three_files(tiny_run, capsys):
 
 def test_json_schema(tiny_run):
     _, doc = tiny_run
-    assert doc["schema"] == "moewire.study/1"
-    assert set(doc) == {"schema", "versions", "settings", "layer", "routing", "baseline",
-                        "results"}
+    assert doc["schema"] == "moewire.study/2"
+    assert set(doc) == {"schema", "versions", "settings", "layer", "routing", "interconnect",
+                        "baseline", "results"}
     assert doc["versions"]["torch"] == torch.__version__
     assert isinstance(doc["versions"]["moewire"], str)
     s = doc["settings"]
@@ -62,6 +63,13 @@ def test_json_schema(tiny_run):
             assert isinstance(r[key], (int, float)) or r[key] == "inf", (key, r)
         assert isinstance(r["calibrated"], bool)
         assert set(r["amax"]) == {"dispatch", "combine"}
+        assert r["fake_quant_us"] is None  # measured on CUDA only
+    # The time estimate: the default profile at EP 8 (16 experts, 16 tokens: 8 divides both).
+    assert doc["interconnect"]["name"] == "nvlink-h200"
+    assert "DeepEP" in doc["interconnect"]["source"]
+    ep = doc["routing"]["ep"]
+    assert ep["ep_size"] == 8 and ep["tokens_per_rank"] == 16 and ep["top_k"] == tiny.top_k
+    assert 0.5 < ep["remote_fraction"] < 1 and ep["bottleneck"] >= 1
 
 
 def test_baseline_is_exact_and_quantized_pairs_are_not(tiny_run):
@@ -71,10 +79,14 @@ def test_baseline_is_exact_and_quantized_pairs_are_not(tiny_run):
     assert base["rel_l2"] == 0 and base["max_abs_err"] == 0 and base["cosine"] == 1
     assert base["sqnr_db"] == "inf" and math.isinf(float(base["sqnr_db"]))
     assert base["ratio_to_bf16"] == 1
+    assert base["time_ratio_to_bf16"] == 1 and base["saved_us"] == 0
+    assert base["comm_us"] == base["bf16_comm_us"] > 0
     for pair, r in by_pair.items():
         if pair != ("bf16", "bf16"):
             assert 0 < r["rel_l2"] < 1 and r["sqnr_db"] > 0, pair
             assert r["ratio_to_bf16"] < 1
+            assert r["time_ratio_to_bf16"] < 1 and r["saved_us"] > 0
+            assert r["comm_us"] == pytest.approx(r["dispatch_us"] + r["combine_us"])
     # fp8 (per tensor) needs a calibrated amax; mxfp8 computes its scales per block.
     assert by_pair["fp8", "bf16"]["calibrated"] and by_pair["fp8", "bf16"]["amax"]["dispatch"]
     assert not by_pair["bf16", "mxfp8"]["calibrated"]

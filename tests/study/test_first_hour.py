@@ -161,7 +161,9 @@ def _doc():
         for c in ("bf16", "fp8_b32_ue8m0", "logfmt10"):
             results.append({"dispatch": d, "combine": c, "rel_l2": 1.3951234e-2,
                             "sqnr_db": 37.106, "cosine": 0.9999027, "max_abs_err": 1.2345e-1,
-                            "bytes_per_token": 100366.0, "ratio_to_bf16": 0.314})
+                            "bytes_per_token": 100366.0, "ratio_to_bf16": 0.314,
+                            "dispatch_us": 41.93, "combine_us": 58.81, "comm_us": 100.74,
+                            "time_ratio_to_bf16": 0.849, "fake_quant_us": 12.5})
     return {"results": results}
 
 
@@ -185,6 +187,19 @@ def test_plain_and_rich_tables_fit_the_terminal(width):
 
 def test_a_wide_terminal_shows_every_column():
     assert report.table_columns(_doc(), 200) == tuple(k for k, _ in report._COLUMNS)
+
+
+def test_columns_follow_what_the_results_hold():
+    """No QDQ column where nothing was timed (CPU), no time columns in a schema-1 file."""
+    doc = _doc()
+    for r in doc["results"]:
+        r["fake_quant_us"] = None
+    assert "fake_quant_us" not in report.table_columns(doc, None)
+    assert "comm_us" in report.table_columns(doc, None)
+    old = {"results": [{k: v for k, v in r.items() if not k.endswith("_us")
+                        and k != "time_ratio_to_bf16"} for r in doc["results"]]}
+    assert report.table_columns(old, None) == tuple(k for k, _ in report._COLUMNS[:8])
+    assert len(report.plain_table(old).splitlines()) == 2 + len(old["results"])
 
 
 # -- realistic routing --------------------------------------------------------------------------

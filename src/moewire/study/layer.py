@@ -424,11 +424,42 @@ def needs_calibration(dispatch: str, combine: str) -> bool:
 
 @dataclass
 class PairRun:
-    """The outputs of one quantized run and the scales it used."""
+    """The outputs of one quantized run, the scales it used and (on CUDA) its forward time.
+
+    Attributes:
+        outputs: BF16 ``[T, H]`` per evaluation batch.
+        amax: the calibrated amax of each axis (``None``: not calibrated).
+        summary: ``moewire.summary`` of the quantized model.
+        forward_us: mean microseconds of one quantized forward pass, when timed.
+    """
 
     outputs: list[torch.Tensor]
     amax: dict[str, float | None]
     summary: str
+    forward_us: float | None = None
+
+
+#: Timed repetitions over the evaluation batches (the minimum is kept: the least disturbed).
+_TIMED_REPEATS = 5
+
+
+def forward_us(model: nn.Module, evals: list[Batch]) -> float:
+    """Mean microseconds of one forward pass of ``model`` over ``evals`` on CUDA (CUDA
+    events; one warm-up pass, the fastest of :data:`_TIMED_REPEATS` passes)."""
+    with torch.no_grad():
+        for batch in evals:
+            model(*batch)
+        best = float("inf")
+        for _ in range(_TIMED_REPEATS):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for batch in evals:
+                model(*batch)
+            end.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(end) * 1e3 / len(evals))
+    return best
 
 
 def run_pair(
@@ -437,20 +468,19 @@ def run_pair(
     combine: str,
     calib: list[Batch],
     evals: list[Batch],
-    step: Callable[[], None] = lambda: None,
+    timed: bool = False,
 ) -> PairRun:
     """Quantize a fresh copy of ``layer`` with the pair's recipe, calibrate, evaluate.
 
     Calibration runs ``moewire.quantize(model, recipe, forward_loop)`` over ``calib``
     (only when :func:`needs_calibration`); evaluation runs every batch of ``evals``.
-    ``step()`` is called after every forward pass (for the progress bar).
+    ``timed`` (CUDA only) also times the quantized forward (:func:`forward_us`).
     """
     model = layer.fresh()
 
     def forward_loop(m: nn.Module) -> None:
         for batch in calib:
             m(*batch)
-            step()
 
     loop = forward_loop if needs_calibration(dispatch, combine) else None
     moewire.quantize(model, recipe_for(dispatch, combine), forward_loop=loop)
@@ -458,21 +488,17 @@ def run_pair(
     with torch.no_grad():
         for batch in evals:
             outputs.append(model(*batch))
-            step()
     amax = {}
     for axis, quantizer in (("dispatch", model.experts.dispatch_quantizer),
                             ("combine", model.experts.combine_quantizer)):
         value = quantizer.static_amax
         amax[axis] = None if value is None else float(value)
-    return PairRun(outputs, amax, moewire.summary(model))
+    return PairRun(outputs, amax, moewire.summary(model),
+                   forward_us(model, evals) if timed else None)
 
 
-def reference_outputs(layer: StudyLayer, evals: list[Batch], step=lambda: None):
+def reference_outputs(layer: StudyLayer, evals: list[Batch]) -> list[torch.Tensor]:
     """The unquantized layer's outputs (an unconverted copy) on ``evals``."""
     model = layer.fresh()
-    outputs = []
     with torch.no_grad():
-        for batch in evals:
-            outputs.append(model(*batch))
-            step()
-    return outputs
+        return [model(*batch) for batch in evals]

@@ -34,15 +34,9 @@ _SM90_KERNEL = {"fp8xfp4": "fp8_fp4_mega_moe"}
 def check(cfg: StudyConfig) -> None:
     """Refuse ``--kernel deepgemm-sm90`` where it cannot run, saying what is missing."""
     from moewire.integrations import deepgemm_sm90
+    from moewire.study.settings import _check_kernel_flags
 
-    if cfg.mma not in _SM90_KERNEL:
-        raise StudyArgumentError(
-            "--mma", f"--kernel deepgemm-sm90 runs FP8 x FP4 (fp8_fp4_mega_moe); {cfg.mma} "
-            "has no SM90 Mega-MoE kernel: use --mma fp8xfp4"
-        )
-    if cfg.device != "cuda":
-        raise StudyArgumentError("--device", "--kernel deepgemm-sm90 runs on the GPU: pass "
-                                 "--device cuda")
+    _check_kernel_flags(cfg)
     ok, why = deepgemm_sm90.available()
     if not ok:
         raise StudyArgumentError(

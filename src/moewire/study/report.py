@@ -5,9 +5,11 @@
   infinities; ``bf16 x bf16`` has SQNR ``"inf"``).
 - ``error_heatmap.png``: SQNR (dB) over dispatch (rows) x combine (columns), each cell
   annotated with its SQNR and relative L2 error.
-- ``frontier.png``: relative L2 error (log) against bytes on the wire per token, one point
-  per pair, the Pareto frontier (no other pair is both cheaper and more accurate) drawn
-  as a line.
+- ``frontier.png``: relative L2 error (log) against the estimated dispatch + combine time
+  per layer (left) and against bytes on the wire per token (right), one point per pair, the
+  Pareto frontier (no other pair is both cheaper and more accurate) drawn as a line. A pair
+  with zero error (``bf16 x bf16`` on the stand-in kernel) has no place on a log axis: it is
+  drawn as a marker on the bottom edge, labelled exact, never at an invented error.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ _COLUMNS = (
     ("dispatch", "dispatch"), ("combine", "combine"), ("rel_l2", "rel L2"),
     ("sqnr_db", "SQNR dB"), ("cosine", "cosine"), ("max_abs_err", "max |err|"),
     ("bytes_per_token", "bytes/token"), ("ratio_to_bf16", "vs BF16"),
+    ("dispatch_us", "disp us"), ("combine_us", "comb us"), ("comm_us", "comm us"),
+    ("time_ratio_to_bf16", "time vs BF16"), ("fake_quant_us", "QDQ us"),
 )
 
 
@@ -63,18 +67,32 @@ def _cell(key: str, value: Any) -> str:
         return f"{value:.6f}"
     if key == "bytes_per_token":
         return f"{value:,.0f}"
-    if key == "ratio_to_bf16":
+    if key in ("ratio_to_bf16", "time_ratio_to_bf16"):
         return f"{value:.3f}"
+    if key in ("dispatch_us", "combine_us", "comm_us"):
+        return f"{value:.1f}"
+    if key == "fake_quant_us":
+        return "-" if value is None else f"{value:.1f}"
     return f"{value:.3e}"
 
 
 #: Columns the terminal table leaves out first when it is too narrow (all are in the JSON).
-_DROP_ORDER = ("cosine", "max_abs_err", "ratio_to_bf16")
+_DROP_ORDER = ("cosine", "dispatch_us", "combine_us", "max_abs_err", "ratio_to_bf16")
+
+
+def _keys(doc: dict) -> list[str]:
+    """Every column of this document: the time columns only where the results have them
+    (a results.json of schema 1 has none), the QDQ column only where it was measured."""
+    first = doc["results"][0]
+    keys = [k for k, _ in _COLUMNS if k in first]
+    if all(r.get("fake_quant_us") is None for r in doc["results"]):
+        keys = [k for k in keys if k != "fake_quant_us"]
+    return keys
 
 
 def table_rows(doc: dict, keys: tuple[str, ...] | None = None) -> list[list[str]]:
     """The table's cells, one row per pair, in the JSON's order (``keys``: the columns)."""
-    keys = keys or tuple(k for k, _ in _COLUMNS)
+    keys = keys or tuple(_keys(doc))
     return [[_cell(k, r[k]) for k in keys] for r in doc["results"]]
 
 
@@ -85,23 +103,23 @@ def table_columns(doc: dict, width: int | None, overhead: int = 2) -> tuple[str,
     for rich's borders and padding). Columns of :data:`_DROP_ORDER` go first; dispatch,
     combine, rel L2, SQNR and bytes always stay.
     """
-    keys = [k for k, _ in _COLUMNS]
+    keys = _keys(doc)
     if width is None:
         return tuple(keys)
     titles = dict(_COLUMNS)
     widths = {k: max(len(titles[k]), *(len(_cell(k, r[k])) for r in doc["results"]))
               for k in keys}
     for drop in (None, *_DROP_ORDER):
-        if drop is not None:
+        if drop is not None and drop in keys:
             keys.remove(drop)
         if sum(widths[k] + overhead for k in keys) + 1 <= width:
             break
     return tuple(keys)
 
 
-def _left_out(keys: tuple[str, ...]) -> str:
+def _left_out(doc: dict, keys: tuple[str, ...]) -> str:
     titles = dict(_COLUMNS)
-    gone = [titles[k] for k, _ in _COLUMNS if k not in keys]
+    gone = [titles[k] for k in _keys(doc) if k not in keys]
     if not gone:
         return ""
     return (f"(left out to fit the terminal: {', '.join(gone)}; all columns are in "
@@ -118,6 +136,19 @@ def headline(doc: dict) -> str:
         f"mma={layer['mma']}; weights {layer['weights']}; "
         f"{routing['eval_tokens']} eval tokens, {routing['calib_tokens']} calibration "
         f"tokens, {s['ranks']} rank(s), seed {s['seed']}"
+    )
+
+
+def time_note(doc: dict) -> str:
+    """What the time columns assume and leave out, in one paragraph."""
+    link, ep = doc["interconnect"], doc["routing"]["ep"]
+    return (
+        f"time estimate: {link['name']} ({link['description']}; {link['source']}), EP "
+        f"{ep['ep_size']}, {ep['tokens_per_rank']} tokens per rank per layer, "
+        f"{100 * ep['remote_fraction']:.1f}% of copies leave their rank and the busiest rank "
+        f"moves {ep['bottleneck']:.2f}x the mean (measured on this routing). Wire time only: "
+        "it leaves out overlap with compute, congestion, the format's cast (QDQ us, measured "
+        "on CUDA) and per-token metadata (docs/study.md)."
     )
 
 
@@ -138,7 +169,7 @@ def plain_table(doc: dict, width: int | None = None) -> str:
     lines.append("  ".join("-" * w for w in widths))
     for row in rows:
         lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-    note = _left_out(keys)
+    note = _left_out(doc, keys)
     if note:
         lines += textwrap.wrap(note, width) if width else [note]
     return "\n".join(lines)
@@ -154,7 +185,7 @@ def rich_table(doc: dict, width: int | None = None):
     keys = table_columns(doc, width, overhead=3)
     titles = dict(_COLUMNS)
     table = Table(title="dispatch x combine: layer output vs the unquantized layer",
-                  caption=_left_out(keys) or None)
+                  caption=_left_out(doc, keys) or None)
     for key in keys:
         table.add_column(titles[key], no_wrap=True,
                          justify="left" if key in ("dispatch", "combine") else "right")
@@ -172,23 +203,34 @@ def _lookup(doc: dict) -> dict[tuple[str, str], dict]:
     return {(r["dispatch"], r["combine"]): r for r in doc["results"]}
 
 
-def plot_heatmap(doc: dict, path: Path) -> Path:
-    """SQNR heatmap over dispatch x combine (infinite SQNR drawn at the finite maximum)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def heatmap_values(doc: dict):
+    """SQNR (dB) ``[dispatch, combine]`` as a numpy masked array; exact pairs (infinite
+    SQNR, zero error) are masked: no colour of the scale, which is for measured errors."""
     import numpy as np
 
     dispatch, combine = _axes(doc)
     by_pair = _lookup(doc)
-    sqnr = np.array([[by_pair[d, c]["sqnr_db"] for c in combine] for d in dispatch], float)
-    finite = sqnr[np.isfinite(sqnr)]
-    top = float(finite.max()) if finite.size else 1.0
-    bottom = float(finite.min()) if finite.size else 0.0
-    shown = np.where(np.isfinite(sqnr), sqnr, top)
+    sqnr = np.array([[decode_float(by_pair[d, c]["sqnr_db"]) for c in combine]
+                     for d in dispatch], float)
+    return np.ma.masked_where(~np.isfinite(sqnr), sqnr)
+
+
+def plot_heatmap(doc: dict, path: Path) -> Path:
+    """SQNR heatmap over dispatch x combine; an exact cell is grey and says so."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dispatch, combine = _axes(doc)
+    by_pair = _lookup(doc)
+    shown = heatmap_values(doc)
+    measured = shown.compressed()
+    top = float(measured.max()) if measured.size else 1.0
+    bottom = float(measured.min()) if measured.size else 0.0
     fig, ax = plt.subplots(figsize=(1.6 * len(combine) + 2.5, 0.9 * len(dispatch) + 2.0))
-    image = ax.imshow(shown, cmap="viridis", vmin=bottom, vmax=top, aspect="auto")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.92")
+    image = ax.imshow(shown, cmap=cmap, vmin=bottom, vmax=top, aspect="auto")
     ax.set_xticks(range(len(combine)), combine)
     ax.set_yticks(range(len(dispatch)), dispatch)
     ax.set_xlabel("combine format")
@@ -197,10 +239,10 @@ def plot_heatmap(doc: dict, path: Path) -> Path:
     for i, d in enumerate(dispatch):
         for j, c in enumerate(combine):
             r = by_pair[d, c]
-            text = ("exact" if r["sqnr_db"] == math.inf
-                    else f"{r['sqnr_db']:.1f} dB\n{r['rel_l2']:.1e}")
+            exact = shown.mask[i, j]
+            text = "exact\n(no error)" if exact else f"{r['sqnr_db']:.1f} dB\n{r['rel_l2']:.1e}"
             ax.text(j, i, text, ha="center", va="center", fontsize=8,
-                    color="black" if shown[i, j] > mid else "white")
+                    color="black" if exact or shown[i, j] > mid else "white")
     fig.colorbar(image, ax=ax, label="SQNR (dB), higher is better")
     layer = doc["layer"]
     ax.set_title(
@@ -228,48 +270,97 @@ def pareto(points: list[tuple[float, float, Any]]) -> list[tuple[float, float, A
     return front
 
 
-def plot_frontier(doc: dict, path: Path) -> Path:
-    """Relative L2 error against bytes per token; the exact baseline sits on the floor."""
+def frontier_points(doc: dict, x_key: str) -> tuple[list[tuple[float, float, str]],
+                                                     list[tuple[float, str]]]:
+    """The frontier plot's data: ``(measured, exact)``.
+
+    ``measured``: ``(x, rel_l2, "dispatch/combine")`` of every pair with a non-zero error;
+    ``exact``: ``(x, "dispatch/combine")`` of the pairs with zero error, which a log axis
+    cannot show at any height (they are drawn on the bottom edge, labelled exact).
+    """
+    measured, exact = [], []
+    for r in doc["results"]:
+        tag = f"{r['dispatch']}/{r['combine']}"
+        if r["rel_l2"] > 0:
+            measured.append((float(r[x_key]), float(r["rel_l2"]), tag))
+        else:
+            exact.append((float(r[x_key]), tag))
+    return measured, exact
+
+
+def _frontier_panel(ax, doc: dict, x_key: str, xlabel: str, bf16_x: float) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
+
+    dispatch_axis = list(doc["settings"]["dispatch"])
+    cmap = plt.get_cmap("tab10")
+    measured, exact = frontier_points(doc, x_key)
+    colour = {f"{r['dispatch']}/{r['combine']}": cmap(dispatch_axis.index(r["dispatch"]) % 10)
+              for r in doc["results"]}
+    for x, y, tag in measured:
+        ax.scatter(x, y, color=colour[tag], s=28, zorder=3)
+    front = pareto(measured)
+    ax.plot([p[0] for p in front], [p[1] for p in front], color="0.4", lw=1, ls="--",
+            zorder=2, label="Pareto frontier (measured pairs)")
+    for x, y, tag in front:
+        ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    # Exact pairs: on the bottom edge (axes coordinates), not at an error they do not have.
+    edge = blended_transform_factory(ax.transData, ax.transAxes)
+    for x, tag in exact:
+        ax.scatter([x], [0.0], transform=edge, marker="*", s=120, color="black",
+                   clip_on=False, zorder=4, label=f"{tag}: exact (zero error)")
+        ax.annotate(f"{tag}: exact", (x, 0.0), xycoords=edge, textcoords="offset points",
+                    xytext=(-8, 14), ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.axvline(bf16_x, color="0.7", lw=0.8)
+    ax.text(bf16_x, 0.98, "all BF16 ", fontsize=7, color="0.4", ha="right", va="top",
+            transform=ax.get_xaxis_transform())
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def frontier_figure(doc: dict):
+    """The frontier as a matplotlib figure: error against estimated time (left) and
+    against bytes per token (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     results = doc["results"]
-    errors = [r["rel_l2"] for r in results if r["rel_l2"] > 0]
-    floor = min(errors) / 3 if errors else 1e-6
-    fig, ax = plt.subplots(figsize=(8.5, 5.5))
-    points = []
+    has_time = "comm_us" in results[0]
+    fig, axes = plt.subplots(1, 2 if has_time else 1, figsize=(14 if has_time else 8.5, 5.5),
+                             squeeze=False)
+    bytes_ax = axes[0][-1]
+    bf16_bytes = next(r["bytes_per_token"] / r["ratio_to_bf16"] for r in results)
+    _frontier_panel(bytes_ax, doc, "bytes_per_token",
+                    "bytes on the wire per token (dispatch + combine, top-k copies)", bf16_bytes)
+    bytes_ax.set_title("error vs wire bytes", fontsize=10)
+    axes[0][0].set_ylabel("relative L2 error of the layer output")
+    if has_time:
+        link, ep = doc["interconnect"], doc["routing"]["ep"]
+        _frontier_panel(axes[0][0], doc, "comm_us",
+                        f"estimated dispatch + combine time per layer (us), {link['name']}, "
+                        f"EP {ep['ep_size']}, {ep['tokens_per_rank']} tokens/rank",
+                        results[0]["bf16_comm_us"])
+        axes[0][0].set_title("error vs estimated wire time (no overlap with compute, no "
+                             "congestion: docs/study.md)", fontsize=10)
     dispatch_axis = list(doc["settings"]["dispatch"])
     cmap = plt.get_cmap("tab10")
-    for r in results:
-        y = r["rel_l2"] if r["rel_l2"] > 0 else floor
-        x = r["bytes_per_token"]
-        points.append((x, y, f"{r['dispatch']}/{r['combine']}"))
-        color = cmap(dispatch_axis.index(r["dispatch"]) % 10)
-        ax.scatter(x, y, color=color, s=28, zorder=3)
-    front = pareto(points)
-    ax.plot([p[0] for p in front], [p[1] for p in front], color="0.4", lw=1, ls="--",
-            zorder=2, label="Pareto frontier")
-    for x, y, tag in front:
-        ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     for i, d in enumerate(dispatch_axis):
-        ax.scatter([], [], color=cmap(i % 10), s=28, label=f"dispatch {d}")
-    ax.set_yscale("log")
-    ax.set_xlabel("bytes on the wire per token (dispatch + combine, top-k copies)")
-    ax.set_ylabel("relative L2 error of the layer output")
-    bf16 = next(r["bytes_per_token"] / r["ratio_to_bf16"] for r in results)
-    ax.axvline(bf16, color="0.7", lw=0.8)
-    ax.text(bf16, 0.98, "all BF16 ", fontsize=7, color="0.4", ha="right", va="top",
-            transform=ax.get_xaxis_transform())
-    ax.set_title(
-        f"{doc['settings']['model']}: error vs wire bytes "
-        f"(bf16/bf16 is exact, drawn at {floor:.1e})",
-        fontsize=10,
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
+        axes[0][0].scatter([], [], color=cmap(i % 10), s=28, label=f"dispatch {d}")
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{doc['settings']['model']}: what each dispatch/combine pair costs in error "
+                 "and buys on the wire", fontsize=11)
     fig.tight_layout()
+    return fig
+
+
+def plot_frontier(doc: dict, path: Path) -> Path:
+    """Write :func:`frontier_figure` to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = frontier_figure(doc)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

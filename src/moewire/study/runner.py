@@ -16,6 +16,11 @@ Simulated expert parallelism (``--ranks R``): the study runs in one process. A b
 
 What ``R`` does change is how much traffic leaves a rank: copies whose expert lives on
 the token's own rank stay local. The study reports that fraction (``remote_fraction``).
+
+The time estimate (:mod:`moewire.study.comm`) splits the same routing over ``--ep-size``
+ranks (which need not be ``R``) to measure the fraction of copies that leave their rank
+and the busiest rank's load, and turns each pair's bytes into dispatch and combine time on
+the ``--interconnect`` profile.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 import moewire
+from moewire.study import comm
 from moewire.study.data import load_activations, synthetic_hidden_states
 from moewire.study.errors import StudyArgumentError
 from moewire.study.layer import (
@@ -35,25 +41,34 @@ from moewire.study.layer import (
     StudyLayer,
     build_layer,
     check_resources,
+    forward_us,
     needs_calibration,
     reference_outputs,
     run_pair,
 )
 from moewire.study.metrics import error_metrics
-from moewire.study.settings import StudyConfig, validate
+from moewire.study.settings import StudyConfig, ep_size, validate
 from moewire.study.wire import remote_fraction, wire_cost
 
-SCHEMA = "moewire.study/1"
+SCHEMA = "moewire.study/2"
 
 
 @dataclass
 class Progress:
-    """Callbacks the runner reports to: ``start(total)``, ``step(label)`` per forward
-    pass, ``phase(label)`` when a new stage begins. Defaults do nothing."""
+    """Callbacks the runner reports to; the defaults do nothing.
 
-    start: Callable[[int], None] = lambda total: None
-    step: Callable[[], None] = lambda: None
+    Attributes:
+        phase: ``phase(label)`` when a stage begins (building, the reference, done).
+        build: ``build(experts built, experts total)`` while the layer is built.
+        pair_start: ``pair_start(pairs done, pairs total, label)`` before a pair runs.
+        pair_done: ``pair_done(pairs done, pairs total, label)`` after it (``done``
+            counts it).
+    """
+
     phase: Callable[[str], None] = lambda label: None
+    build: Callable[[int, int], None] = lambda done, total: None
+    pair_start: Callable[[int, int, str], None] = lambda done, total, label: None
+    pair_done: Callable[[int, int, str], None] = lambda done, total, label: None
 
 
 def _batches(cfg: StudyConfig, layer: StudyLayer, generator: torch.Generator):
@@ -92,9 +107,11 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
 
     Returns:
         A JSON-ready dict (schema in ``docs/study.md``): ``schema``, ``versions``,
-        ``settings``, ``layer``, ``routing``, ``baseline``, ``results`` (one entry per
-        pair, dispatch-major, ``bf16`` first on both axes). Non-finite floats are Python
-        ``inf``; :func:`moewire.study.report.to_json` writes them as ``"inf"``.
+        ``settings``, ``layer``, ``routing`` (with the time estimate's EP split),
+        ``interconnect``, ``baseline``, ``results`` (one entry per pair, dispatch-major,
+        ``bf16`` first on both axes, with its error, bytes and estimated time).
+        Non-finite floats are Python ``inf``; :func:`moewire.study.report.to_json` writes
+        them as ``"inf"``.
     """
     validate(cfg)
     progress = progress or Progress()
@@ -104,27 +121,28 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
 
     plan = check_resources(cfg)
     progress.phase(f"building the layer ({plan})")
-    if cfg.kernel == "deepgemm-sm90":
-        from moewire.study import real_kernel
-
-        layer = real_kernel.build_layer(cfg, generator)
-    else:
-        layer = build_layer(cfg, generator)
+    layer = build_layer(cfg, generator, progress.build)
     calib, evals = _batches(cfg, layer, generator)
     pairs = _pairs(cfg)
-    total = len(evals) + sum(
-        len(evals) + (len(calib) if needs_calibration(d, c) else 0) for d, c in pairs
-    )
-    progress.start(total)
+    # The fake quantization's own cost is measured where it means something: on the GPU.
+    timed = layer.device.type == "cuda"
 
     progress.phase("unquantized reference")
-    ref = torch.cat(reference_outputs(layer, evals, progress.step))
+    ref_outputs = reference_outputs(layer, evals)
+    ref_us = forward_us(layer.fresh(), evals) if timed else None
+    ref = torch.cat(ref_outputs)
     ids = torch.cat([b[2] for b in evals])
     ref64 = ref.double()
+    link = comm.custom_interconnect(comm.PROFILES[cfg.interconnect], cfg.link_gbps,
+                                    cfg.link_latency_us)
+    traffic = comm.measure_traffic([b[2] for b in evals], layer.num_experts,
+                                   ep_size(cfg, layer.num_experts),
+                                   cfg.ep_tokens or cfg.tokens_per_rank)
     results = []
-    for d, c in pairs:
-        progress.phase(f"dispatch {d} x combine {c}")
-        run = run_pair(layer, d, c, calib, evals, progress.step)
+    for done, (d, c) in enumerate(pairs):
+        label = f"dispatch {d} x combine {c}"
+        progress.pair_start(done, len(pairs), label)
+        run = run_pair(layer, d, c, calib, evals, timed=timed)
         y = torch.cat(run.outputs)
         metrics = error_metrics(y, ref)
         results.append({
@@ -132,9 +150,12 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
             "combine": c,
             **metrics.as_dict(),
             **wire_cost(d, c, layer.hidden, layer.top_k).as_dict(),
+            **comm.comm_time(link, traffic, d, c, layer.hidden).as_dict(),
+            "fake_quant_us": None if run.forward_us is None else run.forward_us - ref_us,
             "calibrated": needs_calibration(d, c),
             "amax": run.amax,
         })
+        progress.pair_done(done + 1, len(pairs), label)
 
     per_rank = cfg.tokens_per_rank
     remote = [remote_fraction(b[2], layer.num_experts, cfg.ranks, per_rank) for b in evals]
@@ -156,7 +177,10 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
             "expert_load_max_over_mean": float(load.max()) / float(load.float().mean()),
             # The synthetic router's expected-load target; None for a checkpoint's router.
             "target_max_over_mean": layer.router_imbalance,
+            # The time estimate's EP split of the same routing (moewire.study.comm).
+            "ep": traffic.as_dict(),
         },
+        "interconnect": link.as_dict(),
         "baseline": {
             "output_rms": float(ref64.square().mean().sqrt()),
             "output_absmax": float(ref64.abs().max()),

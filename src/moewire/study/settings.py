@@ -8,6 +8,7 @@ cause and the fix; the CLI turns it into exit code 2.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -57,6 +58,12 @@ class StudyConfig:
             it. A checkpoint's router is used as is.
         kernel: ``reference`` (the stand-in kernel) or ``deepgemm-sm90`` (DeepGEMM's real
             SM90 Mega-MoE kernel on a Hopper GPU, :mod:`moewire.study.real_kernel`).
+        interconnect: the time estimate's profile (:data:`moewire.study.comm.PROFILES`).
+        ep_size: the EP size of the time estimate; ``None``: 8 (one NVLink node), or the
+            largest divisor of the expert and token counts below 8.
+        ep_tokens: tokens per rank of the time estimate; ``None``: ``tokens / ranks``.
+        link_gbps, link_latency_us: override the profile's bandwidth (GB/s per GPU, every
+            EP size, both directions) and latency (us).
     """
 
     model: str = DEFAULT_MODEL
@@ -76,6 +83,11 @@ class StudyConfig:
     out: str = "moewire-study"
     router_imbalance: float | None = None
     kernel: str = "reference"
+    interconnect: str = "nvlink-h200"
+    ep_size: int | None = None
+    ep_tokens: int | None = None
+    link_gbps: float | None = None
+    link_latency_us: float | None = None
 
     @property
     def preset(self) -> ModelPreset:
@@ -168,12 +180,18 @@ def validate(cfg: StudyConfig) -> StudyConfig:
         )
     if cfg.device not in ("cpu", "cuda"):
         raise StudyArgumentError("--device", f"must be cpu or cuda, got {cfg.device!r}")
+    _check_kernel_flags(cfg)
+    _check_comm_flags(cfg)
     import torch
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise StudyArgumentError(
             "--device", "cuda was asked for but torch sees no CUDA device; use --device cpu"
         )
+    if cfg.kernel == "deepgemm-sm90":
+        from moewire.study import real_kernel
+
+        real_kernel.check(cfg)
     if (cfg.weights is None) != (cfg.layer is None):
         missing = "--layer" if cfg.layer is None else "--weights"
         raise StudyArgumentError(
@@ -201,6 +219,78 @@ def validate(cfg: StudyConfig) -> StudyConfig:
                 argument, "the list must start with bf16 (the baseline); use parse_formats"
             )
     return cfg
+
+
+def _check_kernel_flags(cfg: StudyConfig) -> None:
+    """Flags that contradict ``--kernel deepgemm-sm90``, refused before anything loads."""
+    if cfg.kernel != "deepgemm-sm90":
+        return
+    if cfg.mma != "fp8xfp4":
+        raise StudyArgumentError(
+            "--mma", f"--kernel deepgemm-sm90 runs FP8 x FP4 (fp8_fp4_mega_moe); {cfg.mma} "
+            "has no SM90 Mega-MoE kernel: use --mma fp8xfp4"
+        )
+    if cfg.device != "cuda":
+        raise StudyArgumentError("--device", "--kernel deepgemm-sm90 runs on the GPU: pass "
+                                 "--device cuda")
+
+
+def _check_comm_flags(cfg: StudyConfig) -> None:
+    from moewire.study.comm import PROFILES
+
+    if cfg.interconnect not in PROFILES:
+        raise StudyArgumentError(
+            "--interconnect", f"unknown interconnect {cfg.interconnect!r}; pick one of "
+            f"{', '.join(PROFILES)}"
+        )
+    for argument, value, positive in (("--link-gbps", cfg.link_gbps, True),
+                                      ("--link-latency-us", cfg.link_latency_us, False)):
+        if value is None:
+            continue
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise StudyArgumentError(
+                argument, f"must be a finite number {'> 0' if positive else '>= 0'}, got "
+                f"{value!r}"
+            )
+    if cfg.ep_tokens is not None:
+        _positive(cfg.ep_tokens, "--ep-tokens")
+    if cfg.ep_size is None:
+        return
+    _positive(cfg.ep_size, "--ep-size")
+    top = PROFILES[cfg.interconnect].max_ep_size
+    if top is not None and cfg.ep_size > top:
+        raise StudyArgumentError(
+            "--ep-size", f"{cfg.interconnect} spans one {top}-GPU node, not {cfg.ep_size} "
+            f"ranks; use --ep-size <= {top}, or --interconnect rdma-cx7 for a scale-out group"
+        )
+    if cfg.tokens % cfg.ep_size:
+        raise StudyArgumentError(
+            "--ep-size", f"the routing is measured on batches of --tokens {cfg.tokens}, "
+            f"which do not split over {cfg.ep_size} ranks; use --tokens a multiple of "
+            f"{cfg.ep_size}"
+        )
+    if cfg.weights is None:
+        _check_ep_experts(cfg.ep_size, cfg.experts or cfg.preset.num_experts)
+
+
+def _check_ep_experts(ep_size: int, num_experts: int) -> None:
+    if num_experts % ep_size:
+        raise StudyArgumentError(
+            "--ep-size", f"{num_experts} experts do not split over {ep_size} ranks; use an "
+            f"--ep-size that divides {num_experts} (or more --experts)"
+        )
+
+
+def ep_size(cfg: StudyConfig, num_experts: int) -> int:
+    """The time estimate's EP size: ``--ep-size``, else the largest divisor of both the
+    expert count and ``--tokens`` up to :data:`moewire.study.comm.DEFAULT_EP_SIZE`."""
+    from moewire.study.comm import DEFAULT_EP_SIZE
+
+    if cfg.ep_size is not None:
+        return cfg.ep_size
+    return max(n for n in range(1, DEFAULT_EP_SIZE + 1)
+               if num_experts % n == 0 and cfg.tokens % n == 0)
 
 
 def _check_imbalance(cfg: StudyConfig, num_experts: int, top_k: int) -> None:
@@ -262,6 +352,8 @@ def check_layer_shapes(
             f"{top_k}"
         )
     _check_imbalance(cfg, num_experts, top_k)
+    if cfg.ep_size is not None:
+        _check_ep_experts(cfg.ep_size, num_experts)
     if num_experts % cfg.ranks:
         raise StudyArgumentError(
             "--ranks", f"{num_experts} experts do not split evenly over {cfg.ranks} ranks; "
