@@ -44,7 +44,7 @@ def _float_at_least(minimum: float):
 
 
 def _study_parser(sub) -> argparse.ArgumentParser:
-    from moewire.study.comm import DEFAULT_EP_SIZE, PROFILES
+    from moewire.study.comm import DEFAULT_EP_SIZE, INTERCONNECTS
     from moewire.study.presets import PRESETS
     from moewire.study.settings import (
         DEFAULT_COMBINE,
@@ -63,8 +63,9 @@ def _study_parser(sub) -> argparse.ArgumentParser:
             "Build one MoE layer on the stand-in Mega-MoE kernel, quantize it with every "
             "dispatch x combine pair (bf16 = no quantizer, the baseline), calibrate, "
             "evaluate on held-out batches and report the layer-output error against the "
-            "unquantized layer with the bytes on the wire. Writes results.json, "
-            "error_heatmap.png and frontier.png to --out."
+            "unquantized layer with the bytes on the wire and the estimated dispatch and "
+            "combine time on an interconnect. Writes results.json, error_heatmap.png and "
+            "frontier.png (error against time and against bytes) to --out."
         ),
     )
     p.add_argument("--model", choices=list(PRESETS), default=d.model,
@@ -108,9 +109,9 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     t = p.add_argument_group(
         "time estimate", "dispatch and combine time per format on an interconnect, from "
         "published DeepEP figures (docs/study.md, 'Reading the time estimate')")
-    t.add_argument("--interconnect", choices=list(PROFILES), default=d.interconnect,
+    t.add_argument("--interconnect", choices=list(INTERCONNECTS), default=d.interconnect,
                    help=f"interconnect profile (default {d.interconnect}): "
-                   + "; ".join(f"{k}: {v.description}" for k, v in PROFILES.items()))
+                   + "; ".join(f"{k}: {v.description}" for k, v in INTERCONNECTS.items()))
     t.add_argument("--ep-size", type=_int_at_least(1), default=None, metavar="N",
                    help=f"expert-parallel ranks of the estimate (default {DEFAULT_EP_SIZE}, or "
                    "the largest divisor of the expert and token counts below it)")

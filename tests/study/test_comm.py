@@ -10,8 +10,8 @@ from moewire import formats
 from moewire.study import comm
 from moewire.study.comm import (
     FIGURES,
+    INTERCONNECTS,
     MARGIN,
-    PROFILES,
     comm_time,
     custom_interconnect,
     measure_traffic,
@@ -36,14 +36,14 @@ def test_the_model_reproduces_every_cited_figure(figure):
 
 def test_every_profile_cites_its_figures_and_every_figure_is_used():
     used = {f.profile for f in FIGURES}
-    assert used <= set(PROFILES)
-    assert {"nvlink-h200", "nvlink-b200", "rdma-cx7"} <= set(PROFILES)
-    for p in PROFILES.values():
+    assert used <= set(INTERCONNECTS)
+    assert {"nvlink-h200", "nvlink-b200", "rdma-cx7"} <= set(INTERCONNECTS)
+    for p in INTERCONNECTS.values():
         assert "DeepEP" in p.source, p.name
     # The H200 profile is the H800's measured rates scaled by the NVLink data-sheet ratio.
     for op in comm.OPS:
-        assert PROFILES["nvlink-h200"].bandwidth_gbps(op, 8) == pytest.approx(
-            PROFILES["nvlink-h800"].bandwidth_gbps(op, 8) * 900 / 400)
+        assert INTERCONNECTS["nvlink-h200"].bandwidth_gbps(op, 8) == pytest.approx(
+            INTERCONNECTS["nvlink-h800"].bandwidth_gbps(op, 8) * 900 / 400)
 
 
 def test_deepep_row_bytes_are_deepeps():
@@ -54,7 +54,7 @@ def test_deepep_row_bytes_are_deepeps():
 
 def test_bytes_follow_each_formats_wire_bits():
     """time - latency is copies x wire_bits(H) / 8 / bandwidth, scales included."""
-    link = PROFILES["nvlink-h200"]
+    link = INTERCONNECTS["nvlink-h200"]
     traffic = uniform_traffic(8, 128, 6)
     for name in ("fp8", "nvfp4", "mxfp8", "logfmt10"):
         got = comm_time(link, traffic, name, name, 4096)
@@ -71,7 +71,7 @@ def test_bytes_follow_each_formats_wire_bits():
 def test_one_rank_moves_nothing():
     traffic = measure_traffic([torch.tensor([[0, 1], [2, 3]])], 4, 1, 128)
     assert traffic.copies == 0
-    t = comm_time(PROFILES["rdma-cx7"], traffic, "fp8", "fp8", 512)
+    t = comm_time(INTERCONNECTS["rdma-cx7"], traffic, "fp8", "fp8", 512)
     assert t.comm_us == 0 and t.time_ratio_to_bf16 == 1
 
 
@@ -93,7 +93,7 @@ def test_measure_traffic_counts_the_busiest_rank(ids, ranks, remote, bottleneck)
 
 
 def test_bandwidth_interpolates_between_ep_sizes_and_clamps_outside():
-    rdma = PROFILES["rdma-cx7"]
+    rdma = INTERCONNECTS["rdma-cx7"]
     assert rdma.bandwidth_gbps("dispatch", 16) == 79.0
     mid = rdma.bandwidth_gbps("dispatch", 24)  # halfway in log2 between 16 and 32
     assert mid == pytest.approx(79.0 + (math.log2(24) - 4) * (57.0 - 79.0))
@@ -102,7 +102,7 @@ def test_bandwidth_interpolates_between_ep_sizes_and_clamps_outside():
 
 
 def test_overrides_replace_bandwidth_and_latency():
-    base = PROFILES["nvlink-b200"]
+    base = INTERCONNECTS["nvlink-b200"]
     custom = custom_interconnect(base, 100.0, 3.0)
     assert custom.bandwidth_gbps("dispatch", 8) == 100.0 == custom.bandwidth_gbps("combine", 4)
     assert custom.latency_us == 3.0 and "--link-gbps 100" in custom.source

@@ -14,7 +14,7 @@ from moewire import cli
 from moewire.reference import make_weights
 from moewire.study import StudyConfig, report, run_study
 from moewire.study import layer as study_layer
-from moewire.study.comm import PROFILES
+from moewire.study.comm import INTERCONNECTS
 from moewire.study.errors import StudyArgumentError
 from moewire.study.settings import validate
 
@@ -39,7 +39,7 @@ def _doc(base_error=0.0):
         "settings": {"model": "tiny", "dispatch": ["bf16", "fp8"], "combine": ["bf16", "fp8"]},
         "layer": {"num_experts": 16, "top_k": 4, "hidden": 512, "mma": "fp8xfp4"},
         "routing": {"eval_tokens": 16, "ep": {"ep_size": 8, "tokens_per_rank": 16}},
-        "interconnect": PROFILES["nvlink-h200"].as_dict(),
+        "interconnect": INTERCONNECTS["nvlink-h200"].as_dict(),
         "results": results,
     }
 

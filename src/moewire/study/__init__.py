@@ -3,12 +3,15 @@
 Builds one MoE layer on the stand-in Mega-MoE kernel, quantizes it with every dispatch x
 combine pair of wire formats through ``moewire.quantize``, calibrates, evaluates on
 held-out batches and reports the layer-output error against the unquantized layer with
-the bytes on the wire per token. See ``docs/study.md``.
+the bytes on the wire per token and the estimated dispatch and combine time on an
+interconnect. See ``docs/study.md``.
 
 - :func:`run_study` (``StudyConfig`` -> the ``results.json`` document),
 - :func:`moewire.study.report.write_all` (JSON and plots),
 - :func:`error_metrics` (relative L2, SQNR, cosine, max abs error),
-- :data:`PRESETS` (model shapes).
+- :data:`PRESETS` (model shapes),
+- :data:`INTERCONNECTS` and :func:`comm_time` (the communication-time model,
+  :mod:`moewire.study.comm`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ _LAZY = {
     "PRESETS": "moewire.study.presets",
     "ModelPreset": "moewire.study.presets",
     "StudyArgumentError": "moewire.study.errors",
+    "INTERCONNECTS": "moewire.study.comm",
+    "Interconnect": "moewire.study.comm",
+    "comm_time": "moewire.study.comm",
     "StudyConfig": "moewire.study.settings",
     "parse_formats": "moewire.study.settings",
     "validate": "moewire.study.settings",

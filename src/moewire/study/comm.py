@@ -58,7 +58,7 @@ class Figure:
     Attributes:
         source: the file and section it is published in.
         table: the table's row, as published.
-        profile: the :data:`PROFILES` entry it sets or checks.
+        profile: the :data:`INTERCONNECTS` entry it sets or checks.
         op: ``"dispatch"`` (FP8) or ``"combine"`` (BF16).
         ep_size: ranks in the EP group.
         tokens_per_rank, hidden, top_k: the benchmark's shape.
@@ -208,7 +208,7 @@ def _b200(op: str) -> float:
     return _remote(_figure("nvlink-b200", op, 8, 8192).gbps, 8)
 
 
-PROFILES: dict[str, Interconnect] = {
+INTERCONNECTS: dict[str, Interconnect] = {
     p.name: p
     for p in (
         Interconnect(
@@ -384,7 +384,7 @@ def comm_time(link: Interconnect, traffic: Traffic, dispatch: str, combine: str,
 def predict(figure: Figure) -> tuple[float, float]:
     """The model's ``(time us, logical GB/s)`` at a figure's benchmark: uniform routing,
     DeepEP's row bytes, the figure's profile."""
-    link = PROFILES[figure.profile]
+    link = INTERCONNECTS[figure.profile]
     traffic = uniform_traffic(figure.ep_size, figure.tokens_per_rank, figure.top_k)
     t = transfer_us(link, figure.op, traffic, figure.row_bytes)
     return t, figure.logical_bytes / (t * 1e3)

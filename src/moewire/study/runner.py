@@ -133,7 +133,7 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
     ref = torch.cat(ref_outputs)
     ids = torch.cat([b[2] for b in evals])
     ref64 = ref.double()
-    link = comm.custom_interconnect(comm.PROFILES[cfg.interconnect], cfg.link_gbps,
+    link = comm.custom_interconnect(comm.INTERCONNECTS[cfg.interconnect], cfg.link_gbps,
                                     cfg.link_latency_us)
     traffic = comm.measure_traffic([b[2] for b in evals], layer.num_experts,
                                    ep_size(cfg, layer.num_experts),

@@ -58,7 +58,7 @@ class StudyConfig:
             it. A checkpoint's router is used as is.
         kernel: ``reference`` (the stand-in kernel) or ``deepgemm-sm90`` (DeepGEMM's real
             SM90 Mega-MoE kernel on a Hopper GPU, :mod:`moewire.study.real_kernel`).
-        interconnect: the time estimate's profile (:data:`moewire.study.comm.PROFILES`).
+        interconnect: the time estimate's profile (:data:`moewire.study.comm.INTERCONNECTS`).
         ep_size: the EP size of the time estimate; ``None``: 8 (one NVLink node), or the
             largest divisor of the expert and token counts below 8.
         ep_tokens: tokens per rank of the time estimate; ``None``: ``tokens / ranks``.
@@ -236,12 +236,12 @@ def _check_kernel_flags(cfg: StudyConfig) -> None:
 
 
 def _check_comm_flags(cfg: StudyConfig) -> None:
-    from moewire.study.comm import PROFILES
+    from moewire.study.comm import INTERCONNECTS
 
-    if cfg.interconnect not in PROFILES:
+    if cfg.interconnect not in INTERCONNECTS:
         raise StudyArgumentError(
             "--interconnect", f"unknown interconnect {cfg.interconnect!r}; pick one of "
-            f"{', '.join(PROFILES)}"
+            f"{', '.join(INTERCONNECTS)}"
         )
     for argument, value, positive in (("--link-gbps", cfg.link_gbps, True),
                                       ("--link-latency-us", cfg.link_latency_us, False)):
@@ -258,7 +258,7 @@ def _check_comm_flags(cfg: StudyConfig) -> None:
     if cfg.ep_size is None:
         return
     _positive(cfg.ep_size, "--ep-size")
-    top = PROFILES[cfg.interconnect].max_ep_size
+    top = INTERCONNECTS[cfg.interconnect].max_ep_size
     if top is not None and cfg.ep_size > top:
         raise StudyArgumentError(
             "--ep-size", f"{cfg.interconnect} spans one {top}-GPU node, not {cfg.ep_size} "
