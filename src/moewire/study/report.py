@@ -311,7 +311,7 @@ def _frontier_panel(ax, doc: dict, x_key: str, xlabel: str, bf16_x: float) -> No
         ax.scatter([x], [0.0], transform=edge, marker="*", s=120, color="black",
                    clip_on=False, zorder=4, label=f"{tag}: exact (zero error)")
         ax.annotate(f"{tag}: exact", (x, 0.0), xycoords=edge, textcoords="offset points",
-                    xytext=(-8, 14), ha="right", fontsize=7)
+                    xytext=(-3, 12), ha="right", va="bottom", rotation=90, fontsize=7)
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.axvline(bf16_x, color="0.7", lw=0.8)
@@ -350,7 +350,7 @@ def frontier_figure(doc: dict):
     cmap = plt.get_cmap("tab10")
     for i, d in enumerate(dispatch_axis):
         axes[0][0].scatter([], [], color=cmap(i % 10), s=28, label=f"dispatch {d}")
-    axes[0][0].legend(fontsize=7, loc="upper right")
+    axes[0][0].legend(fontsize=7, loc="lower left")
     fig.suptitle(f"{doc['settings']['model']}: what each dispatch/combine pair costs in error "
                  "and buys on the wire", fontsize=11)
     fig.tight_layout()
