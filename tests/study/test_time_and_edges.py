@@ -90,6 +90,15 @@ def test_the_frontier_draws_no_invented_error(base_error):
         plt.close(fig)
 
 
+def test_a_sweep_of_the_baseline_alone_plots(tmp_path):
+    """Only bf16/bf16: nothing measured, the exact marker alone, no log-scale error."""
+    doc = _doc()
+    doc["results"] = doc["results"][:1]
+    doc["settings"].update(dispatch=["bf16"], combine=["bf16"])
+    assert report.plot_frontier(doc, tmp_path / "f.png").stat().st_size > 1000
+    assert report.plot_heatmap(doc, tmp_path / "h.png").stat().st_size > 1000
+
+
 def test_the_heatmap_does_not_colour_the_exact_cell():
     shown = report.heatmap_values(_doc())
     assert shown.mask.tolist() == [[True, False], [False, False]]

@@ -313,6 +313,10 @@ def _frontier_panel(ax, doc: dict, x_key: str, xlabel: str, bf16_x: float) -> No
         ax.annotate(f"{tag}: exact", (x, 0.0), xycoords=edge, textcoords="offset points",
                     xytext=(-3, 12), ha="right", va="bottom", rotation=90, fontsize=7)
     ax.set_yscale("log")
+    if not measured:  # only exact pairs (e.g. --dispatch bf16 --combine bf16)
+        ax.set_ylim(1e-4, 1.0)
+        ax.text(0.5, 0.5, "no quantized pair: no error to plot", ha="center",
+                transform=ax.transAxes, fontsize=9, color="0.4")
     ax.set_xlabel(xlabel)
     ax.axvline(bf16_x, color="0.7", lw=0.8)
     ax.text(bf16_x, 0.98, "all BF16 ", fontsize=7, color="0.4", ha="right", va="top",
