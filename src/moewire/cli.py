@@ -202,10 +202,10 @@ def _run_study(args: argparse.Namespace) -> int:
               f"run: {sys.executable} -m pip install {' '.join(missing)}", file=sys.stderr)
         return 1
     from moewire.study import report
-    from moewire.study.runner import run_study
-    from moewire.study.settings import check_out_dir, validate
+    from moewire.study.runner import preflight, run_study
+    from moewire.study.settings import check_out_dir
 
-    cfg = validate(_config_from_args(args))
+    cfg = preflight(_config_from_args(args))
     check_out_dir(cfg.out)
     tty = sys.stdout.isatty()
     if tty:

@@ -272,3 +272,14 @@ def test_the_fake_quantization_cost_is_measured_on_cuda():
     assert all(isinstance(v, float) for v in by_pair.values())
     assert by_pair["fp8", "nvfp4"] > by_pair["bf16", "bf16"]
     assert "QDQ us" in report.plain_table(doc)
+
+
+def test_the_one_builder_never_stands_in_for_the_real_kernel_silently():
+    """layer.build_layer builds both kernels' layers; asked for the real kernel without its
+    experts (what moewire.study.real_kernel.build_layer passes), it refuses."""
+    cfg = StudyConfig(model="tiny", kernel="deepgemm-sm90", device="cuda")
+    with pytest.raises(ValueError, match="deepgemm-sm90 needs its own experts"):
+        study_layer.build_layer(cfg, torch.Generator())
+    with pytest.raises(ValueError, match="the reference kernel takes neither"):
+        study_layer.build_layer(StudyConfig(model="tiny"), torch.Generator(),
+                                experts=lambda *a: {}, layer_cls=study_layer.StudyLayer)

@@ -315,9 +315,14 @@ def synthetic_kernel_weights(
     return type(chunks[0])(experts=tuple(range(num_experts)), **fields)
 
 
+#: ``experts(cfg, dense or None, E, H, I)`` -> the layer class's kernel fields.
+KernelExperts = Callable[[StudyConfig, "LayerWeights | None", int, int, int], dict[str, Any]]
+
+
 def build_layer(
     cfg: StudyConfig, generator: torch.Generator,
     report: Callable[[int, int], None] = lambda done, total: None,
+    experts: KernelExperts | None = None, layer_cls: type[StudyLayer] | None = None,
 ) -> StudyLayer:
     """The layer of ``cfg``, on the stand-in kernel or the real one (``--kernel``).
 
@@ -329,8 +334,9 @@ def build_layer(
     - ``reference``: :func:`synthetic_kernel_weights` (``moewire.reference.make_weights``,
       four input channels of each matrix 16x larger, which the FP4 block scales must
       absorb) or :func:`kernel_weights_from_dense`;
-    - ``deepgemm-sm90``: :func:`moewire.study.real_kernel.kernel_experts` (the real kernel's
-      own weight recipe and its symmetric buffer).
+    - ``deepgemm-sm90``: ``experts`` and ``layer_cls``, which
+      :func:`moewire.study.real_kernel.build_layer` passes (the real kernel's own weight
+      recipe and its symmetric buffer; this module does not import the real kernel's).
 
     The shared expert (unfused, :class:`~moewire.reference.SharedExpert`, ``num_shared * I``)
     and the router (``weight ~ N(0, 1/H)``, selection bias fitted to
@@ -340,13 +346,20 @@ def build_layer(
         cfg: the settings.
         generator: seeds the norm weights and the synthetic router (after the weights).
         report: ``report(experts built, experts total)`` while synthetic experts are built.
+        experts, layer_cls: another kernel's routed experts and layer class (both or none).
+
+    Raises:
+        ValueError: ``cfg.kernel`` is not ``reference`` and no ``experts`` are given (the
+            stand-in must never stand in for the real kernel silently).
     """
     preset = cfg.preset
-    real = cfg.kernel == "deepgemm-sm90"
-    if real:
-        from moewire.study import real_kernel
-
-        real_kernel.check(cfg)
+    real = experts is not None
+    if real != (cfg.kernel != "reference") or real != (layer_cls is not None):
+        raise ValueError(
+            f"build_layer: --kernel {cfg.kernel} needs its own experts and layer class "
+            "(moewire.study.real_kernel.build_layer for deepgemm-sm90); the reference "
+            "kernel takes neither"
+        )
     device = torch.device(cfg.device)
     dense: LayerWeights | None = None
     if cfg.weights is not None:
@@ -362,7 +375,7 @@ def build_layer(
 
     extra: dict[str, Any] = {}
     if real:
-        extra = real_kernel.kernel_experts(cfg, dense, num_experts, hidden, inter)
+        extra = experts(cfg, dense, num_experts, hidden, inter)
         weights = None
     elif dense is not None:
         weights = kernel_weights_from_dense(dense.w1.to(device), dense.w2.to(device), cfg.mma)
@@ -384,7 +397,7 @@ def build_layer(
         imbalance = router_imbalance(cfg, num_experts, preset.top_k)
         router = synthetic_router(num_experts, hidden, preset.top_k, preset.gating,
                                   imbalance, generator, gamma, device)
-    cls = real_kernel.RealKernelLayer if real else StudyLayer
+    cls = layer_cls or StudyLayer
     return cls(
         num_experts, preset.top_k, hidden, inter, shared_inter, weights, shared, router,
         source, cfg.tokens, cfg.mma, device, imbalance, gamma, **extra,

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
+from moewire.study import layer as study_layer
 from moewire.study.data import LayerWeights
 from moewire.study.errors import StudyArgumentError
 from moewire.study.layer import MoELayer, StudyLayer
-from moewire.study.settings import StudyConfig
+from moewire.study.settings import StudyConfig, check_kernel_flags
 
-__all__ = ["RealKernelLayer", "check", "kernel_experts"]
+__all__ = ["RealKernelLayer", "build_layer", "check", "kernel_experts"]
 
 # The stand-in's --mma name -> the SM90 kernel function with those operand types.
 _SM90_KERNEL = {"fp8xfp4": "fp8_fp4_mega_moe"}
@@ -34,9 +35,8 @@ _SM90_KERNEL = {"fp8xfp4": "fp8_fp4_mega_moe"}
 def check(cfg: StudyConfig) -> None:
     """Refuse ``--kernel deepgemm-sm90`` where it cannot run, saying what is missing."""
     from moewire.integrations import deepgemm_sm90
-    from moewire.study.settings import _check_kernel_flags
 
-    _check_kernel_flags(cfg)
+    check_kernel_flags(cfg)
     ok, why = deepgemm_sm90.available()
     if not ok:
         raise StudyArgumentError(
@@ -116,3 +116,12 @@ def kernel_experts(cfg: StudyConfig, dense: LayerWeights | None, num_experts: in
     buffer = deepgemm_sm90.deep_gemm.get_symm_buffer_for_sm90_mega_moe(
         _one_rank_group(), num_experts, cfg.tokens, cfg.preset.top_k, hidden, intermediate)
     return {"kernel": kernel, "kernel_weights": weights, "symm_buffer": buffer}
+
+
+def build_layer(cfg: StudyConfig, generator: torch.Generator) -> RealKernelLayer:
+    """The study's layer on the real kernel: refuse where it cannot run (:func:`check`),
+    then the study's one builder, :func:`moewire.study.layer.build_layer`, with this
+    module's experts."""
+    check(cfg)
+    return study_layer.build_layer(cfg, generator, experts=kernel_experts,
+                                   layer_cls=RealKernelLayer)

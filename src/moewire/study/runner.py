@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 import moewire
-from moewire.study import comm
+from moewire.study import comm, real_kernel
 from moewire.study.data import load_activations, synthetic_hidden_states
 from moewire.study.errors import StudyArgumentError
 from moewire.study.layer import (
@@ -94,6 +94,15 @@ def _batches(cfg: StudyConfig, layer: StudyLayer, generator: torch.Generator):
     return batches[:n_calib], batches[n_calib:]
 
 
+def preflight(cfg: StudyConfig) -> StudyConfig:
+    """Every check that needs no data: :func:`moewire.study.settings.validate`, then, for
+    ``--kernel deepgemm-sm90``, whether the real kernel can run here. Returns ``cfg``."""
+    validate(cfg)
+    if cfg.kernel == "deepgemm-sm90":
+        real_kernel.check(cfg)
+    return cfg
+
+
 def _pairs(cfg: StudyConfig) -> list[tuple[str, str]]:
     return [(d, c) for d in cfg.dispatch for c in cfg.combine]
 
@@ -113,7 +122,7 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
         Non-finite floats are Python ``inf``; :func:`moewire.study.report.to_json` writes
         them as ``"inf"``.
     """
-    validate(cfg)
+    preflight(cfg)
     progress = progress or Progress()
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -121,7 +130,10 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
 
     plan = check_resources(cfg)
     progress.phase(f"building the layer ({plan})")
-    layer = build_layer(cfg, generator, progress.build)
+    if cfg.kernel == "deepgemm-sm90":
+        layer = real_kernel.build_layer(cfg, generator)
+    else:
+        layer = build_layer(cfg, generator, progress.build)
     calib, evals = _batches(cfg, layer, generator)
     pairs = _pairs(cfg)
     # The fake quantization's own cost is measured where it means something: on the GPU.

@@ -180,7 +180,7 @@ def validate(cfg: StudyConfig) -> StudyConfig:
         )
     if cfg.device not in ("cpu", "cuda"):
         raise StudyArgumentError("--device", f"must be cpu or cuda, got {cfg.device!r}")
-    _check_kernel_flags(cfg)
+    check_kernel_flags(cfg)
     _check_comm_flags(cfg)
     import torch
 
@@ -188,10 +188,6 @@ def validate(cfg: StudyConfig) -> StudyConfig:
         raise StudyArgumentError(
             "--device", "cuda was asked for but torch sees no CUDA device; use --device cpu"
         )
-    if cfg.kernel == "deepgemm-sm90":
-        from moewire.study import real_kernel
-
-        real_kernel.check(cfg)
     if (cfg.weights is None) != (cfg.layer is None):
         missing = "--layer" if cfg.layer is None else "--weights"
         raise StudyArgumentError(
@@ -221,7 +217,7 @@ def validate(cfg: StudyConfig) -> StudyConfig:
     return cfg
 
 
-def _check_kernel_flags(cfg: StudyConfig) -> None:
+def check_kernel_flags(cfg: StudyConfig) -> None:
     """Flags that contradict ``--kernel deepgemm-sm90``, refused before anything loads."""
     if cfg.kernel != "deepgemm-sm90":
         return
