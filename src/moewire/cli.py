@@ -237,7 +237,7 @@ def _run_study(args: argparse.Namespace) -> int:
         f"load{target_text}; {100 * routing['remote_fraction']:.1f}% of copies leave their "
         f"rank ({cfg.ranks} rank(s))"
     )
-    print(report.time_note(doc))
+    print(report.time_note(doc, console.width if tty else 100))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 

@@ -28,7 +28,7 @@ _COLUMNS = (
     ("sqnr_db", "SQNR dB"), ("cosine", "cosine"), ("max_abs_err", "max |err|"),
     ("bytes_per_token", "bytes/token"), ("ratio_to_bf16", "vs BF16"),
     ("dispatch_us", "disp us"), ("combine_us", "comb us"), ("comm_us", "comm us"),
-    ("time_ratio_to_bf16", "time/BF16"), ("fake_quant_us", "QDQ us"),
+    ("saved_us", "saved us"), ("time_ratio_to_bf16", "time/BF16"), ("fake_quant_us", "QDQ us"),
 )
 
 
@@ -69,7 +69,7 @@ def _cell(key: str, value: Any) -> str:
         return f"{value:,.0f}"
     if key in ("ratio_to_bf16", "time_ratio_to_bf16"):
         return f"{value:.3f}"
-    if key in ("dispatch_us", "combine_us", "comm_us"):
+    if key in ("dispatch_us", "combine_us", "comm_us", "saved_us"):
         return f"{value:.1f}"
     if key == "fake_quant_us":
         return "-" if value is None else f"{value:.1f}"
@@ -77,8 +77,8 @@ def _cell(key: str, value: Any) -> str:
 
 
 #: Columns the terminal table leaves out first when it is too narrow (all are in the JSON).
-_DROP_ORDER = ("cosine", "dispatch_us", "combine_us", "max_abs_err", "ratio_to_bf16",
-               "fake_quant_us", "bytes_per_token", "sqnr_db")
+_DROP_ORDER = ("cosine", "dispatch_us", "combine_us", "max_abs_err", "saved_us",
+               "ratio_to_bf16", "fake_quant_us", "bytes_per_token", "sqnr_db")
 
 
 def _keys(doc: dict) -> list[str]:
@@ -140,17 +140,16 @@ def headline(doc: dict) -> str:
     )
 
 
-def time_note(doc: dict) -> str:
-    """What the time columns assume and leave out, in one paragraph."""
+def time_note(doc: dict, width: int = 100) -> str:
+    """What the time columns assume and leave out, one paragraph wrapped to ``width``."""
     link, ep = doc["interconnect"], doc["routing"]["ep"]
-    return (
+    return textwrap.fill(
         f"time estimate: {link['name']} ({link['description']}; {link['source']}), EP "
         f"{ep['ep_size']}, {ep['tokens_per_rank']} tokens per rank per layer, "
         f"{100 * ep['remote_fraction']:.1f}% of copies leave their rank and the busiest rank "
         f"moves {ep['bottleneck']:.2f}x the mean (measured on this routing). Wire time only: "
         "it leaves out overlap with compute, congestion, the format's cast (QDQ us, measured "
-        "on CUDA) and per-token metadata (docs/study.md)."
-    )
+        "on CUDA) and per-token metadata (docs/study.md).", width)
 
 
 def plain_table(doc: dict, width: int | None = None) -> str:
