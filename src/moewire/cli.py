@@ -235,7 +235,8 @@ def _run_study(args: argparse.Namespace) -> int:
     print(
         f"routing: hottest expert gets {routing['expert_load_max_over_mean']:.2f}x the mean "
         f"load{target_text}; {100 * routing['remote_fraction']:.1f}% of copies leave their "
-        f"rank ({cfg.ranks} rank(s))"
+        f"rank at --ranks {cfg.ranks} (the time estimate splits the same routing over its "
+        "own EP size)"
     )
     print(report.time_note(doc, console.width if tty else 100))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
