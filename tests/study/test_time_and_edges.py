@@ -100,6 +100,8 @@ def test_a_sweep_of_the_baseline_alone_plots(tmp_path):
 
 
 def test_the_heatmap_does_not_colour_the_exact_cell():
+    """The exact cell is masked (grey, labelled), a noisy baseline is not. Masking only NaN
+    (the exact cell coloured at the scale's top, as before) fails it."""
     shown = report.heatmap_values(_doc())
     assert shown.mask.tolist() == [[True, False], [False, False]]
     assert shown[1, 1] == pytest.approx(-20 * math.log10(0.06))
