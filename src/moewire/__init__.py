@@ -6,6 +6,7 @@ Public API (short and stable):
 - ``WireQuantizer``: a quantizer module with calibration state (amax, enable, modes).
 - ``quantize(model, recipe, forward_loop=None)``: attach and calibrate dispatch/combine
   quantizers on every Mega-MoE experts module of a model.
+- ``unquantize(model)``: undo ``quantize`` (original classes back, every patch undone).
 - ``save_scales`` / ``load_scales`` / ``summary``.
 - ``formats``, ``recipes``, ``reference`` (the stand-in DeepGEMM Mega-MoE kernel).
 """
@@ -23,6 +24,7 @@ _LAZY = {
     "save_scales": ("moewire.megamoe.api", "save_scales"),
     "load_scales": ("moewire.megamoe.api", "load_scales"),
     "summary": ("moewire.megamoe.api", "summary"),
+    "unquantize": ("moewire.megamoe.api", "unquantize"),
 }
 _SUBMODULES = {"formats", "recipes", "reference", "megamoe", "kernels", "integrations", "study"}
 

@@ -408,3 +408,15 @@ def test_cuda_output_equals_moewire_path(dispatch, combine):
         a = getattr(theirs.experts, attr).static_amax
         b = getattr(ours.experts, attr).static_amax
         assert (a is None) == (b is None) and (a is None or float(a) == float(b))
+
+
+def test_unquantize_refuses_a_modelopt_quantized_model_and_leaves_it_as_it_was():
+    """Break: undo moewire's class swap of a ModelOpt module: it keeps ModelOpt's class
+    without the quantizers ModelOpt's own code expects."""
+    model = Layer()
+    mtq.quantize(model, _cfg(FP8, NVFP4), _loop)
+    y = _run(model, EVAL)
+    with pytest.raises(TypeError, match=r"^experts: ModelOpt converted this module before"):
+        moewire.unquantize(model)
+    assert isinstance(model.experts.combine_quantizer, mw_mo.WireTensorQuantizer)
+    assert torch.equal(_bits(_run(model, EVAL)), _bits(y))

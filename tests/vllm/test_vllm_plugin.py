@@ -117,3 +117,29 @@ def test_plugin_wraps_the_loader_and_loads_scales(vllm_config, tmp_path, monkeyp
         assert torch.equal(
             getattr(fresh["experts"], name).amax, getattr(calibrated["experts"], name).amax
         )
+
+
+def test_unquantize_unwraps_the_loader(vllm_config, monkeypatch):
+    """Once the loaded model is unquantized (and no other converted module lives), the
+    loader is vLLM's again. Break: patch ``load_model`` with a plain assignment: it stays
+    moewire's wrapper."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from moewire.megamoe import convert
+
+    # vLLM's static forward context keeps earlier tests' layers alive: undo them first.
+    for module in list(convert._CONVERTED):
+        convert.unconvert(module)
+    vllm_mod.register_vllm_experts()
+    with standin.use_reference_deep_gemm("vllm-0.32"):
+        fresh = _model(vllm_config)
+    loader = lambda self, *a, **k: fresh  # noqa: E731  (the loader vLLM would run)
+    monkeypatch.setattr(BaseModelLoader, "load_model", loader)
+    monkeypatch.setenv(vllm_mod.ENV_RECIPE, RECIPE)
+    monkeypatch.delenv(vllm_mod.ENV_SCALES, raising=False)
+    vllm_mod.register()
+    assert BaseModelLoader.load_model._moewire
+    with standin.use_reference_deep_gemm("vllm-0.32"):
+        loaded = BaseModelLoader.load_model(object(), vllm_config, None)
+    api.unquantize(loaded)
+    assert BaseModelLoader.load_model is loader

@@ -161,3 +161,43 @@ def test_two_rank_gloo_calibration_syncs_amax():
     # Each rank's combine amax covers rows of both ranks' experts; after the sync they agree.
     assert torch.equal(results[0]["amax"][1], results[1]["amax"][1])
     assert results[0]["seen"]["dispatch"] != results[1]["seen"]["dispatch"]
+
+
+def test_unquantize_restores_vllm_twice_in_a_row(vllm_config):
+    """Quantize and unquantize a real vLLM experts module twice in one process: each round
+    quantizes the same way, and after each the class, the state dict and every vLLM global
+    moewire rebound (``_import_deep_gemm``, the staging global) are vLLM's own again.
+
+    Unquantized, vLLM's own staging is Triton and its DeepGEMM import finds none on CPU,
+    so the unquantized forward is not run here; the stand-in core test
+    (tests/megamoe/test_megamoe_unquantize.py) runs it bit for bit. Break: leave the
+    bridge's rebinds out of the undo ledger: vLLM's globals stay moewire's.
+    """
+    import vllm.utils.deep_gemm as vllm_deep_gemm
+    from vllm.models.deepseek_v4.nvidia import model as dsv4
+
+    from moewire import patches
+    from moewire.megamoe import convert
+
+    # vLLM's static forward context keeps earlier tests' layers alive: undo them first.
+    for module in list(convert._CONVERTED):
+        convert.unconvert(module)
+    assert patches.active_patches() == []
+    originals = (vllm_deep_gemm._import_deep_gemm, dsv4.prepare_megamoe_inputs)
+    experts, outputs = None, []
+    for _ in range(2):
+        vllm_mod.register_vllm_experts()
+        with standin.use_reference_deep_gemm("vllm-0.32"):
+            if experts is None:
+                experts = setup.make_experts(vllm_config, prefix=_prefix())
+                experts.finalize_weights()
+                keys = set(experts.state_dict())
+            model, _ = _calibrate(vllm_config, experts, seeds=(61,))
+            x, ids, w, pad = _batch(62)
+            outputs.append(_forward(vllm_config, experts, x, ids, w, pad).view(torch.int16))
+        api.unquantize(model)
+        assert type(experts) is dsv4.DeepseekV4MegaMoEExperts
+        assert set(experts.state_dict()) == keys
+        assert patches.active_patches() == []
+        assert (vllm_deep_gemm._import_deep_gemm, dsv4.prepare_megamoe_inputs) == originals
+    assert torch.equal(outputs[0], outputs[1])

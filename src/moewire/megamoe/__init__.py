@@ -9,7 +9,7 @@
   is hooked.
 - ``convert`` (the in-place ModelOpt-style class swap), ``QuantExperts`` (its mixin, for
   other class-swap frameworks) with ``install_proxies``, ``layout_checked``.
-- ``quantize``, ``calibrate``, ``save_scales``, ``load_scales``, ``summary``.
+- ``quantize``, ``unquantize``, ``calibrate``, ``save_scales``, ``load_scales``, ``summary``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ _LAZY = {
     "save_scales": ("moewire.megamoe.api", "save_scales"),
     "load_scales": ("moewire.megamoe.api", "load_scales"),
     "summary": ("moewire.megamoe.api", "summary"),
+    "unquantize": ("moewire.megamoe.api", "unquantize"),
 }
 
 __all__ = sorted([*_LAZY, "resum", "flavours"])

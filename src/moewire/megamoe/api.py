@@ -14,14 +14,20 @@ import torch
 from torch import nn
 
 from moewire.formats.base import amax_is_valid
-from moewire.megamoe.convert import _module_device, convert, is_converted
+from moewire.megamoe.convert import (
+    _module_device,
+    convert,
+    is_converted,
+    refuse_unconvert,
+    unconvert,
+)
 from moewire.megamoe.flavours import ROWS_KINDS
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES, amax_rows, kernel_rows, set_amax_rows
 from moewire.megamoe.registry import adapter_for, registered_classes
 from moewire.quantizer import WireQuantizer, WireQuantizerLike, calibration
 
 __all__ = ["calibrate", "calibrating", "load_scales", "quantize", "quantizers", "save_scales",
-           "summary"]
+           "summary", "unquantize"]
 
 SCALES_VERSION = 1
 _METADATA_KEY = "moewire_scales"
@@ -167,6 +173,41 @@ def quantize(
         setattr(module, attr, quantizer)
     if forward_loop is not None:
         calibrate(model, forward_loop)
+    return model
+
+
+def unquantize(model: nn.Module) -> nn.Module:
+    """Undo :func:`quantize`: every converted experts module gets its original class back
+    and loses its two quantizers; once no converted module remains in the process, every
+    global, namespace, module class and loader moewire patched is restored
+    (:mod:`moewire.patches`). The model then runs bit for bit as one never quantized.
+
+    Every check runs before the model is touched: a refused call changes nothing.
+
+    Args:
+        model: a model quantized by :func:`quantize` (or one experts module).
+
+    Returns:
+        ``model``, unquantized in place.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; a module was converted by ModelOpt's
+            ``mtq.quantize`` (moewire cannot undo ModelOpt's class swap).
+        ValueError: the model has no quantized experts module (nothing to undo: calling
+            this on a model never quantized is a mistake, e.g. the wrong model).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unquantize: model must be an nn.Module, got {type(model).__name__}")
+    converted = [(name, m) for name, m in model.named_modules() if is_converted(m)]
+    if not converted:
+        raise ValueError(
+            f"unquantize: {type(model).__name__} has no experts module quantized by "
+            "moewire, so there is nothing to undo; pass the model moewire.quantize returned"
+        )
+    for name, module in converted:
+        refuse_unconvert(module, name or None)
+    for name, module in converted:
+        unconvert(module, name or None)
     return model
 
 

@@ -9,15 +9,18 @@ original state-dict keys are kept), installs its adapter's hooks
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from moewire import patches
 from moewire.megamoe.hooks import install_proxies
 from moewire.megamoe.quant_experts import (
     QUANTIZER_NAMES,
+    STATE_KEYS,
     QuantExperts,
     original_class,
     set_module_name,
@@ -25,10 +28,15 @@ from moewire.megamoe.quant_experts import (
 from moewire.megamoe.registry import adapter_for, registered_classes
 from moewire.quantizer import WireQuantizer
 
-__all__ = ["convert", "is_converted"]
+__all__ = ["convert", "is_converted", "refuse_unconvert", "unconvert"]
 
 # One generated class per experts class (the classes live as long as the process).
 _QUANT_CLASSES: dict[type, type] = {}
+# Every converted module alive: once the last one is unconverted, every patch is undone.
+_CONVERTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Set on a module whose quantizers another framework attached (ModelOpt's class swap came
+# first): moewire cannot undo that framework's conversion.
+_FOREIGN = "_moewire_foreign_quantizers_"
 
 
 def _reduce_quant(self: QuantExperts, protocol: Any) -> Any:
@@ -67,14 +75,15 @@ def _rebuild_quant(cls: type) -> nn.Module:
             "moewire's vLLM plugin) before torch.load"
         )
     install_proxies(adapter)
-    return object.__new__(_quant_class(cls))
+    module = object.__new__(_quant_class(cls))
+    _CONVERTED.add(module)
+    return module
 
 
 def _module_device(module: nn.Module) -> torch.device:
     for tensor in list(module.parameters()) + list(module.buffers()):
         return tensor.device
     return torch.device("cpu")
-
 
 
 def is_converted(module: nn.Module) -> bool:
@@ -123,7 +132,10 @@ def convert(
     device = _module_device(module)
     original = type(module).__name__
     module.__class__ = _quant_class(type(module))
+    _CONVERTED.add(module)
     set_module_name(module, name or original)
+    if attach is not setattr:
+        module.__dict__[_FOREIGN] = True
     for attr in QUANTIZER_NAMES:
         label = f"{name or original}.{attr}"
         if make_quantizer is None:
@@ -131,4 +143,51 @@ def convert(
         else:
             quantizer = make_quantizer(attr, label, device)
         attach(module, attr, quantizer)
+    return module
+
+
+def refuse_unconvert(module: nn.Module, name: str | None = None) -> None:
+    """Raise unless :func:`unconvert` can undo ``module``'s conversion.
+
+    Raises:
+        TypeError: ``module`` is not converted, or another framework (ModelOpt's
+            ``mtq.quantize``) converted it first and attached the quantizers.
+    """
+    label = name or type(module).__name__
+    if not is_converted(module):
+        raise TypeError(f"{label}: {type(module).__qualname__} is not converted by moewire")
+    if module.__dict__.get(_FOREIGN):
+        raise TypeError(
+            f"{label}: ModelOpt converted this module before moewire (mtq.quantize), and "
+            "moewire cannot undo ModelOpt's class swap; rebuild the model from its "
+            "unquantized weights instead"
+        )
+
+
+def unconvert(module: nn.Module, name: str | None = None) -> nn.Module:
+    """Undo :func:`convert` in place: the original class back, the two quantizers and
+    moewire's bookkeeping gone. Once no converted module remains in the process, every
+    patch moewire made (:mod:`moewire.patches`: the hooked globals, namespaces, module
+    classes, vLLM's loader) is undone too.
+
+    Args:
+        module: a module converted by :func:`convert`.
+        name: the module's name in the model, for errors.
+
+    Returns:
+        ``module``, an instance of its original class again.
+
+    Raises:
+        TypeError: ``module`` is not converted, or another framework (ModelOpt's
+            ``mtq.quantize``) converted it first and attached the quantizers.
+    """
+    refuse_unconvert(module, name)
+    for attr in QUANTIZER_NAMES:
+        delattr(module, attr)
+    for key in (*STATE_KEYS, _FOREIGN):
+        module.__dict__.pop(key, None)
+    module.__class__ = original_class(type(module))
+    _CONVERTED.discard(module)
+    if not _CONVERTED:
+        patches.undo_all()
     return module

@@ -35,6 +35,7 @@ from moewire.megamoe.registry import ExpertsAdapter, adapter_for
 __all__ = [
     "FUSION_SWITCH",
     "QUANTIZER_NAMES",
+    "STATE_KEYS",
     "QuantExperts",
     "amax_rows",
     "kernel_rows",
@@ -45,6 +46,10 @@ __all__ = [
 
 FUSION_SWITCH = "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=1"
 QUANTIZER_NAMES = ("dispatch_quantizer", "combine_quantizer")
+# What a converted module keeps in its __dict__ (``convert.unconvert`` removes them).
+STATE_KEYS = (
+    "_moewire_adapter_", "_moewire_name_", "_moewire_kernel_rows_", "_moewire_amax_rows_"
+)
 
 
 def _locate_hidden(
