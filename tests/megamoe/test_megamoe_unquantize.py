@@ -1,7 +1,7 @@
 """``moewire.unquantize``: a quantized model comes back bit for bit, and so does the process.
 
-Every test starts with no converted module alive, so that unquantizing the last one undoes
-every patch (``moewire.patches``).
+Every test starts with no converted module alive and nothing patched, so that
+unquantizing the last one undoes every patch (``moewire.patches``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def nothing_converted():
     layout_check.reset_layout_checks()
     gc.collect()
     assert not convert_module._CONVERTED, "a converted module of an earlier test is alive"
+    # Earlier tests dropped their quantized models without unquantize: start unpatched.
+    patches.undo_all()
     yield
     layout_check.reset_layout_checks()
 

@@ -16,6 +16,9 @@ from rb_helpers import RECIPE, Model, calibrated, outputs, snapshot, tried
 from safetensors.torch import save_file
 
 import moewire
+from moewire.megamoe.api import quantizers
+from moewire.megamoe.scales_file import Scale, write_scales
+from moewire.quantizer import WireQuantizer
 
 SUFFIXES = [".json", ".safetensors"]
 
@@ -65,11 +68,44 @@ def test_safetensors_missing_a_tensor_with_metadata_intact_is_refused(saved, tmp
 
 @pytest.mark.parametrize("suffix", SUFFIXES)
 def test_file_without_amax_for_an_enabled_quantizer_is_refused(tmp_path, suffix):
-    uncalibrated = moewire.quantize(Model(), RECIPE)  # dynamic: saves no amax
-    path = moewire.save_scales(uncalibrated, tmp_path / f"dyn{suffix}")
+    # save_scales refuses to write such a file (below): write the records themselves.
+    uncalibrated = moewire.quantize(Model(), RECIPE)
+    records = {
+        name: Scale(q.fmt.name, None, None, name.endswith("combine_quantizer"))
+        for name, _, q in quantizers(uncalibrated)
+    }
+    path = write_scales(tmp_path / f"dyn{suffix}", records)
     message = _refused(_fresh(), path, "holds no amax for")
     assert "layers.0.experts.dispatch_quantizer" in message
     assert "layers.1.experts.combine_quantizer" in message
+
+
+def _partly_calibrated():
+    model = calibrated()
+    # A quantizer put in after calibration: enabled, NVFP4, no amax.
+    model.layers[1].experts.combine_quantizer = WireQuantizer("nvfp4")
+    return model
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: moewire.quantize(Model(), RECIPE), "layers.0.experts.dispatch_quantizer"),
+        (_partly_calibrated, "layers.1.experts.combine_quantizer"),
+    ],
+    ids=["never-calibrated", "one-quantizer-lost-its-amax"],
+)
+def test_save_scales_refuses_a_model_without_the_amax_it_needs(tmp_path, suffix, build, named):
+    """Issue 28: scales of a model never calibrated used to be written without a word and
+    fail only when a server loaded them. Break: drop the check in save_scales: a file is
+    written and no error raised."""
+    path = tmp_path / f"s{suffix}"
+    with pytest.raises(ValueError, match=r"save_scales: .*never calibrated.*Run "
+                                         r"moewire\.calibrate\(model, forward_loop\)") as info:
+        moewire.save_scales(build(), path)
+    assert named in str(info.value)
+    assert not path.exists()
 
 
 @pytest.mark.parametrize("suffix", SUFFIXES)

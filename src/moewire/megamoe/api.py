@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from moewire.formats.base import amax_is_valid
@@ -21,16 +18,14 @@ from moewire.megamoe.convert import (
     refuse_unconvert,
     unconvert,
 )
-from moewire.megamoe.flavours import ROWS_KINDS
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES, amax_rows, kernel_rows, set_amax_rows
 from moewire.megamoe.registry import adapter_for, registered_classes
+from moewire.megamoe.scales_file import Scale, read_scales, scales_path, write_scales
 from moewire.quantizer import WireQuantizer, WireQuantizerLike, calibration
 
 __all__ = ["calibrate", "calibrating", "load_scales", "quantize", "quantizers", "save_scales",
            "summary", "unquantize"]
 
-SCALES_VERSION = 1
-_METADATA_KEY = "moewire_scales"
 
 
 def _load_recipe(recipe: Any) -> Any:
@@ -289,177 +284,60 @@ def _format_name(quantizer: WireQuantizerLike) -> str | None:
     return None if quantizer.fmt is None else quantizer.fmt.name
 
 
-def _scales_path(path: Any, caller: str) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{caller}: path must be a str or os.PathLike, got {type(path).__name__}")
-    return Path(path)
+def _lacks_needed_amax(quantizer: WireQuantizerLike) -> bool:
+    """Enabled, with a format that needs an amax, and neither a constant nor a fixed one:
+    such a quantizer would fall back to a per-call amax."""
+    needs = quantizer.fmt is not None and quantizer.fmt.needs_amax
+    return (
+        needs
+        and quantizer.mode != "disabled"
+        and quantizer.constant_amax is None
+        and quantizer.static_amax is None
+    )
 
 
 def save_scales(model: nn.Module, path: str | Path) -> Path:
     """Save every dispatch/combine quantizer's fixed amax, keyed by its qualified name.
 
-    ``*.safetensors``: one FP32 ``[]`` tensor per quantizer with an amax, plus a JSON
-    metadata entry ``moewire_scales`` = ``{"version": 1, "quantizers": {name: {"format",
-    "shape"}}}`` naming every quantizer (``shape`` ``null`` without an amax). Any other
-    suffix: JSON ``{"moewire_scales": 1, "quantizers": {name: {"format", "shape",
-    "amax"}}}`` (amax as a list of floats, exact for FP32; ``null`` without one). Both are
-    written with the process umask's permissions, as any file the user writes.
+    The file format (``*.safetensors``, or JSON for any other suffix) is
+    :mod:`moewire.megamoe.scales_file`'s.
 
     Returns:
         The path written.
 
     Raises:
-        ValueError: the model has no quantized experts module.
+        ValueError: the model has no quantized experts module; an enabled quantizer whose
+            format needs an amax has none (the model was never calibrated: the file would
+            be refused by every ``load_scales``). Nothing is written then.
         TypeError: ``path`` is not a str or path.
     """
-    path = _scales_path(path, "save_scales")
-    entries: dict[str, dict[str, Any]] = {}
-    tensors: dict[str, torch.Tensor] = {}
+    path = scales_path(path, "save_scales")
+    scales: dict[str, Scale] = {}
+    uncalibrated = []
     for name, module, quantizer in quantizers(model):
-        amax = quantizer.static_amax
-        entry: dict[str, Any] = {"format": _format_name(quantizer), "shape": None, "amax": None}
-        if name.endswith("combine_quantizer"):
-            # Which kernel's rows the amax describes (nvfp4_mega_moe: unweighted).
-            entry["rows"] = amax_rows(module)
-        if amax is not None:
-            amax = amax.detach().float().cpu().contiguous()
-            entry["shape"] = list(amax.shape)
-            tensors[name] = amax
-            entry["amax"] = amax.reshape(-1).tolist()
-        entries[name] = entry
-    if not entries:
+        if _lacks_needed_amax(quantizer):
+            uncalibrated.append(name)
+        # Which kernel's rows a combine amax describes (nvfp4_mega_moe: unweighted).
+        combine = name.endswith("combine_quantizer")
+        scales[name] = Scale(
+            _format_name(quantizer), quantizer.static_amax,
+            amax_rows(module) if combine else None, combine,
+        )
+    if not scales:
         raise ValueError(
             f"save_scales: {type(model).__name__} has no quantized Mega-MoE experts module; "
             "run moewire.quantize(model, recipe) first"
         )
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save
-
-        meta = {
-            n: {k: v for k, v in e.items() if k != "amax"} for n, e in entries.items()
-        }
-        header = json.dumps({"version": SCALES_VERSION, "quantizers": meta})
-        # safetensors' save_file creates the file 0600; plain writing honours the umask.
-        path.write_bytes(save(tensors, metadata={_METADATA_KEY: header}))
-    else:
-        path.write_text(
-            json.dumps({_METADATA_KEY: SCALES_VERSION, "quantizers": entries}, indent=1)
+    if uncalibrated:
+        raise ValueError(
+            f"save_scales: {uncalibrated[:6]}"
+            f"{f' ({len(uncalibrated)} in all)' if len(uncalibrated) > 6 else ''} are enabled "
+            "and their format needs an amax, but they have none: the model was never "
+            "calibrated, and no server could load these scales. Run "
+            "moewire.calibrate(model, forward_loop) (or moewire.quantize(model, recipe, "
+            f"forward_loop=...)) first, then save_scales; nothing was written to {path}"
         )
-    return path
-
-
-class _ScalesFileError(ValueError):
-    """A scales file that is not what ``save_scales`` writes (the message names it)."""
-
-
-def _bad(path: Path, what: str) -> _ScalesFileError:
-    return _ScalesFileError(
-        f"load_scales: {path}: {what}; it was not written by moewire.save_scales (version "
-        f"{SCALES_VERSION}) or was changed since: save the scales again"
-    )
-
-
-def _check_version(path: Path, version: Any) -> None:
-    if isinstance(version, bool) or version != SCALES_VERSION:
-        raise _bad(path, f"version is {version!r}, and this moewire reads version "
-                         f"{SCALES_VERSION}")
-
-
-def _check_entries(path: Path, quantizers_: Any) -> dict[str, Mapping[str, Any]]:
-    if not isinstance(quantizers_, Mapping):
-        raise _bad(path, f"'quantizers' is a {type(quantizers_).__name__}, not a mapping")
-    for name, entry in quantizers_.items():
-        if not isinstance(entry, Mapping):
-            raise _bad(path, f"the entry of {name!r} is a {type(entry).__name__}, not a mapping")
-        fmt = entry.get("format")
-        if fmt is not None and not isinstance(fmt, str):
-            raise _bad(path, f"{name}: format is {fmt!r}, not a format name")
-        shape = entry.get("shape")
-        if shape is not None and (not isinstance(shape, list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise _bad(path, f"{name}: shape is {shape!r}, not a list of sizes")
-        rows = entry.get("rows")
-        if rows is not None and rows not in ROWS_KINDS:
-            raise _bad(path, f"{name}: rows is {rows!r}, not one of {ROWS_KINDS}")
-    return dict(quantizers_)
-
-
-def _read_safetensors(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None, str | None]]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = (f.metadata() or {}).get(_METADATA_KEY)
-            stored = {n: f.get_tensor(n) for n in f.keys()}
-    except _ScalesFileError:
-        raise
-    except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ...
-        raise _bad(path, f"not a readable safetensors file ({type(exc).__name__}: {exc}); "
-                         "truncated or not safetensors") from None
-    if header is None:
-        raise _bad(path, f"no '{_METADATA_KEY}' metadata")
-    try:
-        doc = json.loads(header)
-    except json.JSONDecodeError as exc:
-        raise _bad(path, f"the '{_METADATA_KEY}' metadata is not JSON ({exc})") from None
-    if not isinstance(doc, Mapping) or "quantizers" not in doc:
-        raise _bad(path, f"the '{_METADATA_KEY}' metadata has no 'quantizers'")
-    _check_version(path, doc.get("version"))
-    meta = _check_entries(path, doc["quantizers"])
-    unlisted = sorted(set(stored) - set(meta))
-    if unlisted:
-        raise _bad(path, f"it holds tensors {unlisted[:4]} its metadata does not list")
-    out = {}
-    for name, entry in meta.items():
-        tensor = stored.get(name)
-        if (entry.get("shape") is None) != (tensor is None):
-            state = "holds no tensor" if tensor is None else "holds a tensor"
-            raise _bad(path, f"{name}: the metadata says shape={entry.get('shape')!r} but the "
-                             f"file {state} for it (a truncated or edited file)")
-        if tensor is not None and tensor.dtype != torch.float32:
-            raise _bad(path, f"{name}: the amax is {tensor.dtype}; an amax is stored as FP32 "
-                             "(torch.float32)")
-        out[name] = (entry.get("format"), tensor, entry.get("rows"))
-    return out
-
-
-def _read_json(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None, str | None]]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(path, f"not JSON ({exc}); a safetensors file needs the .safetensors "
-                         "suffix") from None
-    if not isinstance(data, dict) or _METADATA_KEY not in data:
-        raise _bad(path, f"no '{_METADATA_KEY}' key")
-    _check_version(path, data[_METADATA_KEY])
-    entries = _check_entries(path, data.get("quantizers"))
-    out = {}
-    for name, entry in entries.items():
-        amax, values = None, entry.get("amax")
-        if values is not None:
-            if not isinstance(values, list) or not all(
-                    isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool))
-                    for v in values):
-                raise _bad(path, f"{name}: amax is {values!r}, not a list of numbers")
-            amax = torch.tensor(values, dtype=torch.float64)
-            if not torch.equal(amax.float().double(), amax):
-                raise _bad(path, f"{name}: amax {values!r} is not an FP32 value (save_scales "
-                                 "writes FP32 values exactly)")
-            shape = entry.get("shape")
-            if shape is None or math.prod(shape) != amax.numel():
-                raise _bad(path, f"{name}: amax has {amax.numel()} values and shape {shape!r}")
-            amax = amax.float().reshape(shape)
-        out[name] = (entry.get("format"), amax, entry.get("rows"))
-    return out
-
-
-def _read_scales(path: Path) -> dict[str, tuple[str | None, torch.Tensor | None, str | None]]:
-    if not path.is_file():
-        raise ValueError(f"load_scales: {path} does not exist or is not a file; pass the path "
-                         "save_scales wrote")
-    if path.suffix == ".safetensors":
-        return _read_safetensors(path)
-    return _read_json(path)
+    return write_scales(path, scales)
 
 
 def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False) -> list[str]:
@@ -486,7 +364,7 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
             quantizer left without an amax, a format or shape mismatch.
         TypeError: ``path`` is not a str or path.
     """
-    path = _scales_path(path, "load_scales")
+    path = scales_path(path, "load_scales")
     if not isinstance(allow_extra, bool):
         raise TypeError(f"load_scales: allow_extra must be True or False, got {allow_extra!r}")
     present = {name: q for name, _, q in quantizers(model)}
@@ -495,7 +373,7 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
             f"load_scales: {type(model).__name__} has no quantized Mega-MoE experts module; "
             f"run moewire.quantize(model, recipe) before loading {path}"
         )
-    saved = _read_scales(path)
+    saved = read_scales(path)
     missing_in_model = sorted(set(saved) - set(present))
     if missing_in_model and not allow_extra:
         raise ValueError(
@@ -514,7 +392,7 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
     modules = {name: module for name, module, _ in quantizers(model)}
     updates, uncovered = [], []
     for name, quantizer in present.items():
-        fmt, amax, tag = saved[name]
+        fmt, amax, tag, _ = saved[name]
         seen = kernel_rows(modules[name])
         if tag is not None and seen is not None and tag != seen:
             raise ValueError(
@@ -562,9 +440,9 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
         )
     for _, quantizer, amax in updates:
         quantizer.load_amax(amax)
-    for name, (_, _, tag) in saved.items():
-        if tag is not None and name in modules:
-            set_amax_rows(modules[name], tag)
+    for name, scale in saved.items():
+        if scale.rows is not None and name in modules:
+            set_amax_rows(modules[name], scale.rows)
     return [name for name, _, _ in updates]
 
 
