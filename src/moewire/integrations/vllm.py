@@ -35,6 +35,7 @@ from torch import nn
 
 from moewire import patches
 from moewire.integrations import _vllm_bridge
+from moewire.integrations._vllm_groups import data_parallel, ep_device_group, rank_path
 
 __all__ = [
     "ENV_RECIPE",
@@ -190,15 +191,6 @@ def _version_or_unknown() -> str:
         return "(not importable)"
 
 
-def _ep_group(module: nn.Module) -> Any:
-    from vllm.distributed import parallel_state
-
-    if parallel_state._EP is None:
-        return None
-    group = parallel_state.get_ep_group()
-    return group.device_group if group.world_size > 1 else None
-
-
 def kernel_flavour(module: nn.Module) -> str:
     """The flavour of the DeepGEMM build that vLLM calls for ``module``.
 
@@ -248,7 +240,7 @@ def register_site(cls: type, site: ExpertsSite) -> None:
             get_symm_buffer=lambda module: module.get_symm_buffer(),
             flavour=kernel_flavour,
             fused_shared=_fused_shared,
-            ep_group=_ep_group,
+            ep_group=lambda module: ep_device_group(),
             runtime=lambda: f"vLLM {_version_or_unknown()}",
         ),
     )
@@ -300,7 +292,7 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
         )
     api.quantize(model, recipe)
     if scales_path:
-        api.load_scales(model, _rank_path(scales_path))
+        api.load_scales(model, rank_path(scales_path))
     return count
 
 
@@ -349,14 +341,13 @@ class MoewireWorkerExtension:
         model = self.model_runner.get_model()
         _refuse_captured_graphs(self)
         count = quantize_vllm_model(model, recipe)
-        from moewire.integrations.vllm_worker import _parallel
         from moewire.megamoe import api
 
         # One calibration (moewire.quantizer.calibration), spanning the two RPCs: on
         # close it max-reduces every amax over the EP group, then vLLM's DP group, then
         # loads it, as the one-launch worker does.
         stack = contextlib.ExitStack()
-        stack.enter_context(api.calibrating(model, extra_groups=(_parallel(self)[0],)))
+        stack.enter_context(api.calibrating(model, extra_groups=(data_parallel()[0],)))
         self._moewire_calibration = stack
         return count
 
@@ -374,7 +365,7 @@ class MoewireWorkerExtension:
         stack.close()
         self._moewire_calibration = None
         model = self.model_runner.get_model()
-        path = _rank_path(scales_path)
+        path = rank_path(scales_path)
         api.save_scales(model, path)
         return path
 
@@ -390,15 +381,6 @@ def _refuse_captured_graphs(worker: Any) -> None:
             "moewire_begin_calibration: the engine captured CUDA graphs before the quantizers "
             "existed; replays would skip them. Calibrate with LLM(..., enforce_eager=True)"
         )
-
-
-def _rank_path(scales_path: str) -> str:
-    # Every EP rank holds different experts; after the max-reduce the amax are equal, but
-    # each rank saves its own file so loading never depends on the EP layout.
-    from vllm.distributed import parallel_state
-
-    rank = parallel_state.get_ep_group().rank_in_group if parallel_state._EP is not None else 0
-    return scales_path.replace("{rank}", str(rank))
 
 
 def calibrate(llm: Any, recipe: Any, prompts: list[Any], scales_path: str) -> list[str]:

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moewire.integrations._vllm_groups import data_parallel, rank_path
 from moewire.integrations.vllm import (
     ENV_RECIPE,
     ENV_SCALES,
     MoewireWorkerExtension,
-    _rank_path,
     quantize_vllm_model,
     vllm_version,
 )
@@ -292,14 +292,6 @@ def dp_shards(seqs: list[list[int]], dp_size: int) -> list[list[list[int]]]:
     return [seqs[r * per_rank:(r + 1) * per_rank] for r in range(dp_size)]
 
 
-def _parallel(worker: Any) -> tuple[Any, int, int]:
-    from vllm.distributed import parallel_state
-
-    dp = parallel_state.get_dp_group()
-    group = dp.device_group if dp.world_size > 1 else None
-    return group, dp.world_size, dp.rank_in_group
-
-
 @dataclass(frozen=True)
 class SchedulerTypes:
     """The vLLM types a calibration step is built from.
@@ -537,7 +529,7 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
         plan.data, _tokenizer(worker), model_config.get_vocab_size(), plan.max_seqs,
         min(plan.seq_len, model_config.max_model_len - 1),
     )
-    dp_group, dp_size, dp_rank = _parallel(worker)
+    dp_group, dp_size, dp_rank = data_parallel()
     shards = dp_shards(seqs, dp_size)
     seqs = shards[dp_rank]
     scheduler = worker.vllm_config.scheduler_config
@@ -569,7 +561,7 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
         _run_step(worker, step_output([], finished))
     saved = ""
     if plan.save is not None:
-        saved = f"; saved {api.save_scales(model, _rank_path(plan.save))}"
+        saved = f"; saved {api.save_scales(model, rank_path(plan.save))}"
     active = [q for _, _, q in api.quantizers(model) if q.mode != "disabled"]
     amaxes = [float(q.static_amax) for q in active if q.static_amax is not None]
     line = (

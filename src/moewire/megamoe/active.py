@@ -9,17 +9,15 @@ everything through when no quantized forward is running.
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from moewire.megamoe.quant_experts import QuantExperts
+from torch import nn
 
 __all__ = ["ACTIVE", "CAST_CALIBRATION", "IN_STAGING_CALL", "REACHED", "reached"]
 
-# The quantized experts module whose forward is running (None: pass everything through).
-ACTIVE: contextvars.ContextVar[QuantExperts | None] = contextvars.ContextVar(
+# The quantized experts module (a ``QuantExperts``) whose forward is running (None: pass
+# everything through). Typed as a module: this module sits below the class.
+ACTIVE: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar(
     "moewire_active_experts", default=None
 )
 # The hooks the running quantized forward has reached ("staging", "kernel").

@@ -28,18 +28,15 @@ import importlib
 import types
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from moewire import patches
 from moewire.megamoe import flavours as _flavours
 from moewire.megamoe.active import ACTIVE, IN_STAGING_CALL, REACHED, reached
-from moewire.megamoe.quant_experts import QUANTIZER_NAMES, original_class
+from moewire.megamoe.quant_experts import QUANTIZER_NAMES, QuantExperts, original_class
 from moewire.megamoe.registry import ExpertsAdapter, stage_fn_names
-
-if TYPE_CHECKING:
-    from moewire.megamoe.quant_experts import QuantExperts
 
 __all__ = ["STAGING_CASTS", "hook_module", "install_proxies", "is_kernel_name"]
 
