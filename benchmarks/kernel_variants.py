@@ -67,10 +67,10 @@ def default_tuning(mod: ModuleType, fmt: str, k: int, h: int,
     current module and for saved files of the same program layout (v4 on: they have
     ``_tile_cols``); the layout's defaults before that."""
     if mod is _triton or hasattr(mod, "_tile_cols"):
-        bh = kernels._block_h(fmt, h, None)
-        return bh, kernels._num_warps(fmt, bh, None), kernels._unroll(fmt, k, check)
+        bh = kernels.tuning.block_h(fmt, h, None)
+        return bh, kernels.tuning.num_warps(fmt, bh, None), kernels.tuning.unroll(fmt, k, check)
     if fmt == "nvfp4_token":
-        return kernels.triton_next_pow2(h), 16, False
+        return kernels.tuning.triton_next_pow2(h), 16, False
     return 1024, 4, fmt in _UNROLLED_BEFORE
 
 
@@ -82,7 +82,7 @@ def launcher(mod, fmt, rows, idx, y, out, flag, block_h, num_warps, unroll, chec
     t, h = y.shape
     amax = rows.float().abs().amax().reshape(1) if fmt in ("nvfp4", "fp8") else None
     if fmt == "nvfp4_token":
-        block_h = kernels.triton_next_pow2(h)
+        block_h = kernels.tuning.triton_next_pow2(h)
     grid = (t, triton.cdiv(h, block_h))
     kw = dict(K=rows.shape[0], SHARED=0, FMT=mod.FORMAT_CODES[fmt], HAS_AMAX=amax is not None,
               WEIGHTED=False, CHECK=check, CALIB=False, BLOCK_H=block_h, HW_CAST=True,

@@ -76,7 +76,7 @@ def _compile(fn, signature: dict[str, str], constants: dict, aligned: list[str],
 def _combine(fmt: str, hidden: int, unroll: bool):
     """Every mode at once (weighted, check, calibration, a shared row last), the format's
     default block and warps, the slot loop unrolled or rolled (the default picks either by
-    format, k and the check: ``kernels._unroll``)."""
+    format, k and the check: ``kernels.tuning.unroll``)."""
     from moewire import kernels
     from moewire.kernels import _triton
 
@@ -85,13 +85,13 @@ def _combine(fmt: str, hidden: int, unroll: bool):
                amax_ptr="*fp32")
     ints = {n: "i32" for n in ("H", "stride_rs", "stride_rt", "stride_it", "stride_ik",
                                "stride_wt", "stride_wk", "stride_o", "stride_c")}
-    bh = kernels._block_h(fmt, hidden, None)
+    bh = kernels.tuning.block_h(fmt, hidden, None)
     constants = dict(K=8, SHARED=2, FMT=_triton.FORMAT_CODES[fmt],
                      HAS_AMAX=fmt in _triton.NEEDS_AMAX, WEIGHTED=True, CHECK=True, CALIB=True,
                      BLOCK_H=bh, HW_CAST=True, UNROLL=unroll)
     return _compile(_triton.combine_kernel, {**ptr, **ints}, constants,
                     [*ptr, "H", "stride_rt", "stride_it", "stride_o", "stride_c"],
-                    kernels._num_warps(fmt, bh, None))
+                    kernels.tuning.num_warps(fmt, bh, None))
 
 
 def _qdq(fmt: str, hidden: int):
@@ -100,12 +100,12 @@ def _qdq(fmt: str, hidden: int):
 
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "amax_ptr": "*fp32", "H": "i32",
            "stride_x": "i32", "stride_o": "i32"}
-    bh = kernels._block_h(fmt, hidden, None, pad_least=False)
+    bh = kernels.tuning.block_h(fmt, hidden, None, pad_least=False)
     constants = dict(FMT=_triton.FORMAT_CODES[fmt], HAS_AMAX=fmt in _triton.NEEDS_AMAX,
                      BLOCK_H=bh, HW_CAST=True)
     return _compile(_triton.qdq_kernel, sig, constants,
                     ["x_ptr", "out_ptr", "amax_ptr", "H", "stride_x", "stride_o"],
-                    kernels._num_warps(fmt, bh, None))
+                    kernels.tuning.num_warps(fmt, bh, None))
 
 
 def test_every_format_is_compiled():

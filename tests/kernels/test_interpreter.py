@@ -289,7 +289,8 @@ def test_the_split_formats_are_the_ones_the_kernels_split():
     """The wrapper sizes programs of the split formats one 16-element block per thread; the
     kernels split the tile for format codes >= 7. Both must name the same formats, or a
     program would hold half blocks (wrong warps) or replicate elements."""
-    from moewire.kernels import _SPLIT, _triton
+    from moewire.kernels import _triton
+    from moewire.kernels.tuning import _SPLIT
 
     assert {f for f, c in _triton.FORMAT_CODES.items() if c >= 7} == set(_SPLIT)
     assert all(_triton.BLOCK_SIZES[f] == 16 for f in _SPLIT)
@@ -304,8 +305,8 @@ def test_the_split_formats_are_the_ones_the_kernels_split():
 def test_default_program_size_pads_the_row_least(hidden, fmt, want):
     """Kimi-K3's H = 3584 is seven 512-column programs, not four 1024-column ones with the
     last half empty; 8 columns a thread (NVFP4: one 16-element block a thread)."""
-    bh = kernels._block_h(fmt, hidden, None)
-    assert (bh, kernels._num_warps(fmt, bh, None)) == want
+    bh = kernels.tuning.block_h(fmt, hidden, None)
+    assert (bh, kernels.tuning.num_warps(fmt, bh, None)) == want
 
 
 @pytest.mark.parametrize(
@@ -316,8 +317,8 @@ def test_default_program_size_pads_the_row_least(hidden, fmt, want):
 def test_dispatch_program_size_is_1024_columns(hidden, fmt, want):
     """The dispatch QDQ keeps 1024-column programs where the combine pads least (512 at
     H = 3584 was 18% slower for the one-pass QDQ on the H200)."""
-    bh = kernels._block_h(fmt, hidden, None, pad_least=False)
-    assert (bh, kernels._num_warps(fmt, bh, None)) == want
+    bh = kernels.tuning.block_h(fmt, hidden, None, pad_least=False)
+    assert (bh, kernels.tuning.num_warps(fmt, bh, None)) == want
 
 
 def test_qdq_launches_its_own_program_size(monkeypatch):

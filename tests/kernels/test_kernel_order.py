@@ -4,7 +4,7 @@ Under Triton's interpreter on CPU (CI), compiled on CUDA where there is a GPU, a
 independent NumPy oracle of ``tests/order_cases.py``: routed slots ascending, the shared row
 first or last, one BF16 rounding. Formats with per-block scales keep the crafted values
 exact, so the order still shows after quantization. Each format runs with the slot loop
-unrolled and rolled (the default picks one by format, k and the check: ``kernels._unroll``),
+unrolled and rolled (the default picks one by format, k and the check: ``kernels.tuning.unroll``),
 so both loops are covered whatever the defaults.
 """
 
