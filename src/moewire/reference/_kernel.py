@@ -568,6 +568,19 @@ def _routed_one_rank(buf, t, fp8, l1, l2, act, region) -> torch.Tensor:
     return torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int32, device=device))
 
 
+def valid_slots_by_rank(
+    topk_idx: torch.Tensor, e_local: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The valid (token, slot) pairs of ``topk_idx`` (int64 ``[T, k]``, ``-1`` invalid),
+    sorted stably by the rank that owns their expert (experts split evenly, ``e_local`` a
+    rank): int64 ``token``, ``slot``, ``expert`` and destination ``rank``, each ``[n]``."""
+    token, slot = torch.nonzero(topk_idx >= 0, as_tuple=True)
+    expert = topk_idx[token, slot]
+    dest = torch.div(expert, e_local, rounding_mode="floor")
+    order = torch.argsort(dest, stable=True)
+    return token[order], slot[order], expert[order], dest[order]
+
+
 def _routed_expert_parallel(buf, t, fp8, l1, l2, act, region) -> torch.Tensor:
     """Routed rows over several ranks: all-to-all out, expert MLPs, all-to-all back.
 
@@ -577,12 +590,7 @@ def _routed_expert_parallel(buf, t, fp8, l1, l2, act, region) -> torch.Tensor:
     received per local expert.
     """
     e_local, tmax, h = buf.num_experts_per_rank, buf.num_max_tokens_per_rank, buf.hidden
-    topk_idx = buf.topk_idx[:t]
-    token, slot = torch.nonzero(topk_idx >= 0, as_tuple=True)
-    expert = topk_idx[token, slot]
-    dest = torch.div(expert, e_local, rounding_mode="floor")
-    order = torch.argsort(dest, stable=True)
-    token, slot, expert, dest = token[order], slot[order], expert[order], dest[order]
+    token, slot, expert, dest = valid_slots_by_rank(buf.topk_idx[:t], e_local)
     # Gather on byte views: advanced indexing of FP8 tensors is not on every device.
     fields = [_bytes(buf.x[:t].view(torch.uint8)[token])]
     if fp8:

@@ -8,13 +8,12 @@ namespace are module globals looked up at call time (``stage_mega_moe_inputs`` a
 ``deep_gemm``), which is where a quantization wrapper interposes.
 
 May import: torch, ``moewire.reference.deep_gemm`` (the API, as vLLM calls it),
-``_alloc`` and ``weights``.
+``_alloc``, ``_ep_experts`` and ``weights``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from torch import nn
 
 from moewire.reference import deep_gemm
 from moewire.reference._alloc import default_device
+from moewire.reference._ep_experts import EPExperts
 from moewire.reference.deep_gemm import per_token_cast_to_fp8
 from moewire.reference.weights import MegaMoEWeights, make_weights
 
@@ -142,14 +142,7 @@ def stage_mega_moe_inputs(
     buf.topk_weights[:t].copy_(weights)
 
 
-_SYMM_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _ep_size_rank(group: Any) -> tuple[int, int]:
-    return (1, 0) if group is None else (group.size(), group.rank())
-
-
-class MegaMoEExperts(nn.Module):
+class MegaMoEExperts(EPExperts):
     """Mega-MoE routed experts of one EP rank, with vLLM's forward contract.
 
     Args:
@@ -187,22 +180,10 @@ class MegaMoEExperts(nn.Module):
     ) -> None:
         super().__init__()
         where = type(self).__name__
-        ep_size, ep_rank = _ep_size_rank(group)
-        if num_experts % ep_size:
-            raise ValueError(
-                f"{where}: num_experts={num_experts} is not divisible by the EP size {ep_size}"
-            )
-        self.num_experts, self.top_k = num_experts, top_k
-        self.hidden, self.intermediate = hidden, intermediate
-        self.max_num_tokens = max_num_tokens
-        self.ep_group = group
-        self.ep_size, self.ep_rank = ep_size, ep_rank
-        self.num_local_experts = num_experts // ep_size
-        self.local_experts = tuple(
-            range(ep_rank * self.num_local_experts, (ep_rank + 1) * self.num_local_experts)
+        self._partition(
+            num_experts, top_k, hidden, intermediate, max_num_tokens, group,
+            num_fused_shared_experts,
         )
-        self.num_fused_shared_experts = num_fused_shared_experts
-        self.fused_shared = num_fused_shared_experts > 0
         self.mma_type = mma_type
         self.activation_clamp = activation_clamp
         self.dtype = dtype
@@ -234,13 +215,7 @@ class MegaMoEExperts(nn.Module):
             raise ValueError(
                 f"{where}: weights are {weights.mma_type!r} but mma_type={self.mma_type!r}"
             )
-        if tuple(weights.experts) != self.local_experts:
-            raise ValueError(
-                f"{where}: weights hold experts {weights.experts[:4]}... but EP rank "
-                f"{self.ep_rank} owns {self.local_experts[:4]}...; build them with "
-                f"make_weights(experts=range({self.local_experts[0]}, "
-                f"{self.local_experts[-1] + 1}))"
-            )
+        self._check_experts(weights.experts, "make_weights")
         if self.fused_shared != (weights.shared_l1 is not None):
             raise ValueError(
                 f"{where}: num_fused_shared_experts={self.num_fused_shared_experts} but the "
@@ -250,25 +225,15 @@ class MegaMoEExperts(nn.Module):
     def _build_symm_buffer(self, device: torch.device) -> deep_gemm.SymmBuffer:
         # Keyed like vLLM's cache: EP group and shapes (plus the flavour and device, which
         # a real build fixes once).
-        key = (
-            None if self.ep_group is None else id(self.ep_group),
-            self.num_experts, self.max_num_tokens, self.top_k, self.hidden, self.intermediate,
-            self.num_fused_shared_experts, self.mma_type, deep_gemm.current_flavour(), device,
-        )
-        buffer = _SYMM_BUFFERS.get(key)
-        if buffer is None:
-            buffer = deep_gemm.get_symm_buffer_for_mega_moe(
+        return self._cached_buffer(
+            (self.mma_type, deep_gemm.current_flavour(), device),
+            lambda: deep_gemm.get_symm_buffer_for_mega_moe(
                 self.ep_group, self.num_experts, self.max_num_tokens, self.top_k,
                 self.hidden, self.intermediate,
                 num_shared_experts=self.num_fused_shared_experts, mma_type=self.mma_type,
                 device=device,
-            )
-            _SYMM_BUFFERS[key] = buffer
-        return buffer
-
-    def get_symm_buffer(self) -> deep_gemm.SymmBuffer:
-        """The layer's symmetric buffer (shared by layers of the same shapes and group)."""
-        return self.symm_buffer
+            ),
+        )
 
     @property
     def l1_weights(self) -> Any:
@@ -313,12 +278,7 @@ class MegaMoEExperts(nn.Module):
             BF16 ``[T, H]``.
         """
         num_tokens = hidden_states.shape[0]
-        if num_tokens > self.max_num_tokens:
-            raise ValueError(
-                f"{type(self).__name__}: got {num_tokens} tokens but max_num_tokens="
-                f"{self.max_num_tokens}; split the batch or build the layer with a larger "
-                f"max_num_tokens"
-            )
+        self._check_num_tokens(num_tokens)
         if hidden_states.dtype != self.dtype:
             raise TypeError(
                 f"{type(self).__name__}: hidden_states is {hidden_states.dtype} but the "

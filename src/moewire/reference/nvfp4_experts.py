@@ -10,13 +10,12 @@ MXFP8 or BF16 input, ``l2_alpha = w2_weight_scale_2 * l2_activation_scale``), ca
 ``l1_alpha = w13_weight_scale_2`` and ``use_x_scales=True``, then add an unfused shared
 expert. Those two globals are where a quantization wrapper interposes.
 
-May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_alloc``, ``experts``,
-``nvfp4_mega_moe`` and ``nvfp4_weights``.
+May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_alloc``, ``_ep_experts``,
+``experts``, ``nvfp4_mega_moe`` and ``nvfp4_weights``.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 
 from moewire.reference import deep_gemm
 from moewire.reference._alloc import default_device
+from moewire.reference._ep_experts import EPExperts
 from moewire.reference.experts import get_forward_context
 from moewire.reference.nvfp4_mega_moe import prepare_megamoe_nvfp4_inputs
 from moewire.reference.nvfp4_weights import NVFP4MegaMoEWeights, make_nvfp4_weights
@@ -33,10 +33,9 @@ __all__ = ["NVFP4MegaMoEExperts", "prepare_megamoe_nvfp4_inputs"]
 
 # The build that has nvfp4_mega_moe (vLLM 0.33/0.34's bundled DeepGEMM).
 NVFP4_FLAVOUR = "vllm-0.33"
-_SYMM_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-class NVFP4MegaMoEExperts(nn.Module):
+class NVFP4MegaMoEExperts(EPExperts):
     """NVFP4 Mega-MoE routed experts of one EP rank, with vLLM's forward contract.
 
     Args:
@@ -86,21 +85,10 @@ class NVFP4MegaMoEExperts(nn.Module):
                 f"0.33/0.34, but the stand-in imitates {flavour!r} now; select it with "
                 f"deep_gemm.use_flavour({NVFP4_FLAVOUR!r})"
             )
-        ep_size, ep_rank = (1, 0) if group is None else (group.size(), group.rank())
-        if num_experts % ep_size:
-            raise ValueError(
-                f"{where}: num_experts={num_experts} is not divisible by the EP size {ep_size}"
-            )
-        self.num_experts, self.top_k = num_experts, top_k
-        self.hidden, self.intermediate = hidden, intermediate
-        self.max_num_tokens = max_num_tokens
-        self.ep_group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
-        self.num_local_experts = num_experts // ep_size
-        self.local_experts = tuple(
-            range(ep_rank * self.num_local_experts, (ep_rank + 1) * self.num_local_experts)
+        self._partition(
+            num_experts, top_k, hidden, intermediate, max_num_tokens, group,
+            num_fused_shared_experts,
         )
-        self.num_fused_shared_experts = num_fused_shared_experts
-        self.fused_shared = num_fused_shared_experts > 0
         self.shared_dtype = shared_dtype
         self.activation_clamp = activation_clamp
         self.l2_activation_scale = float(l2_activation_scale)
@@ -115,13 +103,7 @@ class NVFP4MegaMoEExperts(nn.Module):
                 num_shared_experts=num_fused_shared_experts, shared_dtype=shared_dtype,
                 seed=seed, device=device,
             )
-        if tuple(weights.experts) != self.local_experts:
-            raise ValueError(
-                f"{where}: weights hold experts {weights.experts[:4]}... but EP rank "
-                f"{ep_rank} owns {self.local_experts[:4]}...; build them with "
-                f"make_nvfp4_weights(experts=range({self.local_experts[0]}, "
-                f"{self.local_experts[-1] + 1}))"
-            )
+        self._check_experts(weights.experts, "make_nvfp4_weights")
         if self.fused_shared != (weights.shared_l1 is not None) or (
             self.fused_shared and weights.shared_dtype != shared_dtype
         ):
@@ -144,25 +126,15 @@ class NVFP4MegaMoEExperts(nn.Module):
 
     def _build_symm_buffer(self, device: torch.device) -> deep_gemm.NVFP4SymmBuffer:
         # Keyed like vLLM's cache (EP group, shapes, shared count and dtype).
-        key = (
-            None if self.ep_group is None else id(self.ep_group), self.num_experts,
-            self.max_num_tokens, self.top_k, self.hidden, self.intermediate,
-            self.num_fused_shared_experts, self.shared_dtype, "nvfp4", device,
-        )
-        buffer = _SYMM_BUFFERS.get(key)
-        if buffer is None:
-            buffer = deep_gemm.NVFP4SymmBuffer(
+        return self._cached_buffer(
+            (self.shared_dtype, "nvfp4", device),
+            lambda: deep_gemm.NVFP4SymmBuffer(
                 self.ep_group, self.num_experts, self.max_num_tokens, self.top_k,
                 self.hidden, self.intermediate,
                 num_shared_experts=self.num_fused_shared_experts,
                 shared_dtype=self.shared_dtype, device=device,
-            )
-            _SYMM_BUFFERS[key] = buffer
-        return buffer
-
-    def get_symm_buffer(self) -> deep_gemm.NVFP4SymmBuffer:
-        """The layer's buffer (shared by layers of the same shapes and group)."""
-        return self.symm_buffer
+            ),
+        )
 
     @property
     def l1_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,11 +166,7 @@ class NVFP4MegaMoEExperts(nn.Module):
         if shared_experts is not None and self.fused_shared:
             raise ValueError(f"{name} fuses the shared expert; pass shared_experts=None")
         num_tokens = hidden_states.shape[0]
-        if num_tokens > self.max_num_tokens:
-            raise ValueError(
-                f"{name}: got {num_tokens} tokens but max_num_tokens={self.max_num_tokens}; "
-                "split the batch or build the layer with a larger max_num_tokens"
-            )
+        self._check_num_tokens(num_tokens)
         is_padding = get_forward_context().is_padding
         if is_padding is not None:
             is_padding = is_padding[:num_tokens]

@@ -823,12 +823,7 @@ def _routed_expert_parallel(buf, t, l1, l2, l1_alpha, l2_alpha, use_x_scales, op
     """All-to-all of (packed row, scales, x_scale, local expert) to the owning ranks, the
     expert MLPs there, and the rows back into the source rank's combine region."""
     e_local = buf.num_experts_per_rank
-    topk_idx = buf.topk_idx[:t]
-    token, slot = torch.nonzero(topk_idx >= 0, as_tuple=True)
-    expert = topk_idx[token, slot]
-    dest = torch.div(expert, e_local, rounding_mode="floor")
-    order = torch.argsort(dest, stable=True)
-    token, slot, expert, dest = token[order], slot[order], expert[order], dest[order]
+    token, slot, expert, dest = _kernel.valid_slots_by_rank(buf.topk_idx[:t], e_local)
     fields = [
         _kernel._bytes(buf.x[:t][token]),
         _kernel._bytes(buf.x_sf[:t][token]),

@@ -1,0 +1,108 @@
+"""What the stand-in experts modules share: the EP partition of the experts, the buffer
+cache, and the checks of the weights' experts and of the token count.
+
+vLLM caches one symmetric buffer per (EP group, device, shapes, shared count, ...), and
+layers of the same shapes share it (SPEC 1); so does the stand-in, in one cache that holds
+buffers weakly and keys them by the group object itself (never its ``id()``: a freed
+group's id could come back for a new one).
+
+May import: torch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["EPExperts"]
+
+_SYMM_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class EPExperts(nn.Module):
+    """Base of the stand-in experts modules: the routed experts of one EP rank.
+
+    Attributes set by :meth:`_partition`: ``num_experts``, ``top_k``, ``hidden``,
+    ``intermediate``, ``max_num_tokens``, ``ep_group``, ``ep_size``, ``ep_rank``,
+    ``num_local_experts``, ``local_experts`` (this rank's global expert ids),
+    ``num_fused_shared_experts``, ``fused_shared``; :meth:`get_symm_buffer` returns
+    ``symm_buffer``, which the subclass sets from :meth:`_cached_buffer`.
+    """
+
+    symm_buffer: Any
+
+    def _partition(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden: int,
+        intermediate: int,
+        max_num_tokens: int,
+        group: dist.ProcessGroup | None,
+        num_fused_shared_experts: int,
+    ) -> None:
+        """Split ``num_experts`` evenly over the EP group; this rank keeps its slice.
+
+        Raises:
+            ValueError: ``num_experts`` is not divisible by the group's size.
+        """
+        ep_size, ep_rank = (1, 0) if group is None else (group.size(), group.rank())
+        if num_experts % ep_size:
+            raise ValueError(
+                f"{type(self).__name__}: num_experts={num_experts} is not divisible by the EP "
+                f"size {ep_size}"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden, self.intermediate = hidden, intermediate
+        self.max_num_tokens = max_num_tokens
+        self.ep_group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        self.num_local_experts = num_experts // ep_size
+        self.local_experts = tuple(
+            range(ep_rank * self.num_local_experts, (ep_rank + 1) * self.num_local_experts)
+        )
+        self.num_fused_shared_experts = num_fused_shared_experts
+        self.fused_shared = num_fused_shared_experts > 0
+
+    def _check_experts(self, experts: Any, maker: str) -> None:
+        """The weights hold this rank's experts; ``maker`` names the builder in the fix.
+
+        Raises:
+            ValueError: they hold other experts.
+        """
+        if tuple(experts) != self.local_experts:
+            raise ValueError(
+                f"{type(self).__name__}: weights hold experts {experts[:4]}... but EP rank "
+                f"{self.ep_rank} owns {self.local_experts[:4]}...; build them with "
+                f"{maker}(experts=range({self.local_experts[0]}, "
+                f"{self.local_experts[-1] + 1}))"
+            )
+
+    def _cached_buffer(self, key: tuple[Hashable, ...], build: Callable[[], Any]) -> Any:
+        """The buffer of this group and these shapes (plus ``key``), built once while any
+        layer holds it."""
+        key = (
+            self.ep_group, self.num_experts, self.max_num_tokens, self.top_k, self.hidden,
+            self.intermediate, self.num_fused_shared_experts, *key,
+        )
+        buffer = _SYMM_BUFFERS.get(key)
+        if buffer is None:
+            buffer = build()
+            _SYMM_BUFFERS[key] = buffer
+        return buffer
+
+    def get_symm_buffer(self) -> Any:
+        """The layer's symmetric buffer (shared by layers of the same shapes and group)."""
+        return self.symm_buffer
+
+    def _check_num_tokens(self, num_tokens: int) -> None:
+        """Raises ``ValueError`` for more tokens than the buffer holds (vLLM's check)."""
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"{type(self).__name__}: got {num_tokens} tokens but max_num_tokens="
+                f"{self.max_num_tokens}; split the batch or build the layer with a larger "
+                "max_num_tokens"
+            )
