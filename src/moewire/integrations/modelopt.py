@@ -55,10 +55,11 @@ except ImportError as err:  # pragma: no cover - exercised only without modelopt
     ) from err
 
 from moewire import formats
+from moewire.calibration import WireQuantizerLike, calibration, max_all_reduce
 from moewire.config import USE_CONSTANT_AMAX, CfgError, parse_cfg
 from moewire.formats.base import amax_is_valid
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES
-from moewire.quantizer import WireQuantizer, WireQuantizerLike, calibration, max_all_reduce
+from moewire.quantizer import WireQuantizer
 
 __all__ = [
     "BACKEND",

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from moewire.calibration import WireQuantizerLike, calibration
 from moewire.formats.base import amax_is_valid
 from moewire.megamoe.convert import (
     _module_device,
@@ -21,7 +22,7 @@ from moewire.megamoe.convert import (
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES, amax_rows, kernel_rows, set_amax_rows
 from moewire.megamoe.registry import adapter_for, registered_classes
 from moewire.megamoe.scales_file import Scale, read_scales, scales_path, write_scales
-from moewire.quantizer import WireQuantizer, WireQuantizerLike, calibration
+from moewire.quantizer import WireQuantizer
 
 __all__ = ["calibrate", "calibrating", "load_scales", "quantize", "quantizers", "save_scales",
            "summary", "unquantize"]
@@ -233,7 +234,7 @@ def _keep_amax(old: WireQuantizerLike, new: WireQuantizer, name: str, calibratin
 def calibrating(
     model: nn.Module, *, extra_groups: Sequence[Any] = ()
 ) -> contextlib.AbstractContextManager[None]:
-    """The calibration context of a quantized model (``moewire.quantizer.calibration``).
+    """The calibration context of a quantized model (``moewire.calibration.calibration``).
 
     Inside, every enabled quantizer collects while values pass through unquantized
     (ModelOpt's semantics); the combine quantizer sees only valid rows and the dispatch
