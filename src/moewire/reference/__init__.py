@@ -47,7 +47,7 @@ __all__ = [
 
 # The NVFP4 Mega-MoE stand-in (vLLM 0.33/0.34): `deep_gemm.nvfp4_mega_moe`, its staging and
 # weights.
-from moewire.reference.nvfp4_mega_moe import prepare_megamoe_nvfp4_inputs  # noqa: E402
+from moewire.reference.nvfp4_staging import prepare_megamoe_nvfp4_inputs  # noqa: E402
 from moewire.reference.nvfp4_weights import (  # noqa: E402
     NVFP4MegaMoEWeights,
     make_nvfp4_weights,

@@ -11,7 +11,7 @@ MXFP8 or BF16 input, ``l2_alpha = w2_weight_scale_2 * l2_activation_scale``), ca
 expert. Those two globals are where a quantization wrapper interposes.
 
 May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_alloc``, ``_ep_experts``,
-``experts``, ``nvfp4_mega_moe`` and ``nvfp4_weights``.
+``experts``, ``nvfp4_staging`` and ``nvfp4_weights``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from moewire.reference import deep_gemm
 from moewire.reference._alloc import default_device
 from moewire.reference._ep_experts import EPExperts
 from moewire.reference.experts import get_forward_context
-from moewire.reference.nvfp4_mega_moe import prepare_megamoe_nvfp4_inputs
+from moewire.reference.nvfp4_staging import prepare_megamoe_nvfp4_inputs
 from moewire.reference.nvfp4_weights import NVFP4MegaMoEWeights, make_nvfp4_weights
 
 __all__ = ["NVFP4MegaMoEExperts", "prepare_megamoe_nvfp4_inputs"]

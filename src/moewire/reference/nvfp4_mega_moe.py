@@ -21,8 +21,12 @@ Where it differs from ``fp8_fp4_mega_moe`` (SPEC 1.5):
   starts where the L2 scale region (``l2_acts_sf``) ends, and the per-token ``x_scales``
   regions **follow** it, so the combine region is not the buffer's last region.
 
-May import: torch and the reference modules below the ``deep_gemm`` API (``_alloc``,
-``_numerics``, ``_nvfp4_numerics``, ``buffer``, ``_kernel``); ``deep_gemm`` re-exports it.
+Its buffer is in ``nvfp4_buffer`` and vLLM's staging in ``nvfp4_staging``; the names above
+are re-exported here.
+
+May import: torch and the reference modules below the ``deep_gemm`` API (``_numerics``,
+``_nvfp4_numerics``, ``_kernel``, ``nvfp4_buffer``, ``nvfp4_staging``); ``deep_gemm``
+re-exports it.
 """
 
 from __future__ import annotations
@@ -34,13 +38,7 @@ from typing import Any
 import torch
 
 from moewire.reference import _kernel
-from moewire.reference._alloc import align as _align
-from moewire.reference._alloc import default_device as _default_device
-from moewire.reference._alloc import group_size_rank as _group_size_rank
-from moewire.reference._alloc import positive_int as _positive_int
 from moewire.reference._numerics import (
-    FP8_MAX,
-    ceil_to_ue8m0,
     decode_e2m1,
     pack_ue8m0,
     scale_groups,
@@ -53,9 +51,15 @@ from moewire.reference._nvfp4_numerics import (
     pack_fp4_codes,
     quantize_mxfp8_l2_input,
     quantize_nvfp4_l2_input,
-    stage_nvfp4_per_token,
 )
-from moewire.reference.buffer import Region, RegionBuffer, num_max_shared_sf_tokens
+from moewire.reference.nvfp4_buffer import (
+    NVFP4SymmBuffer,
+    _fail,
+    get_block_m_for_nvfp4_mega_moe,
+    get_token_alignment_for_nvfp4_mega_moe,
+    shared_sf_row,
+)
+from moewire.reference.nvfp4_staging import prepare_megamoe_nvfp4_inputs
 
 __all__ = [
     "NVFP4SymmBuffer",
@@ -67,372 +71,7 @@ __all__ = [
     "weighted_combine",
 ]
 
-TOKEN_ALIGNMENT = 384
-# DeepGEMM's candidate BLOCK_M values (``layout/mega_moe.cuh``, kCandidateBlockM).
-CANDIDATE_BLOCK_M = (8, 16, 32, 64, 96, 128, 192, 240)
-SHARED_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 ACTIVATIONS = ("swiglu", "swiglustep")
-
-
-def get_token_alignment_for_nvfp4_mega_moe() -> int:
-    """Token alignment of the NVFP4 buffer's capacity (the stand-in uses 384)."""
-    return TOKEN_ALIGNMENT
-
-
-def get_block_m_for_nvfp4_mega_moe(
-    num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_tokens: int,
-    num_topk: int,
-) -> int:
-    """BLOCK_M the kernel runs ``num_tokens`` local tokens with (DeepGEMM's signature).
-
-    vLLM lays the fused shared expert's MXFP8 input scales out by it
-    (:func:`shared_sf_row`). The real heuristic is compiled into DeepGEMM's ``_C``; the
-    stand-in's: the smallest candidate BLOCK_M holding the expected rows per expert,
-    ``ceil(num_ranks * num_tokens * num_topk / num_experts)`` (240 at most). The kernel
-    and the staging call it with the same arguments, so they agree by construction.
-    """
-    expected = -(-num_ranks * max(num_tokens, 1) * num_topk // max(num_experts, 1))
-    return next((c for c in CANDIDATE_BLOCK_M if c >= expected), CANDIDATE_BLOCK_M[-1])
-
-
-def shared_sf_row(token: torch.Tensor, block_m: int) -> torch.Tensor:
-    """Row of ``token`` in the shared expert's MN-major (UTCCP) scale pages.
-
-    vLLM's ``prepare_megamoe.py::_shared_sf_row``: pages of ``ceil(block_m / 128) * 128``
-    rows per BLOCK_M tokens; inside a page, token ``m`` goes to row
-    ``(m // 128) * 128 + (m % 32) * 4 + (m % 128) // 32``.
-    """
-    aligned = -(-block_m // 128) * 128
-    block, m = token // block_m, token % block_m
-    return block * aligned + (m // 128) * 128 + (m % 32) * 4 + (m % 128) // 32
-
-
-def _fail(where: str, message: str, exc: type[Exception] = ValueError) -> None:
-    raise exc(f"{where}: {message}")
-
-
-class NVFP4SymmBuffer(RegionBuffer):
-    """One rank's NVFP4 Mega-MoE buffer: a flat int8 tensor and typed views into it.
-
-    Constructor as DeepGEMM's (``mega/nvfp4.py``), plus the keyword ``device``. Regions in
-    the order of ``layout/nvfp4_mega_moe.cuh`` (``R`` ranks, ``Tmax`` the aligned capacity,
-    ``Is = num_shared_experts * I``, ``N = R * Tmax * k`` ring rows: every row a rank can
-    receive; the real ring is smaller and reused):
-
-    ``workspace`` (int32 ``[align(E_local, 4)]``: rows received per local expert by the
-    last call), ``x`` (int8 ``[Tmax, H/2]``, packed E2M1), ``x_sf`` (int32 ``[Tmax,
-    H/64]``, four E4M3 bytes per int), ``topk_idx`` (int64 ``[Tmax, k]``), ``topk_weights``
-    (FP32 ``[Tmax, k]``), ``shared_l1_acts`` (``shared_dtype`` ``[Tmax, H]``),
-    ``shared_l1_acts_sf`` (int32 ``[ceil(Tmax/8) * 128, H/128]``, rows by
-    :func:`shared_sf_row`), ``shared_l2_acts`` (``[Tmax, Is]``), ``shared_l2_acts_sf``
-    (int32 ``[ceil(Tmax/8) * 128, Is/128]``; the stand-in fills its first ``T`` rows in
-    token order) -- the four shared views are empty without a fused shared expert, the
-    ``_sf`` ones also for BF16 --, ``l1_acts`` / ``l1_acts_sf`` (``[N, H/2]`` /
-    ``[N, H/64]``), ``l2_acts`` / ``l2_acts_sf`` (``[N, I/2]`` / ``[N, I/64]``), the
-    combine region (BF16 ``[num_slots, Tmax, H]``, no view: it starts where
-    ``l2_acts_sf`` ends), ``x_scales`` (FP32 ``[Tmax]``), then the received rows' per-token
-    scales (FP32 ``[N]``, no view).
-
-    Attributes:
-        group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
-        num_shared_experts, shared_dtype: as given (``num_max_tokens_per_rank`` aligned).
-        mma_type: ``"nvfp4"``; activation: ``"swiglu"``.
-        buffer: int8 ``[nbytes]``; handle: the symmetric-memory handle or None.
-        num_ranks, rank, num_experts_per_rank, num_slots: derived.
-        _moewire_regions: ``{name: (byte offset, byte size)}`` of every region.
-
-    ``region``, ``combine_rows``, ``destroy`` and pickling as every
-    :class:`~moewire.reference.buffer.RegionBuffer`.
-    """
-
-    _HIDDEN = ("combine", "l1_x_scales")
-
-    def __init__(
-        self,
-        group: Any,
-        num_experts: int,
-        num_max_tokens_per_rank: int,
-        num_topk: int,
-        hidden: int,
-        intermediate_hidden: int,
-        num_shared_experts: int = 0,
-        base: NVFP4SymmBuffer | None = None,
-        shared_dtype: torch.dtype = torch.float8_e4m3fn,
-        *,
-        device: torch.device | str | None = None,
-    ) -> None:
-        where = "NVFP4SymmBuffer"
-        num_ranks, rank = _group_size_rank(group, where)
-        for name, value in (
-            ("num_experts", num_experts),
-            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
-            ("num_topk", num_topk),
-            ("hidden", hidden),
-            ("intermediate_hidden", intermediate_hidden),
-        ):
-            _positive_int(value, name, where)
-        _positive_int(num_shared_experts, "num_shared_experts", where, minimum=0)
-        if num_experts % num_ranks:
-            _fail(
-                where,
-                f"num_experts={num_experts} is not divisible by the group size {num_ranks}; "
-                "experts are split evenly over the ranks",
-            )
-        if num_topk > num_experts:
-            _fail(where, f"num_topk={num_topk} exceeds num_experts={num_experts}")
-        if num_topk + (num_shared_experts > 0) > 32:
-            _fail(where, f"num_topk={num_topk} (+1 fused shared slot) must fit one warp (32)")
-        for name, value in (("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
-            if value % 128:
-                _fail(where, f"{name}={value} must be a multiple of 128")
-        if shared_dtype not in SHARED_DTYPES:
-            _fail(
-                where,
-                f"shared_dtype must be torch.float8_e4m3fn (MXFP8 shared expert) or "
-                f"torch.bfloat16, got {shared_dtype!r}",
-            )
-
-        self.group = group
-        self.num_ranks, self.rank = num_ranks, rank
-        self.num_experts = num_experts
-        self.num_experts_per_rank = num_experts // num_ranks
-        self.num_max_tokens_per_rank = _align(num_max_tokens_per_rank, TOKEN_ALIGNMENT)
-        self.num_topk = num_topk
-        self.hidden = hidden
-        self.intermediate_hidden = intermediate_hidden
-        self.num_shared_experts = num_shared_experts
-        self.mma_type = "nvfp4"
-        self.activation = "swiglu"
-        self.shared_dtype = shared_dtype
-        self.num_slots = num_topk + (1 if num_shared_experts > 0 else 0)
-
-        offset = self._lay_out()
-        if base is None:
-            if device is not None:
-                device = torch.device(device)
-            else:
-                device = _default_device(group)
-            self._allocate(offset, device)
-        else:
-            if not isinstance(base, NVFP4SymmBuffer) or base.buffer is None:
-                _fail(where, "base must be a live NVFP4SymmBuffer (not destroyed)")
-            if base.group is not group:
-                _fail(where, "base was built for another process group; pass one of the same")
-            if offset > base.buffer.numel():
-                _fail(
-                    where,
-                    f"this configuration needs {offset} bytes but base holds "
-                    f"{base.buffer.numel()}; build it without base",
-                )
-            self.buffer, self.handle = base.buffer, base.handle
-        self._slice_views()
-
-    def _regions(self) -> list[Region]:
-        tmax, k, h, i = (
-            self.num_max_tokens_per_rank, self.num_topk, self.hidden, self.intermediate_hidden
-        )
-        ring = self.num_ranks * tmax * k
-        shared = self.num_shared_experts > 0
-        shared_i = self.num_shared_experts * i
-        shared_tokens = tmax if shared else 0
-        sf_tokens = num_max_shared_sf_tokens(tmax) if shared and self.shared_with_sf else 0
-        return [
-            ("workspace", torch.int32, (_align(self.num_experts_per_rank, 4),)),
-            ("x", torch.int8, (tmax, h // 2)),
-            ("x_sf", torch.int32, (tmax, h // 64)),
-            ("topk_idx", torch.int64, (tmax, k)),
-            ("topk_weights", torch.float32, (tmax, k)),
-            ("shared_l1_acts", self.shared_dtype, (shared_tokens, h)),
-            ("shared_l1_acts_sf", torch.int32, (sf_tokens, h // 128)),
-            ("shared_l2_acts", self.shared_dtype, (shared_tokens, shared_i)),
-            ("shared_l2_acts_sf", torch.int32, (sf_tokens, shared_i // 128)),
-            ("l1_acts", torch.int8, (ring, h // 2)),
-            ("l1_acts_sf", torch.int32, (ring, h // 64)),
-            ("l2_acts", torch.int8, (ring, i // 2)),
-            ("l2_acts_sf", torch.int32, (ring, i // 64)),
-            ("combine", torch.bfloat16, (self.num_slots, tmax, h)),
-            ("x_scales", torch.float32, (tmax,)),
-            ("l1_x_scales", torch.float32, (ring,)),
-        ]
-
-    @property
-    def shared_with_sf(self) -> bool:
-        """True when a fused shared expert takes MXFP8 inputs (scales in the buffer)."""
-        return self.shared_dtype == torch.float8_e4m3fn
-
-    def __repr__(self) -> str:
-        return (
-            f"NVFP4SymmBuffer(rank={self.rank}/{self.num_ranks}, experts={self.num_experts}, "
-            f"Tmax={self.num_max_tokens_per_rank}, k={self.num_topk}, H={self.hidden}, "
-            f"I={self.intermediate_hidden}, shared={self.num_shared_experts}, "
-            f"shared_dtype={self.shared_dtype})"
-        )
-
-
-# --------------------------------------------------------------------------- staging
-
-
-def _check_out(where: str, name: str, t: Any, dtypes: tuple, shape: tuple, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        _fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
-    if t.dtype not in dtypes:
-        _fail(where, f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}",
-              TypeError)
-    if tuple(t.shape) != tuple(shape):
-        _fail(where, f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        _fail(where, f"{name} is on {t.device}, hidden_states on {device}; use one device")
-
-
-def prepare_megamoe_nvfp4_inputs(
-    hidden_states: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    x: torch.Tensor,
-    x_sf: torch.Tensor,
-    x_scales: torch.Tensor,
-    topk_idx_out: torch.Tensor,
-    topk_weights_out: torch.Tensor,
-    is_padding: torch.Tensor | None = None,
-    shared_x: torch.Tensor | None = None,
-    shared_x_sf: torch.Tensor | None = None,
-    shared_block_m: int | None = None,
-    w2_global_scale: torch.Tensor | None = None,
-    l2_alpha: torch.Tensor | None = None,
-    l2_activation_scale: float = 1.0,
-    eplb_state: Any = None,
-) -> None:
-    """vLLM's NVFP4 Mega-MoE staging (``prepare_megamoe.py::prepare_megamoe_nvfp4_inputs``).
-
-    Writes ``x, x_sf, x_scales`` (:func:`~moewire.reference._nvfp4_numerics.
-    stage_nvfp4_per_token`: per-token FP32 scale ``amax / 2688``, E2M1 with an E4M3 scale
-    per 16), ``topk_idx_out`` (int64, ``-1`` for padding tokens) and ``topk_weights_out``
-    (FP32, 0 for padding); a fused shared expert's input ``shared_x``: MXFP8 (E4M3 with
-    UE8M0 per 32, ``max(amax, 1e-4) * fl(1/448)`` rounded up to a power of two; scales into
-    ``shared_x_sf`` at the rows of :func:`shared_sf_row` for ``shared_block_m``) when
-    ``shared_x`` is FP8, else a BF16 copy. ``l2_alpha = fl(w2_global_scale *
-    l2_activation_scale)`` for every local expert, written even for ``T = 0``.
-
-    Args:
-        hidden_states: ``[T, H]`` floating (BF16 in vLLM).
-        topk_weights, topk_ids: ``[T, k]``.
-        x: int8/uint8 ``[T, H/2]``; x_sf: int32 ``[T, H/64]``; x_scales: FP32 ``[T]``.
-        topk_idx_out: int64 ``[T, k]``; topk_weights_out: FP32 ``[T, k]``.
-        is_padding: bool ``[>= T]`` or None.
-        shared_x: FP8 E4M3 or BF16 ``[T, H]``, or None (no fused shared expert).
-        shared_x_sf: int32 ``[rows, H/128]`` with an FP8 ``shared_x``, else None.
-        shared_block_m: the BLOCK_M of ``shared_x_sf``'s layout, with ``shared_x_sf``.
-        w2_global_scale, l2_alpha: FP32 ``[E_local]`` each, or both None.
-        l2_activation_scale: the global scale the kernel quantizes L2 inputs with.
-        eplb_state: vLLM 0.34's EPLB state; only an inactive one (no
-            ``logical_to_physical_map``) is supported by the stand-in.
-    """
-    where = "prepare_megamoe_nvfp4_inputs"
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
-        _fail(where, "hidden_states must be a 2-D tensor [T, H]", TypeError)
-    if not hidden_states.is_floating_point():
-        _fail(where, f"hidden_states must be floating, got {hidden_states.dtype}", TypeError)
-    t, h = hidden_states.shape
-    device = hidden_states.device
-    if h % 128:
-        _fail(where, f"hidden size {h} must be a multiple of 128")
-    if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
-        _fail(where, "topk_ids and topk_weights must be tensors", TypeError)
-    if topk_weights.shape != topk_ids.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
-        _fail(
-            where,
-            f"topk_ids and topk_weights must both be [T, k] with T={t}, got "
-            f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}",
-        )
-    if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
-        _fail(where, f"topk_ids must be an integer tensor, got {topk_ids.dtype}", TypeError)
-    k = topk_ids.shape[1]
-    _check_out(where, "x", x, (torch.int8, torch.uint8), (t, h // 2), device)
-    _check_out(where, "x_sf", x_sf, (torch.int32,), (t, h // 64), device)
-    _check_out(where, "x_scales", x_scales, (torch.float32,), (t,), device)
-    _check_out(where, "topk_idx_out", topk_idx_out, (torch.int64,), (t, k), device)
-    _check_out(where, "topk_weights_out", topk_weights_out, (torch.float32,), (t, k), device)
-    shared_mxfp8 = shared_x is not None and shared_x.dtype == torch.float8_e4m3fn
-    if shared_mxfp8 != (shared_x_sf is not None) or (shared_x_sf is None) != (
-        shared_block_m is None
-    ):
-        _fail(
-            where,
-            "shared_x_sf and shared_block_m go together, exactly with an FP8 shared_x "
-            "(a BF16 shared_x takes neither)",
-        )
-    if shared_x is not None:
-        _check_out(where, "shared_x", shared_x, SHARED_DTYPES, (t, h), device)
-    if shared_x_sf is not None:
-        if isinstance(shared_block_m, bool) or not isinstance(shared_block_m, int) or (
-            shared_block_m <= 0
-        ):
-            _fail(where, f"shared_block_m must be a positive int, got {shared_block_m!r}")
-        rows = -(-t // shared_block_m) * (-(-shared_block_m // 128) * 128)
-        if (
-            not isinstance(shared_x_sf, torch.Tensor)
-            or shared_x_sf.dtype != torch.int32
-            or shared_x_sf.dim() != 2
-            or shared_x_sf.shape[1] != h // 128
-            or shared_x_sf.shape[0] < rows
-        ):
-            _fail(
-                where,
-                f"shared_x_sf must be int32 [>= {rows}, {h // 128}] for T={t} and "
-                f"shared_block_m={shared_block_m}, got "
-                + (f"{shared_x_sf.dtype} {tuple(shared_x_sf.shape)}"
-                   if isinstance(shared_x_sf, torch.Tensor) else type(shared_x_sf).__name__),
-            )
-    if (w2_global_scale is None) != (l2_alpha is None):
-        _fail(where, "pass w2_global_scale and l2_alpha together, or neither")
-    if l2_alpha is not None:
-        if not isinstance(l2_alpha, torch.Tensor) or l2_alpha.dtype != torch.float32:
-            _fail(where, "l2_alpha must be an FP32 tensor [E_local]", TypeError)
-        _check_out(where, "w2_global_scale", w2_global_scale, (torch.float32,),
-                   tuple(l2_alpha.shape), l2_alpha.device)
-    if not (isinstance(l2_activation_scale, (int, float)) and l2_activation_scale > 0
-            and l2_activation_scale < float("inf")):
-        _fail(where, f"l2_activation_scale must be a positive finite float, got "
-                     f"{l2_activation_scale!r}")
-    if getattr(eplb_state, "logical_to_physical_map", None) is not None:
-        _fail(
-            where,
-            "the stand-in does not map EPLB replicas; run without EPLB (an inactive "
-            "eplb_state is fine)",
-            NotImplementedError,
-        )
-    if is_padding is not None and (
-        not isinstance(is_padding, torch.Tensor) or is_padding.dim() != 1
-        or is_padding.shape[0] < t
-    ):
-        _fail(where, f"is_padding must be a 1-D tensor with at least T={t} entries")
-
-    if l2_alpha is not None:
-        l2_alpha.copy_(w2_global_scale.float() * torch.tensor(float(l2_activation_scale)))
-    if t == 0:
-        return
-    ids, weights = topk_ids.long(), topk_weights.float()
-    if is_padding is not None:
-        pad = is_padding[:t].to(device=device, dtype=torch.bool).unsqueeze(1)
-        ids = torch.where(pad, torch.full_like(ids, -1), ids)
-        weights = torch.where(pad, torch.zeros_like(weights), weights)
-    q, sf, scales = stage_nvfp4_per_token(hidden_states)
-    x.copy_(q.view(x.dtype))
-    x_sf.copy_(sf)
-    x_scales.copy_(scales)
-    topk_idx_out.copy_(ids)
-    topk_weights_out.copy_(weights)
-    if shared_x is not None:
-        if shared_mxfp8:
-            groups = hidden_states.float().unflatten(-1, (-1, 32))
-            amax = groups.abs().amax(dim=-1).clamp(min=1e-4)
-            scale = ceil_to_ue8m0(amax * torch.tensor(1.0 / FP8_MAX))
-            fp8 = (groups * (1.0 / scale).unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
-            shared_x.copy_(fp8)
-            rows = shared_sf_row(torch.arange(t, device=device), shared_block_m)
-            shared_x_sf[rows] = pack_ue8m0(scale)
-        else:
-            shared_x.copy_(hidden_states)
 
 
 # --------------------------------------------------------------------------- weights
