@@ -10,7 +10,7 @@ import pytest
 import reference_cases
 import torch
 
-from moewire.reference import _kernel
+from moewire.reference import _kernel, _weights_cache
 
 BUFFERS = {
     "symm-vllm-0.33": lambda: reference_cases.build(t=11, shared=1).buf,
@@ -71,7 +71,7 @@ def test_per_expert_fallback_equals_the_grouped_matmul(which, monkeypatch):
     combine rows and ``y``, bit for bit (both accumulate each dot product in FP32)."""
 
     def run():
-        _kernel.WEIGHT_CACHE.clear()
+        _weights_cache.WEIGHT_CACHE.clear()
         if which == "nvfp4":
             case = nvfp4_cases.build(t=23, shared="mxfp8")
         else:
@@ -84,16 +84,16 @@ def test_per_expert_fallback_equals_the_grouped_matmul(which, monkeypatch):
     y_grouped, rows_grouped = run()
     assert calls  # the cached path ran torch._grouped_mm
     calls.clear()
-    monkeypatch.setenv(_kernel.ENV_CACHE_BYTES, "0")
+    monkeypatch.setenv(_weights_cache.ENV_CACHE_BYTES, "0")
     y_loop, rows_loop = run()
     assert not calls  # no weights cached: the per-expert loop
     assert torch.equal(y_loop.view(torch.int16), y_grouped.view(torch.int16))
     assert torch.equal(rows_loop.view(torch.int16), rows_grouped.view(torch.int16))
-    _kernel.WEIGHT_CACHE.clear()
+    _weights_cache.WEIGHT_CACHE.clear()
 
 
 class _Experts:
-    """What ``_grouped_matmul`` reads of ``_kernel._Experts``: cached FP32 weights or none."""
+    """What ``_grouped_matmul`` reads of ``_weights_cache.Experts``: cached FP32 weights or none."""
 
     def __init__(self, weights: torch.Tensor, cached: bool) -> None:
         self.weights, self.n, self.dtype = weights, weights.shape[1], weights.dtype

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from moewire.reference import _kernel, deep_gemm, make_weights, stage_mega_moe_inputs
+from moewire.reference import _weights_cache, deep_gemm, make_weights, stage_mega_moe_inputs
 
 E_LOCAL, TOPK, HIDDEN, INTER, TOKENS = 64, 6, 4096, 2048, 1024
 
@@ -57,7 +57,7 @@ def _time_rank_share(device: str) -> tuple[float, float]:
     reason="set MOEWIRE_REFERENCE_V4_FLASH=1 to run (needs ~9 GB of RAM and minutes)",
 )
 def test_v4_flash_rank_share_on_cpu(monkeypatch, capsys):
-    monkeypatch.setenv(_kernel.ENV_CACHE_BYTES, str(8 << 30))
+    monkeypatch.setenv(_weights_cache.ENV_CACHE_BYTES, str(8 << 30))
     first, warm = _time_rank_share("cpu")
     with capsys.disabled():
         print(f"\nV4-Flash rank share on CPU ({torch.get_num_threads()} threads): "

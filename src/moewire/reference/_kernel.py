@@ -6,19 +6,18 @@ E2M1 or E4M3 times a power of two) and cached; FP8 x FP4 and BF16 x BF16 product
 exact in FP32, so the result differs from the hardware's only in the order in which the
 FP32 accumulator adds the K products (and in ``silu``, see ``docs/reference.md``).
 
-Also the pieces ``nvfp4_mega_moe`` shares: the weight cache, the tensor checks, the
-grouped matmul and the all-to-all.
+Also the pieces ``nvfp4_mega_moe`` shares: the tensor checks, the grouped matmul and the
+all-to-all. The dequantized weights and their cache are ``_weights_cache``'s.
 
-May import: torch, ``moewire.reference._numerics`` and ``moewire.reference.buffer`` (for
-:class:`SymmBuffer`); never the ``deep_gemm`` API, which imports this module.
+May import: torch, ``moewire.reference._numerics``, ``_weights_cache`` and
+``moewire.reference.buffer`` (for :class:`SymmBuffer`); never the ``deep_gemm`` API, which
+imports this module.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,145 +27,12 @@ import torch.nn.functional as F
 
 from moewire.reference._numerics import (
     cast_to_fp8_ue8m0,
-    dequantize_weight,
     pack_ue8m0,
     scale_groups,
     unpack_ue8m0,
 )
+from moewire.reference._weights_cache import Experts
 from moewire.reference.buffer import SymmBuffer
-
-ENV_CACHE_BYTES = "MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES"
-_DEFAULT_CACHE_BYTES = {"cpu": 1 << 30, "cuda": 16 << 30}
-
-
-# --------------------------------------------------------------------------- weights
-
-
-def _as_experts(weights: Any) -> Any:
-    """A shared expert's 2-D weights as one expert ``[1, N, K]``; 3-D ones unchanged."""
-    if isinstance(weights, tuple):
-        return tuple(w.unsqueeze(0) if w.dim() == 2 else w for w in weights)
-    return weights.unsqueeze(0) if weights.dim() == 2 else weights
-
-
-def _untranspose_sf(sf: torch.Tensor) -> torch.Tensor:
-    """Undo the UTCCP row permutation of ``deep_gemm.transform_weights_for_mega_moe``."""
-    g, mn, cols = sf.shape
-    return sf.reshape(g, mn // 128, 32, 4, cols).transpose(2, 3).reshape(g, mn, cols)
-
-
-def _uninterleave_gate_up(t: torch.Tensor, gran: int = 8) -> torch.Tensor:
-    """``[g0..7, u0..7, g8..15, ...]`` rows -> ``[gate | up]`` rows."""
-    g, n, k = t.shape
-    blocks = t.reshape(g, n // (2 * gran), 2, gran, k)
-    return torch.cat([blocks[:, :, 0], blocks[:, :, 1]], dim=1).reshape(g, n, k)
-
-
-def _dequantize_experts(weights: Any, first: int, last: int, is_l1: bool) -> torch.Tensor:
-    """FP32 ``[last - first, N, K]`` of experts ``first..last-1`` in ``[gate | up]`` order."""
-    weights = _as_experts(weights)
-    if isinstance(weights, tuple):
-        w, sf = weights[0][first:last], weights[1][first:last]
-        dense = dequantize_weight(w, _untranspose_sf(sf))
-    else:
-        dense = weights[first:last].float()
-    return _uninterleave_gate_up(dense) if is_l1 else dense
-
-
-class _WeightCache:
-    """Dequantized weights, keyed by the identity and version of the source tensors.
-
-    Holds at most ``budget`` bytes (LRU). Entries die with their source tensors, and a new
-    in-place write to a source (its ``_version`` changes) invalidates its entry.
-    """
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[tuple, tuple[list, tuple, torch.Tensor]] = OrderedDict()
-        self._bytes = 0
-
-    @staticmethod
-    def budget(device: torch.device) -> int:
-        env = os.environ.get(ENV_CACHE_BYTES)
-        if env:
-            return int(env)
-        return _DEFAULT_CACHE_BYTES.get(device.type, _DEFAULT_CACHE_BYTES["cuda"])
-
-    def get(self, sources: tuple[torch.Tensor, ...], build, nbytes: int, device) -> Any:
-        key = tuple(id(s) for s in sources)
-        versions = tuple(s._version for s in sources)
-        entry = self._entries.get(key)
-        if entry is not None:
-            refs, cached_versions, value = entry
-            if all(r() is s for r, s in zip(refs, sources, strict=True)) and (
-                cached_versions == versions
-            ):
-                self._entries.move_to_end(key)
-                return value
-            self._drop(key)
-        budget = self.budget(device)
-        if nbytes > budget:
-            return None
-        value = build()
-        while self._entries and self._bytes + nbytes > budget:
-            self._drop(next(iter(self._entries)))
-        refs = [weakref.ref(s, lambda _r, key=key: self._drop(key)) for s in sources]
-        self._entries[key] = (refs, versions, value)
-        self._bytes += nbytes
-        return value
-
-    def _drop(self, key: tuple) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._bytes -= entry[2].numel() * entry[2].element_size()
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._bytes = 0
-
-
-WEIGHT_CACHE = _WeightCache()
-
-
-class _Experts:
-    """One set of expert weights (routed, or a 2-D shared one) handing out ``[N, K]``.
-
-    The cached dense copy is FP32 on CPU and BF16 on CUDA: every weight is
-    ``element * 2^e`` (FP4/FP8 elements, UE8M0 scales), exact in both, and CUDA's grouped
-    GEMM takes BF16 operands (torch 2.11 has no FP32 one on SM90) while still accumulating
-    in FP32.
-    """
-
-    def __init__(self, weights: Any, is_l1: bool, num_experts: int, n: int, k: int) -> None:
-        self.weights = weights
-        self.is_l1 = is_l1
-        self.n = n
-        sources = weights if isinstance(weights, tuple) else (weights,)
-        device = sources[0].device
-        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.dense = WEIGHT_CACHE.get(
-            sources,
-            lambda: self._dequantize_all(num_experts),
-            num_experts * n * k * self.dtype.itemsize,
-            device,
-        )
-
-    def _dequantize_all(self, num_experts: int) -> torch.Tensor:
-        first = _dequantize_experts(self.weights, 0, 1, self.is_l1).to(self.dtype)
-        dense = torch.empty((num_experts, *first.shape[1:]), dtype=self.dtype,
-                            device=first.device)
-        dense[:1] = first
-        # Two experts at a time keep the temporary unpacking tensors small.
-        for e in range(1, num_experts, 2):
-            last = min(e + 2, num_experts)
-            dense[e:last] = _dequantize_experts(self.weights, e, last, self.is_l1)
-        return dense
-
-    def __getitem__(self, e: int) -> torch.Tensor:
-        """FP32 ``[N, K]`` of expert ``e``."""
-        if self.dense is not None:
-            return self.dense[e].float()
-        return _dequantize_experts(self.weights, e, e + 1, self.is_l1)[0]
-
 
 # --------------------------------------------------------------------------- checks
 
@@ -336,7 +202,7 @@ def _grouped_matmul(
 
     ``x`` holds dequantized activations that are exact in the cache's dtype (BF16 on CUDA:
     FP8, BF16, E2M1 times E4M3), so casting it loses nothing. ``experts``: an
-    :class:`_Experts` or anything with its ``dense``, ``dtype``, ``n`` and ``[e]``.
+    :class:`Experts` or anything with its ``dense``, ``dtype``, ``n`` and ``[e]``.
     ``ends``: int32 ``[E]`` on the device, cumulative row counts (group ``e`` is rows
     ``ends[e-1]:ends[e]``). ``out_dtype``: ``None`` returns the cache's dtype (FP32 on CPU;
     BF16 on CUDA, rounded to nearest even from the FP32 accumulator, for callers that round
@@ -373,8 +239,8 @@ def _grouped_matmul(
 def _expert_mlp(
     x: torch.Tensor,
     ends: torch.Tensor,
-    l1: _Experts,
-    l2: _Experts,
+    l1: Experts,
+    l2: Experts,
     weight: torch.Tensor,
     act: Activation,
     fp8: bool,
@@ -472,8 +338,8 @@ def mega_moe(
         )
 
     region = buf.combine_rows()
-    l1 = _Experts(l1_weights, True, e_local, 2 * i, h)
-    l2 = _Experts(l2_weights, False, e_local, h, i)
+    l1 = Experts(l1_weights, True, e_local, 2 * i, h)
+    l2 = Experts(l2_weights, False, e_local, h, i)
     routed = _routed_one_rank if buf.num_ranks == 1 else _routed_expert_parallel
     counts = routed(buf, t, fp8, l1, l2, act, region)
     if stats is not None:
@@ -489,8 +355,8 @@ def mega_moe(
         if t:
             x_all = _dequantized_tokens(buf.x[:t], buf.x_sf[:t] if fp8 else None)
             shared_i = buf.num_shared_experts * i
-            s1 = _Experts(shared_l1, True, 1, 2 * shared_i, h)
-            s2 = _Experts(shared_l2, False, 1, h, shared_i)
+            s1 = Experts(shared_l1, True, 1, 2 * shared_i, h)
+            s2 = Experts(shared_l2, False, 1, h, shared_i)
             ones = torch.ones(t, dtype=torch.float32, device=device)
             ends = torch.full((1,), t, dtype=torch.int32, device=device)
             shared_rows, _, _ = _expert_mlp(

@@ -25,8 +25,8 @@ Its buffer is in ``nvfp4_buffer`` and vLLM's staging in ``nvfp4_staging``; the n
 are re-exported here.
 
 May import: torch and the reference modules below the ``deep_gemm`` API (``_numerics``,
-``_nvfp4_numerics``, ``_kernel``, ``nvfp4_buffer``, ``nvfp4_staging``); ``deep_gemm``
-re-exports it.
+``_nvfp4_numerics``, ``_weights_cache``, ``_kernel``, ``nvfp4_buffer``, ``nvfp4_staging``);
+``deep_gemm`` re-exports it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from moewire.reference import _kernel
+from moewire.reference import _kernel, _weights_cache
 from moewire.reference._numerics import (
     decode_e2m1,
     pack_ue8m0,
@@ -79,7 +79,7 @@ ACTIVATIONS = ("swiglu", "swiglustep")
 
 class _NVFP4Experts:
     """Routed NVFP4 weights handing out dense ``[N, K]`` (the interface of
-    ``_kernel._Experts``): E2M1 times E4M3, exact in FP32 and in BF16."""
+    ``_weights_cache.Experts``): E2M1 times E4M3, exact in FP32 and in BF16."""
 
     def __init__(self, weights: tuple, is_l1: bool, num_experts: int, n: int, k: int) -> None:
         self.weights = weights
@@ -87,7 +87,7 @@ class _NVFP4Experts:
         self.n = n
         device = weights[0].device
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.dense = _kernel.WEIGHT_CACHE.get(
+        self.dense = _weights_cache.WEIGHT_CACHE.get(
             tuple(weights),
             lambda: self._dequantize(0, num_experts).to(self.dtype),
             num_experts * n * k * self.dtype.itemsize,
@@ -96,8 +96,8 @@ class _NVFP4Experts:
 
     def _dequantize(self, first: int, last: int) -> torch.Tensor:
         w, sf = self.weights[0][first:last], self.weights[1][first:last]
-        dense = dequantize_nvfp4(w, _kernel._untranspose_sf(sf.contiguous()))
-        return _kernel._uninterleave_gate_up(dense) if self.is_l1 else dense
+        dense = dequantize_nvfp4(w, _weights_cache._untranspose_sf(sf.contiguous()))
+        return _weights_cache._uninterleave_gate_up(dense) if self.is_l1 else dense
 
     def __getitem__(self, e: int) -> torch.Tensor:
         if self.dense is not None:
@@ -188,8 +188,8 @@ def _shared_rows(buf: NVFP4SymmBuffer, t: int, shared_l1: Any, shared_l2: Any, o
         )
         rows = shared_sf_row(torch.arange(t, device=device), block_m)
         x = scale_groups(x, unpack_ue8m0(buf.shared_l1_acts_sf[rows]))
-    s1 = _kernel._Experts(shared_l1, True, 1, 2 * shared_i, h)
-    s2 = _kernel._Experts(shared_l2, False, 1, h, shared_i)
+    s1 = _weights_cache.Experts(shared_l1, True, 1, 2 * shared_i, h)
+    s2 = _weights_cache.Experts(shared_l2, False, 1, h, shared_i)
     ends = torch.full((1,), t, dtype=torch.int32, device=device)
     gu = _kernel._grouped_matmul(x, s1, ends, torch.float32).bfloat16()
     act = _activation(gu, opts["clamp"], opts["alpha"], opts["beta"], opts["activation"])
