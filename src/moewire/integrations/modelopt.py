@@ -38,26 +38,23 @@ from typing import Any
 
 import torch
 
-try:
-    from modelopt.torch.quantization.config import QuantizerAttributeConfig
-    from modelopt.torch.quantization.nn import QuantModule, QuantModuleRegistry
-    from modelopt.torch.quantization.plugins import custom as _mo_plugins
-    from modelopt.torch.utils.distributed import ParallelState
-except ImportError as err:  # pragma: no cover - exercised only without modelopt
-    raise ImportError(
-        "moewire.integrations.modelopt needs nvidia-modelopt: "
-        "pip install nvidia-modelopt==0.47.0 requests huggingface_hub "
-        "(0.47.0 imports the last two without declaring them)"
-    ) from err
-
-from moewire.calibration import WireQuantizerLike
-from moewire.formats.base import amax_is_valid
+# isort: off
+# modelopt_quantizer first: without nvidia-modelopt it raises the ImportError that says
+# what to install, before the plain imports of ModelOpt below.
 from moewire.integrations.modelopt_quantizer import (
     BACKEND,
     BIT_EXACT,
     WireTensorQuantizer,
     format_name,
 )
+from modelopt.torch.quantization.config import QuantizerAttributeConfig
+from modelopt.torch.quantization.nn import QuantModule, QuantModuleRegistry
+from modelopt.torch.quantization.plugins import custom as _mo_plugins
+from modelopt.torch.utils.distributed import ParallelState
+
+# isort: on
+from moewire.calibration import WireQuantizerLike
+from moewire.formats.base import amax_is_valid
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES
 from moewire.quantizer import WireQuantizer
 
