@@ -335,7 +335,9 @@ def detect(namespace: Any, where: str = "moewire") -> Flavour:
     raise RuntimeError(
         f"{where}: the DeepGEMM module {module!r} ({path or 'no file'}, version "
         f"{getattr(namespace, '__version__', 'unknown')}) is no build moewire knows: looked "
-        "for get_symm_buffer_for_sm90_mega_moe (deepgemm-sm90), fp4_fp4_mega_moe and a "
+        f"for {', '.join(SM90_FORK_FUNCTIONS)} (deepgemm-sm90-fork, the DeepGEMM fork vLLM "
+        "main's Hopper experts need), get_symm_buffer_for_sm90_mega_moe (deepgemm-sm90), "
+        "fp4_fp4_mega_moe and a "
         "num_shared_experts parameter of get_symm_buffer_for_mega_moe (vllm-0.33), that "
         "parameter without fp4_fp4_mega_moe (vllm-0.32), get_symm_buffer_for_mega_moe "
         f"without it (deepgemm-main). Set {ENV_FLAVOUR} to one of {', '.join(names())} if "
@@ -358,6 +360,13 @@ def _own_flavour(namespace: Any) -> str | None:
     """A stand-in module says which build it imitates (``moewire_flavour()``)."""
     own = getattr(namespace, "moewire_flavour", None)
     return own() if callable(own) else None
+
+
+def _is_sm90_fork(namespace: Any) -> bool:
+    own = _own_flavour(namespace)
+    if own is not None:
+        return own == "deepgemm-sm90-fork"
+    return _has(namespace, *SM90_FORK_FUNCTIONS)
 
 
 def _is_sm90(namespace: Any) -> bool:
@@ -398,6 +407,25 @@ def _is_main(namespace: Any) -> bool:
 
 _LAST = KernelLayout("last_region", None)
 _AFTER_L2 = KernelLayout("after_l2_scales", None)
+
+# vLLM main's Hopper experts (vllm/models/deepseek_v4/nvidia/sm90_mega_moe.py) need a DeepGEMM
+# fork exposing these (vllm/utils/deep_gemm.py: deep_gemm_supports_sm90_mega_moe). The fork's
+# buffer layout is not public: PR #323's (combine region after the L2 scales) is the guess,
+# and the layout check of the first batch is what accepts or refuses it.
+SM90_FORK_FUNCTIONS = (
+    "fp8_mega_moe_sm90",
+    "get_symm_buffer_for_sm90_mega_moe",
+    "transform_weights_for_mega_moe_sm90",
+)
+register(
+    Flavour(
+        "deepgemm-sm90-fork",
+        {"fp8_mega_moe_sm90": _AFTER_L2},
+        _is_sm90_fork,
+        "the DeepGEMM fork vLLM main's SM90 experts call: layout guessed from PR #323, "
+        "proven by the layout check",
+    )
+)
 
 register(
     Flavour(
