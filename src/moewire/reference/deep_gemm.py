@@ -12,10 +12,11 @@ same function), and the NVFP4 kernel's (``nvfp4_mega_moe``). A thin API, as Deep
 The buffer layout and the combine order follow a named *flavour*, one per kernel build
 (``reference.builds``; SPEC section 1):
 
-- ``deepgemm-main``: ``fp8_fp4_mega_moe`` only; regions ``x, x_sf, topk_idx, topk_weights,
-  l1_acts, l1_acts_sf, l2_acts, l2_acts_sf, combine``, the combine region last; no fused
-  shared expert.
-- ``vllm-0.32``: adds ``bf16_mega_moe``; a fused shared expert's row is stored at slot
+- ``deepgemm-main``: ``fp8_fp4_mega_moe`` and (DeepGEMM 54e2261) ``bf16_mega_moe``; regions
+  ``x, x_sf, topk_idx, topk_weights, l1_acts, l1_acts_sf, l2_acts, l2_acts_sf, combine``, the
+  combine region last; no fused shared expert. (Upstream sizes ``l1_acts``/``l2_acts`` by
+  ``num_ring_tokens``; the stand-in keeps them pool-sized, which moves no combine row.)
+- ``vllm-0.32``: both kernels; a fused shared expert's row is stored at slot
   ``k`` and added last.
 - ``vllm-0.33`` (the default; vLLM 0.33 and 0.34 bundle it): the shared row, still stored
   at slot ``k``, is added **first**; for ``bf16xbf16`` a ``combine_norm_buffer`` (FP32
