@@ -52,6 +52,7 @@ __all__ = [
     "SITES",
     "STAGE_FN",
     "ExpertsSite",
+    "holder_class",
     "recognise",
     "site_adapter",
 ]
@@ -86,6 +87,11 @@ class ExpertsSite:
         buffer: ``"name()"`` (a method of the experts object) or ``"name"`` (an attribute).
         holder: for an experts object that is no ``nn.Module``: the attribute path from the
             ``nn.Module`` holding it (``"quant_method.moe_kernel.fused_experts"``).
+        holder_class: ``"module:Class"`` of that ``nn.Module`` (the class moewire converts;
+            only its instances whose ``holder`` is one of these experts objects).
+        group: the process group the kernel's buffer spans, over which calibrated amaxes
+            are max-reduced: ``"ep"`` (vLLM's EP group) or ``"dp"`` (gpt-oss's buffer is on
+            ``get_dp_group()``).
     """
 
     module: str
@@ -99,8 +105,17 @@ class ExpertsSite:
     access_modules: tuple[str, ...] = ()
     buffer: str = "get_symm_buffer()"
     holder: str | None = None
+    holder_class: str | None = None
+    group: str = "ep"
 
     def __post_init__(self) -> None:
+        if (self.holder is None) != (self.holder_class is None):
+            raise ValueError(
+                f"ExpertsSite {self.path}: holder and holder_class go together (an experts "
+                "object that is no nn.Module, and the nn.Module class that holds it)"
+            )
+        if self.group not in ("ep", "dp"):
+            raise ValueError(f"ExpertsSite {self.path}: group must be 'ep' or 'dp'")
         if (self.stage_fn is None) == (self.stage_cast is None):
             raise ValueError(
                 f"ExpertsSite {self.path}: give a staging function (stage_fn) or an inline "
@@ -169,7 +184,8 @@ SITES: tuple[ExpertsSite, ...] = (
     ExpertsSite("vllm.model_executor.layers.fused_moe.experts.deep_gemm_mega_moe",
                 "DeepGemmMegaExperts", stage_fn=None, stage_cast="per_token_cast_to_fp8",
                 read_from="main", calls=("fp8_fp4_mega_moe(",), kernel_access=IMPORT_ACCESS,
-                buffer="buffer", holder="quant_method.moe_kernel.fused_experts"),
+                buffer="buffer", holder="quant_method.moe_kernel.fused_experts",
+                holder_class="vllm.model_executor.layers.fused_moe.layer:FusedMoE", group="dp"),
 )
 
 
@@ -209,6 +225,25 @@ def recognise(cls: Any, site: ExpertsSite) -> str | None:
             "()" if site.kernel_access == KERNEL_ACCESS else ""
         )
     return None
+
+
+def holder_class(site: ExpertsSite) -> type:
+    """The ``nn.Module`` class of a holder site (``site.holder_class``), imported.
+
+    Raises:
+        RuntimeError: it does not import, or is no ``nn.Module`` class.
+    """
+    module_name, _, name = (site.holder_class or "").partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(
+            f"{site.path}: its experts object is held by {site.holder_class}, which this vLLM "
+            f"lacks ({exc}); moewire cannot convert the layer holding it"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise RuntimeError(f"{site.path}: {site.holder_class} is not an nn.Module class")
+    return cls
 
 
 def holder_predicate(site: ExpertsSite, cls: type) -> Callable[[nn.Module], bool]:
