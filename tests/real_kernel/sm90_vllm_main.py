@@ -44,7 +44,16 @@ skip_padding = True
 SITE = next(s for s in vllm_sites.SITES if s.cls_name == "DeepseekV4MegaMoESM90Experts")
 
 
+#: Reach DeepGEMM as vLLM does, through ``vllm.utils.deep_gemm._import_deep_gemm()`` (the
+#: ``vllm`` tests load this file under vLLM main's module name and set it).
+VLLM_ACCESS = False
+
+
 def _import_deep_gemm() -> Any:
+    if VLLM_ACCESS:
+        from vllm.utils.deep_gemm import _import_deep_gemm as vllm_access
+
+        return vllm_access()
     return globals()["deep_gemm"]
 
 

@@ -27,7 +27,9 @@ Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored 
   gpt-oss's ``DeepGemmMegaExperts`` (a modular experts object, no ``nn.Module``) stages
   inline with ``per_token_cast_to_fp8(gran_k=32)`` on ``import deep_gemm`` and calls
   ``deep_gemm.fp8_fp4_mega_moe`` on ``self.buffer``; the ``nn.Module`` holding it is the
-  MoE layer, through ``quant_method.moe_kernel.fused_experts``.
+  MoE layer, ``RoutedExperts`` (``fused_moe/routed_experts.py``, a ``PluggableLayer``; 0.32
+  installed, and main's quantization methods type their layer so), through
+  ``quant_method.moe_kernel.fused_experts`` (0.32's ``eep_reconfigure.py`` reads that path).
 
 May import: the standard library, torch and ``moewire.megamoe.registry`` (nothing of vLLM).
 """
@@ -185,7 +187,8 @@ SITES: tuple[ExpertsSite, ...] = (
                 "DeepGemmMegaExperts", stage_fn=None, stage_cast="per_token_cast_to_fp8",
                 read_from="main", calls=("fp8_fp4_mega_moe(",), kernel_access=IMPORT_ACCESS,
                 buffer="buffer", holder="quant_method.moe_kernel.fused_experts",
-                holder_class="vllm.model_executor.layers.fused_moe.layer:FusedMoE", group="dp"),
+                holder_class="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts",
+                group="dp"),
 )
 
 
