@@ -132,7 +132,7 @@ def test_a_build_summing_descending_fails_the_check(monkeypatch):
 # Where each build adds a fused shared row (SPEC 1 table, 1.3), written here independently
 # of moewire's flavour table; every registered flavour must be listed.
 SPEC_SHARED = {"deepgemm-main": None, "vllm-0.32": "last", "vllm-0.33": "first",
-               "deepgemm-sm90": None}
+               "deepgemm-sm90": None, "deepgemm-sm90-fork": None}
 FUSING = [name for name, position in SPEC_SHARED.items() if position is not None]
 
 

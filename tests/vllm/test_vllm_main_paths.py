@@ -282,3 +282,13 @@ def test_bf16_buffer_with_a_region_after_the_combine_read_as_main_is_refused(mon
     moewire.quantize(experts, _combine("bf16"))
     with pytest.raises(RuntimeError, match="layout check failed"):
         experts(*_batch("bf16-wrong"))
+
+
+@pytest.mark.modelopt
+def test_a_holder_class_is_left_out_of_modelopt():
+    """ModelOpt converts every instance of a registered class; the MoE layer class is
+    moewire's only for instances holding the modular experts, so it is not registered
+    there. Break: dropping the filter in modelopt._register_classes registers it."""
+    modelopt = pytest.importorskip("moewire.integrations.modelopt")
+    modelopt._register_classes([_main_gptoss.MoELayer])
+    assert _main_gptoss.MoELayer not in modelopt.registered_classes()
