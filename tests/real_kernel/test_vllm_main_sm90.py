@@ -23,7 +23,7 @@ import torch
 import moewire
 from moewire import formats
 from moewire.integrations import deepgemm_sm90 as sm90
-from moewire.megamoe import flavours, wrapper
+from moewire.megamoe import flavours, layout_check
 
 pytestmark = pytest.mark.real_kernel
 
@@ -98,7 +98,7 @@ def test_combine_bit_exact_with_padding_and_eplb(experts):
 
     moewire.quantize(experts, _combine("bf16"))
     assert rk.mismatches(experts(x, w, ids, activation_clamp=10.0), y_plain) == 0
-    assert wrapper.layout_checked(buf)
+    assert layout_check.layout_checked(buf)
 
     amax = rk.valid_amax(rows, staged)
     moewire.quantize(experts, _combine("fp8", amax))
@@ -128,7 +128,7 @@ def test_cuda_graph_replay_equals_eager(experts):
     x0, w0, ids0, pad0 = _batch("warm", all_padding=True)
     vm.forward_context.is_padding = pad0
     assert not experts(x0, w0, ids0, activation_clamp=10.0).view(torch.int16).any()
-    assert not wrapper.layout_checked(experts.get_symm_buffer())
+    assert not layout_check.layout_checked(experts.get_symm_buffer())
     sx, sw, sids, spad = x0.clone(), w0.clone(), ids0.clone(), pad0.clone()
     vm.forward_context.is_padding = spad
     stream = torch.cuda.Stream()
@@ -165,7 +165,7 @@ def test_wrong_layout_refused_eager(experts, monkeypatch):
     vm.forward_context.is_padding = pad
     with pytest.raises(RuntimeError, match="layout check failed"):
         experts(x, w, ids, activation_clamp=10.0)
-    assert not wrapper.layout_checked(experts.get_symm_buffer())
+    assert not layout_check.layout_checked(experts.get_symm_buffer())
 
 
 WRONG = "rk-fork-off-by-one"

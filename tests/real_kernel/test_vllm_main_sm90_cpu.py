@@ -13,7 +13,7 @@ import torch
 
 import moewire
 from moewire import formats
-from moewire.megamoe import flavours, wrapper
+from moewire.megamoe import flavours, layout_check
 from moewire.reference import sm90_fork
 
 E, LOGICAL, H, INTER, K, T, PAD = 8, 4, 256, 128, 3, 40, 6
@@ -34,10 +34,10 @@ def experts():
                      (torch.randn(E, H, INTER, generator=g) * INTER**-0.5).bfloat16())
     module.set_eplb_state(torch.arange(E).view(2, LOGICAL).T.contiguous(),
                           torch.full((LOGICAL,), 2))
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield module
     vm.forward_context.is_padding = None
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 def _batch(tag: str):
@@ -82,7 +82,7 @@ def test_detected_as_the_fork_and_combine_is_bit_exact(experts):
     moewire.quantize(experts, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "bf16"}}]})
     assert _same(experts(x, w, ids, activation_clamp=10.0), y_plain)
-    assert wrapper.layout_checked(experts.get_symm_buffer())
+    assert layout_check.layout_checked(experts.get_symm_buffer())
     moewire.quantize(experts, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]})
     y = experts(x, w, ids, activation_clamp=10.0)
@@ -129,7 +129,7 @@ def test_wrong_layout_guess_is_refused(experts, monkeypatch):
     x, w, ids, _ = _batch("wrong")
     with pytest.raises(RuntimeError, match="layout check failed"):
         experts(x, w, ids, activation_clamp=10.0)
-    assert not wrapper.layout_checked(experts.get_symm_buffer())
+    assert not layout_check.layout_checked(experts.get_symm_buffer())
 
 
 @pytest.mark.parametrize(
@@ -158,3 +158,20 @@ def test_pr323_under_its_own_names_is_not_the_fork():
     assert flav.name == "deepgemm-sm90"
     with pytest.raises(ValueError, match="has no Mega-MoE kernel 'fp8_mega_moe_sm90'"):
         flav.layout("fp8_mega_moe_sm90")
+
+
+def test_a_cast_bound_at_import_fails_closed(experts, monkeypatch):
+    """A forward casting with a function bound before the hook (not looked up on the
+    module) is not quantized silently: the dispatch hook was never reached."""
+    bound = sm90_fork.utils.per_token_cast_to_fp8
+    moewire.quantize(experts, {"quant_cfg": [
+        {"quantizer_name": "*dispatch_quantizer", "cfg": {"format": "fp8", "constant_amax": 8.0}}]})
+    monkeypatch.setattr(vm, "deep_gemm", types.SimpleNamespace(
+        utils=types.SimpleNamespace(per_token_cast_to_fp8=bound),
+        fp8_mega_moe_sm90=sm90_fork.fp8_mega_moe_sm90,
+        get_symm_buffer_for_sm90_mega_moe=sm90_fork.get_symm_buffer_for_sm90_mega_moe,
+        transform_weights_for_mega_moe_sm90=sm90_fork.transform_weights_for_mega_moe_sm90,
+        moewire_flavour=sm90_fork.moewire_flavour))
+    with pytest.raises(RuntimeError, match=r"staging hook \(the staging call, through the first "
+                                           r"per_token_cast_to_fp8 of \[T, hidden\] tokens"):
+        experts(*_batch("bound")[:3], activation_clamp=10.0)

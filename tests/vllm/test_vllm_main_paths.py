@@ -31,7 +31,8 @@ from torch import nn
 import moewire
 from moewire import formats
 from moewire.integrations import vllm_sites
-from moewire.megamoe import flavours, wrapper
+from moewire.megamoe import flavours, layout_check
+from moewire.megamoe.convert import is_converted
 from moewire.megamoe.registry import register_experts_class
 from moewire.reference import MegaMoEExperts, deep_gemm, forward_context
 
@@ -64,10 +65,10 @@ _register(_main_gptoss.DeepGemmMegaExperts, GPTOSS_SITE, _main_gptoss)
 def _fresh(monkeypatch):
     # The stand-in's build: vLLM 0.33's (fused shared row first) unless a test says another.
     monkeypatch.setenv(deep_gemm.ENV_FLAVOUR, "vllm-0.33")
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     monkeypatch.setitem(sys.modules, "deep_gemm", deep_gemm)  # `import deep_gemm` (gpt-oss)
     yield
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 def _batch(tag: str, experts: int = E):
@@ -127,7 +128,7 @@ def test_backend_shape_is_recognised_and_its_combine_bit_exact(fused):
         assert _same(_oracle(buf, T, shared="first" if fused else None), y_plain)
         moewire.quantize(experts, _combine("bf16"))
         assert _same(experts(x, w, ids, activation_clamp=10.0), y_plain)
-        assert wrapper.layout_checked(buf)
+        assert layout_check.layout_checked(buf)
         moewire.quantize(experts, _combine("mxfp8"))
         y = experts(x, w, ids, activation_clamp=10.0)
     assert _same(_oracle(buf, T, "mxfp8", shared="first" if fused else None), y)
@@ -156,7 +157,7 @@ def test_backend_shape_with_a_wrong_layout_is_refused(monkeypatch):
     moewire.quantize(experts, _combine("bf16"))
     with pytest.raises(RuntimeError, match="layout check failed"):
         experts(*_batch("wrong-layout"), activation_clamp=10.0)
-    assert not wrapper.layout_checked(experts.get_symm_buffer())
+    assert not layout_check.layout_checked(experts.get_symm_buffer())
 
 
 def test_backend_dispatch_reaches_the_staging_global():
@@ -230,7 +231,7 @@ def test_gptoss_modular_experts_quantized_through_the_holding_layer(monkeypatch)
     y_plain = layer(x, w, ids)
     assert _same(_oracle(buf, T), y_plain)
     moewire.quantize(model, _combine("mxfp8"))
-    assert wrapper.is_converted(layer) and not wrapper.is_converted(model["other"])
+    assert is_converted(layer) and not is_converted(model["other"])
     y = layer(x, w, ids)
     assert flavours.detect(deep_gemm).name == "deepgemm-main"
     assert _same(_oracle(buf, T, "mxfp8"), y) and not _same(y, y_plain)
@@ -267,7 +268,7 @@ def test_bf16_mega_moe_on_deepgemm_main_is_quantized(monkeypatch):
     y_plain = experts(x, w, ids)
     moewire.quantize(experts, _combine("bf16"))
     assert _same(experts(x, w, ids), y_plain)
-    assert wrapper.layout_checked(experts.symm_buffer)
+    assert layout_check.layout_checked(experts.symm_buffer)
     moewire.quantize(experts, _combine("mxfp8"))
     y = experts(x, w, ids)
     assert _same(_oracle(experts.symm_buffer, T, "mxfp8"), y) and not _same(y, y_plain)

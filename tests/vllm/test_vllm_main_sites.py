@@ -20,7 +20,7 @@ import torch
 
 import moewire
 from moewire.integrations import _vllm_bridge, vllm_sites
-from moewire.megamoe import flavours, wrapper
+from moewire.megamoe import flavours, layout_check
 from moewire.reference import sm90_fork
 
 pytestmark = pytest.mark.vllm
@@ -42,10 +42,10 @@ def main_sm90(monkeypatch):
     module.DeepseekV4MegaMoESM90Experts = module.VllmMainSM90Experts
     module.VLLM_ACCESS = True
     _vllm_bridge.set_kernel_override(lambda: sm90_fork)
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
     yield module
     _vllm_bridge.set_kernel_override(None)
-    wrapper.reset_layout_checks()
+    layout_check.reset_layout_checks()
 
 
 def test_main_sm90_site_found_registered_and_quantized(main_sm90):
@@ -72,7 +72,7 @@ def test_main_sm90_site_found_registered_and_quantized(main_sm90):
     assert torch.equal(experts(x, w, ids, activation_clamp=10.0).view(torch.int16),
                        y_plain.view(torch.int16))
     buf = experts.get_symm_buffer()
-    assert wrapper.layout_checked(buf)
+    assert layout_check.layout_checked(buf)
     moewire.quantize(experts, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]})
     y = experts(x, w, ids, activation_clamp=10.0)
