@@ -116,13 +116,16 @@ def test_base_rule_works_on_views_that_share_no_storage(kernel):
 
 
 def test_flavour_registry():
-    assert flavours.names() == ["deepgemm-main", "deepgemm-sm90", "vllm-0.32", "vllm-0.33"]
+    assert flavours.names() == [
+        "deepgemm-main", "deepgemm-sm90", "deepgemm-sm90-fork", "vllm-0.32", "vllm-0.33"]
     # SPEC 1.3: stored at slot k everywhere; added last by 0.32's build, first by 0.33's.
     for kernel in ("fp8_fp4_mega_moe", "bf16_mega_moe"):
         assert flavours.get("vllm-0.32").layout(kernel).shared_position == "last"
         assert flavours.get("vllm-0.33").layout(kernel).shared_position == "first"
     assert flavours.get("vllm-0.33").layout("bf16_mega_moe").base_rule == "after_l2_scales"
     assert flavours.get("deepgemm-main").layout("fp8_fp4_mega_moe").shared_position is None
+    assert flavours.get("deepgemm-main").layout("bf16_mega_moe") == flavours.KernelLayout(
+        "last_region", None)
     assert not flavours.get("deepgemm-sm90").fuses_shared()
     assert {"fp8_fp4_mega_moe", "bf16_mega_moe", "fp8_mega_moe"} <= flavours.kernel_functions()
     f = flavours.get("vllm-0.33")
@@ -166,7 +169,7 @@ def _foreign_view(buf):
         ("vllm-0.32", "fp8_fp4_mega_moe", False, _small, "does not fit"),
         ("vllm-0.33", "fp8_fp4_mega_moe", False, _no_sf, "l2_acts_sf"),
         ("deepgemm-main", "fp8_fp4_mega_moe", True, None, "fuses no shared expert"),
-        ("deepgemm-main", "bf16_mega_moe", False, None, "has no Mega-MoE kernel 'bf16_mega_moe'"),
+        ("deepgemm-sm90", "bf16_mega_moe", False, None, "has no Mega-MoE kernel 'bf16_mega_moe'"),
         ("vllm-0.32", "fp8_fp4_mega_moe", False, _not_int8, "flat int8"),
         ("vllm-0.32", "fp8_fp4_mega_moe", False, _bad_fields, "num_topk"),
         ("vllm-0.33", "fp8_fp4_mega_moe", False, _foreign_view, "does not lie inside"),

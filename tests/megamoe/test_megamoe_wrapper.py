@@ -399,7 +399,7 @@ def _main_flavour_with_shared():
         (_dispatch_fused_calibrating, RuntimeError, "shared expert is fused"),
         (_unregistered, TypeError, "not a registered Mega-MoE experts class"),
         (_bad_globals, RuntimeError, "has no global 'no_such_function'"),
-        (_main_flavour_with_shared, ValueError, "'deepgemm-main' has no Mega-MoE kernel"),
+        (_main_flavour_with_shared, ValueError, "'deepgemm-main', bf16_mega_moe: this kernel"),
     ],
     ids=[
         "combine-dynamic-nvfp4",

@@ -17,7 +17,7 @@ FLAVOUR_SHARED = [
     ("deepgemm-sm90", 0),
 ]
 FS_IDS = [f"{f}-shared{s}" for f, s in FLAVOUR_SHARED]
-# (flavour, shared, mma) that a build has: deepgemm-main and -sm90 have no bf16 kernel.
+# (flavour, shared, mma) that a build has: deepgemm-sm90 has no bf16 kernel.
 FLAVOUR_SHARED_MMA = [
     (f, s, m) for f, s in FLAVOUR_SHARED for m in ("fp8xfp4", "bf16xbf16")
     if m in deep_gemm.KERNEL_BUILDS[f].mma_types

@@ -45,7 +45,7 @@ def test_build_without_fusion_refuses_a_fused_shared_expert(flavour):
         _buffer(num_shared_experts=1)
 
 
-@pytest.mark.parametrize("flavour", ["deepgemm-main", "deepgemm-sm90"])
+@pytest.mark.parametrize("flavour", ["deepgemm-sm90"])
 def test_build_without_a_bf16_kernel_refuses_a_bf16_buffer(flavour):
     with deep_gemm.use_flavour(flavour), pytest.raises(ValueError, match="has no mma_type"):
         _buffer(mma_type="bf16xbf16")

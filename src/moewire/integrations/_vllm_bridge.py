@@ -1,6 +1,6 @@
 """The two call-time lookups of vLLM's Mega-MoE forwards, rebound to globals of this module.
 
-vLLM's Mega-MoE experts (0.32 and 0.33) read the staging function
+vLLM's Mega-MoE experts (0.32 to 0.34, and main's backend shape) read the staging function
 ``prepare_megamoe_inputs`` from their module globals, but reach DeepGEMM through a local
 ``from vllm.utils.deep_gemm import _import_deep_gemm`` in the forward (and in the backend's
 ``run_mega_moe`` on 0.32): the kernel namespace is no global of the forward's module.
@@ -124,6 +124,19 @@ def installed_stage_globals() -> list[tuple[str, str, str]]:
     ]
 
 
+def install_access() -> None:
+    """Rebind vLLM's ``_import_deep_gemm`` to this module's ``deep_gemm`` (idempotent;
+    through the undo ledger, ``moewire.patches``).
+
+    Enough for a forward that stages inline (vLLM main's SM90 experts): it has no staging
+    global, and its cast and kernel are hooked on the DeepGEMM module object.
+    """
+    utils = importlib.import_module("vllm.utils.deep_gemm")
+    if utils._import_deep_gemm is not import_deep_gemm:
+        _resolver["vllm"] = utils._import_deep_gemm
+        patches.patch_attr(utils, "_import_deep_gemm", import_deep_gemm)
+
+
 def install(forward_module: str, stage_fn: str) -> str:
     """Rebind ``forward_module.<stage_fn>`` and vLLM's DeepGEMM import to this module.
 
@@ -138,10 +151,7 @@ def install(forward_module: str, stage_fn: str) -> str:
         RuntimeError: ``forward_module`` has no ``stage_fn`` (a vLLM that moewire does not
             know: see docs/vllm.md, version table).
     """
-    utils = importlib.import_module("vllm.utils.deep_gemm")
-    if utils._import_deep_gemm is not import_deep_gemm:
-        _resolver["vllm"] = utils._import_deep_gemm
-        patches.patch_attr(utils, "_import_deep_gemm", import_deep_gemm)
+    install_access()
     name = stage_global_name(forward_module)
     if stage_fn != PRIMARY_STAGE_FN:
         name = f"{name}__{stage_fn}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["data_parallel", "ep_device_group", "rank_path"]
+__all__ = ["data_parallel", "dp_device_group", "ep_device_group", "rank_path"]
 
 
 def ep_device_group() -> Any:
@@ -22,6 +22,17 @@ def ep_device_group() -> Any:
     if parallel_state._EP is None:
         return None
     group = parallel_state.get_ep_group()
+    return group.device_group if group.world_size > 1 else None
+
+
+def dp_device_group() -> Any:
+    """vLLM's data-parallel device group, or ``None`` with no DP group or one of a single
+    rank (the group of a site whose experts are replicated over DP, not sharded over EP)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._DP is None:
+        return None
+    group = parallel_state.get_dp_group()
     return group.device_group if group.world_size > 1 else None
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,7 @@ __all__ = [
     "SM90MegaMoEExperts",
     "available",
     "deep_gemm",
+    "fork_names",
     "quantize_weights",
     "register_sm90_experts",
     "stage_sm90_inputs",
@@ -112,6 +114,56 @@ def available() -> tuple[bool, str]:
     except RuntimeError as exc:
         return False, str(exc)
     return True, ""
+
+
+def fork_names(real: Any = None) -> types.ModuleType:
+    """PR #323's all-FP8 kernel under the names of the fork vLLM main calls on Hopper.
+
+    vLLM main's ``DeepseekV4MegaMoESM90Experts`` (``vllm/models/deepseek_v4/nvidia/
+    sm90_mega_moe.py``) calls ``fp8_mega_moe_sm90(y, l1, l2, symm_buffer, *,
+    cumulative_local_expert_recv_stats, activation_clamp, fast_math)``,
+    ``get_symm_buffer_for_sm90_mega_moe(group, E, T, k, H, I)`` and
+    ``transform_weights_for_mega_moe_sm90((w13, s13), (w2, s2))`` on a DeepGEMM fork that is
+    not available here. PR #323 has the last two under the same names and the kernel as
+    ``fp8_mega_moe`` (recipe ``(128, 128, 128)``: the fork's FP8 weights with 128x128 block
+    scales, ``w13_weight_scale_inv``). This builds a plain module with exactly the three
+    names and ``utils`` (the staging cast): the kernel bound now, so a later hook on ``real``
+    never wraps it twice.
+
+    Args:
+        real: the PR #323 package (default: ``import deep_gemm``, checked).
+
+    Returns:
+        A module ``moewire_sm90_fork`` that ``moewire.megamoe.flavours.detect`` reads as
+        ``deepgemm-sm90-fork``.
+    """
+    real = _import_deep_gemm() if real is None else real
+    kernel = real.fp8_mega_moe
+
+    def fp8_mega_moe_sm90(
+        y: torch.Tensor,
+        l1_weights: Any,
+        l2_weights: Any,
+        symm_buffer: Any,
+        *,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        activation_clamp: float | None = None,
+        fast_math: bool = True,
+    ) -> None:
+        """The fork's signature over PR #323's ``fp8_mega_moe`` (SwiGLU, 128x128 blocks)."""
+        kernel(
+            y, l1_weights, l2_weights, symm_buffer,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            recipe=KERNELS["fp8_mega_moe"][0], activation="swiglu",
+            activation_clamp=activation_clamp, fast_math=fast_math,
+        )
+
+    shim = types.ModuleType("moewire_sm90_fork", fork_names.__doc__)
+    shim.fp8_mega_moe_sm90 = fp8_mega_moe_sm90
+    shim.get_symm_buffer_for_sm90_mega_moe = real.get_symm_buffer_for_sm90_mega_moe
+    shim.transform_weights_for_mega_moe_sm90 = real.transform_weights_for_mega_moe_sm90
+    shim.utils = real.utils
+    return shim
 
 
 # -- staging and the buffer accessor ----------------------------------------------------------

@@ -121,8 +121,16 @@ def _key(cls: type) -> str:
 
 
 def _register_classes(classes: list[type]) -> None:
+    from moewire.megamoe.registry import registered_classes as moewire_classes
+
+    adapters = moewire_classes()
     for cls in classes:
         if cls in _REGISTERED or getattr(cls, "_moewire_quant_class", False):
+            continue
+        if getattr(adapters.get(cls), "applies", None) is not None:
+            # Registered with moewire for some of its instances only (vLLM main's MoE layer
+            # holding gpt-oss's modular experts); ModelOpt converts every instance of a
+            # class, so such a class is left to moewire.quantize.
             continue
         key = _key(cls)
         # ModelOpt asserts on a second registration of a class; one it registers itself

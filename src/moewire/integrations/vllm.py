@@ -1,46 +1,53 @@
 """moewire in vLLM's native Mega-MoE path (``--moe-backend deep_gemm_mega_moe``).
 
-What vLLM runs (read from the 0.32.0, 0.33.0 and 0.34.0 sources; docs/vllm.md has the
-table). Classes are recognised by structure (:func:`recognise`), not by version:
-
-- 0.33, 0.34: ``vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe.DeepGemmMegaMoEExperts``,
-  ``forward(hidden_states, topk_weights, topk_ids, shared_experts=None)``; an unfused shared
-  expert is added inside the forward after the kernel (``y += shared_experts(x)``).
-- 0.32: ``vllm.models.deepseek_v4.nvidia.model.DeepseekV4MegaMoEExperts`` and its subclass
-  ``vllm.models.kimi_k3.nvidia.model.KimiK3MegaMoEExperts``,
-  ``forward(hidden_states, topk_weights, topk_ids, *, activation_clamp, fast_math=True)``;
-  the kernel is called by ``self._backend.run_mega_moe`` and an unfused shared expert is
-  added by the parent ``DeepseekV4MoE.forward`` after the experts return.
-
-All three read two things at call time: the staging function ``prepare_megamoe_inputs``
-(a global of the forward's module; ``hidden_states`` is its first positional argument) and
-the DeepGEMM namespace, through ``vllm.utils.deep_gemm._import_deep_gemm()``. The bridge
-(:mod:`moewire.integrations._vllm_bridge`) makes both globals of one module, which the
-experts adapters name; nothing of vLLM's forward is copied. The CPU stand-ins the tests run
-vLLM's classes on (stand-in DeepGEMM, torch staging) live in ``tests/vllm/_standin.py``.
+Where vLLM keeps its Mega-MoE experts is one declarative entry per site in
+:mod:`moewire.integrations.vllm_sites` (``SITES``: the classes of 0.32 to 0.34, main's
+backend shape, main's Hopper ``DeepseekV4MegaMoESM90Experts`` and gpt-oss's modular
+``DeepGemmMegaExperts``; docs/vllm.md has the table). This module derives everything from
+those entries: discovery by structure (:func:`experts_sites`, never a version), the bridge
+(:mod:`moewire.integrations._vllm_bridge`: vLLM's ``_import_deep_gemm()`` and each staging
+global made globals of one module, which the experts adapters name) and the adapters
+(:func:`register_site`). Forwards that stage inline (no staging global) are hooked on the
+DeepGEMM module object: its staging cast and its kernels. Nothing of vLLM's forward is
+copied. The CPU stand-ins the tests run vLLM's classes on live in ``tests/vllm/``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import logging
 import os
-import re
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from moewire import patches
 from moewire.integrations import _vllm_bridge
-from moewire.integrations._vllm_groups import data_parallel, ep_device_group, rank_path
+from moewire.integrations._vllm_groups import (
+    data_parallel,
+    dp_device_group,
+    ep_device_group,
+    rank_path,
+)
+from moewire.integrations.vllm_sites import (
+    KERNEL_ACCESS,
+    NVFP4_STAGE_FN,
+    SITES,
+    STAGE_FN,
+    ExpertsSite,
+    holder_class,
+    recognise,
+    site_adapter,
+)
 
 __all__ = [
     "ENV_RECIPE",
     "ENV_SCALES",
+    "KERNEL_ACCESS",
+    "NVFP4_STAGE_FN",
     "SITES",
+    "STAGE_FN",
     "MoewireWorkerExtension",
     "ExpertsSite",
     "calibrate",
@@ -49,6 +56,7 @@ __all__ = [
     "quantize_vllm_model",
     "register",
     "register_site",
+    "recognise",
     "register_vllm_experts",
     "vllm_version",
 ]
@@ -57,49 +65,6 @@ logger = logging.getLogger(__name__)
 
 ENV_RECIPE = "MOEWIRE_RECIPE"
 ENV_SCALES = "MOEWIRE_SCALES"
-STAGE_FN = "prepare_megamoe_inputs"
-NVFP4_STAGE_FN = "prepare_megamoe_nvfp4_inputs"
-
-
-@dataclass(frozen=True)
-class ExpertsSite:
-    """Where one vLLM Mega-MoE experts class lives, and the structure moewire hooks.
-
-    Attributes:
-        module: the module defining the class (its forward reads the staging function
-            from this module's globals).
-        cls_name: the class name.
-        stage_fn: the staging global its forward calls.
-        read_from: the vLLM releases the site was read from (for messages; a newer vLLM
-            with the same structure is accepted).
-        extra_stage_fns: staging globals of other kernels the same forward may call
-            (0.33/0.34: ``prepare_megamoe_nvfp4_inputs`` for ``nvfp4_mega_moe``).
-    """
-
-    module: str
-    cls_name: str
-    stage_fn: str = STAGE_FN
-    read_from: str = ""
-    extra_stage_fns: tuple[str, ...] = ()
-
-    @property
-    def path(self) -> str:
-        return f"{self.module}.{self.cls_name}"
-
-
-# Recognised by structure, not by version: a class at one of these paths whose module calls
-# its staging global and reaches DeepGEMM through vLLM's `_import_deep_gemm()`.
-SITES: tuple[ExpertsSite, ...] = (
-    ExpertsSite(
-        "vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe", "DeepGemmMegaMoEExperts",
-        read_from="0.33, 0.34", extra_stage_fns=(NVFP4_STAGE_FN,),
-    ),
-    ExpertsSite(
-        "vllm.models.deepseek_v4.nvidia.model", "DeepseekV4MegaMoEExperts", read_from="0.32"
-    ),
-    ExpertsSite("vllm.models.kimi_k3.nvidia.model", "KimiK3MegaMoEExperts", read_from="0.32"),
-)
-KERNEL_ACCESS = "_import_deep_gemm"
 
 
 def vllm_version() -> str:
@@ -110,34 +75,7 @@ def vllm_version() -> str:
 
 
 def _site_listing(sites: tuple[ExpertsSite, ...]) -> str:
-    return "; ".join(
-        f"{site.path} calling {site.stage_fn}(...) and DeepGEMM through {KERNEL_ACCESS}() "
-        f"(read from vLLM {site.read_from or '?'})"
-        for site in sites
-    )
-
-
-def recognise(cls: Any, site: ExpertsSite) -> str | None:
-    """Why ``cls`` does not have the structure moewire hooks at ``site``, or None if it does.
-
-    The structure: an ``nn.Module`` class whose defining module has a callable global
-    ``site.stage_fn`` and whose source calls it and reaches DeepGEMM through vLLM's
-    ``_import_deep_gemm()`` (the kernel call then goes through the namespace it returns).
-    """
-    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        return f"{site.path} is not an nn.Module class"
-    module = importlib.import_module(cls.__module__)
-    if not callable(getattr(module, site.stage_fn, None)):
-        return f"{cls.__module__} has no staging function {site.stage_fn}"
-    try:
-        source = inspect.getsource(module)
-    except (OSError, TypeError):
-        return f"the source of {cls.__module__} cannot be read"
-    if not re.search(rf"(?<!def ){re.escape(site.stage_fn)}\(", source):
-        return f"{cls.__module__} never calls {site.stage_fn}(...)"
-    if KERNEL_ACCESS not in source:
-        return f"{cls.__module__} does not reach DeepGEMM through {KERNEL_ACCESS}()"
-    return None
+    return "; ".join(site.describe() for site in sites)
 
 
 def experts_sites(sites: tuple[ExpertsSite, ...] = SITES) -> list[tuple[type, ExpertsSite]]:
@@ -213,34 +151,42 @@ def kernel_flavour(module: nn.Module) -> str:
     return detect(namespace, getattr(module, "prefix", type(module).__name__)).name
 
 
-def _fused_shared(module: nn.Module) -> bool:
-    return bool(getattr(module, "has_fused_shared_experts", False))
+def _ep_group(module: nn.Module) -> Any:
+    return ep_device_group()
+
+
+def _dp_group(module: nn.Module) -> Any:
+    return dp_device_group()
 
 
 def register_site(cls: type, site: ExpertsSite) -> None:
     """Install the bridge for ``site`` and register ``cls`` with moewire's wrapper.
+
+    Everything comes from the site entry (``moewire.integrations.vllm_sites``): the staging
+    globals rebound through the bridge (none for inline staging: the cast and the kernel
+    are hooked on the DeepGEMM module object vLLM's ``_import_deep_gemm()`` returns), the
+    buffer, the group, and for an experts object that is no ``nn.Module`` the class holding
+    it, registered for its instances that hold one.
 
     Args:
         cls: the experts class (from ``site.module``, or a copy of that module loaded
             under another name, as the 0.33 tests do on a 0.32 install).
         site: where ``cls``'s forward reads the staging function.
     """
-    from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
+    from moewire.megamoe.registry import register_experts_class
 
-    stage_global = _vllm_bridge.install(cls.__module__, site.stage_fn)
-    extra = tuple(_vllm_bridge.install(cls.__module__, fn) for fn in site.extra_stage_fns)
+    _vllm_bridge.install_access()
+    stage_globals = tuple(_vllm_bridge.install(cls.__module__, fn) for fn in site.stage_fns)
+    target = cls if site.holder is None else holder_class(site)
     register_experts_class(
-        cls,
-        ExpertsAdapter(
-            name=f"vllm-{site.cls_name}",
+        target,
+        site_adapter(
+            site,
+            cls,
             forward_module=_vllm_bridge.__name__,
-            stage_fn=(stage_global, *extra) if extra else stage_global,
-            stage_hidden_arg=0,
-            kernel_ns="deep_gemm",
-            get_symm_buffer=lambda module: module.get_symm_buffer(),
+            stage_globals=stage_globals,
             flavour=kernel_flavour,
-            fused_shared=_fused_shared,
-            ep_group=lambda module: ep_device_group(),
+            ep_group=_ep_group if site.group == "ep" else _dp_group,
             runtime=lambda: f"vLLM {_version_or_unknown()}",
         ),
     )

@@ -38,18 +38,7 @@ from moewire.megamoe.active import ACTIVE, IN_STAGING_CALL, REACHED, reached
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES, QuantExperts, original_class
 from moewire.megamoe.registry import ExpertsAdapter, stage_fn_names
 
-__all__ = ["STAGING_CASTS", "hook_module", "install_proxies", "is_kernel_name"]
-
-# DeepGEMM's staging casts: a forward that stages inline (vLLM main's DeepGemmMegaExperts,
-# SPEC 2) quantizes hidden_states with one of these, looked up on the deep_gemm module
-# object (`deep_gemm.utils.per_token_cast_to_fp8`, or its re-export at the top).
-STAGING_CASTS = frozenset({"per_token_cast_to_fp8"})
-
-
-def is_kernel_name(name: str) -> bool:
-    """Whether ``name`` is spelled like a Mega-MoE kernel function of DeepGEMM (every one
-    so far ends in ``mega_moe``): the names a hooked module object looks at twice."""
-    return name.endswith("mega_moe")
+__all__ = ["hook_module", "install_proxies"]
 
 
 # -- proxies on the forward module's globals ------------------------------------------------
@@ -232,8 +221,8 @@ def _wrap_cast(fn: Callable, name: str) -> Callable:
 
 class _HookedModule(types.ModuleType):
     """The class a DeepGEMM module object gets once hooked: reading one of its Mega-MoE
-    kernel functions, or a staging cast (``STAGING_CASTS``, see :func:`_wrap_cast`), while
-    a quantized forward runs gives the wrapped function.
+    kernel functions, or a staging cast (``flavours.staging_casts()``, see
+    :func:`_wrap_cast`), while a quantized forward runs gives the wrapped function.
 
     A hook on DeepGEMM's own module object reaches every caller that looks the function
     up on it at call time, however it got the module (a global, ``_import_deep_gemm()``,
@@ -244,9 +233,11 @@ class _HookedModule(types.ModuleType):
 
     def __getattribute__(self, name: str) -> Any:
         attr = super().__getattribute__(name)
-        cast = name in STAGING_CASTS
-        if not (cast or is_kernel_name(name)) or ACTIVE.get() is None or not callable(attr):
+        # The names come from the builds (``flavours.hooked_names()``): kernels, refused
+        # kernels and the staging casts a forward may call inline.
+        if ACTIVE.get() is None or not callable(attr) or name not in _flavours.hooked_names():
             return attr
+        cast = name in _flavours.staging_casts()
         if name in _flavours.UNSUPPORTED_KERNELS:
             return _refuse_kernel(attr, name)
         if cast or name in _flavours.kernel_functions():
@@ -266,7 +257,9 @@ _MODULE_WRAPPED: weakref.WeakKeyDictionary[types.ModuleType, _Wrapped] = weakref
 
 
 def _holds_cast(module: Any) -> bool:
-    return type(module) is types.ModuleType and any(n in vars(module) for n in STAGING_CASTS)
+    return type(module) is types.ModuleType and any(
+        n in vars(module) for n in _flavours.staging_casts()
+    )
 
 
 def hook_module(namespace: Any) -> bool:

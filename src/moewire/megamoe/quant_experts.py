@@ -30,7 +30,7 @@ from moewire.megamoe import flavours as _flavours
 from moewire.megamoe import layout_check
 from moewire.megamoe.active import ACTIVE, CAST_CALIBRATION, REACHED
 from moewire.megamoe.layout import combine_rows
-from moewire.megamoe.registry import ExpertsAdapter, adapter_for
+from moewire.megamoe.registry import ExpertsAdapter, adapter_for, stage_fn_names
 
 __all__ = [
     "FUSION_SWITCH",
@@ -160,9 +160,11 @@ class QuantExperts:
                 continue
             adapter = self._moewire_adapter
             if hook == "staging":
+                globals_ = "|".join(stage_fn_names(adapter))
+                casts = "|".join(sorted(_flavours.staging_casts()))
                 looked = (
-                    f"{adapter.forward_module}.{adapter.stage_fn}, or the first "
-                    "per_token_cast_to_fp8 of [T, hidden] tokens through the hooked deep_gemm "
+                    (f"{adapter.forward_module}.<{globals_}>, or " if globals_ else "")
+                    + f"the first {casts} of [T, hidden] tokens through the hooked deep_gemm "
                     "module before the kernel call"
                 )
             else:

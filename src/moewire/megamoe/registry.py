@@ -39,6 +39,8 @@ class ExpertsAdapter:
             ``prepare_megamoe_inputs``), or a tuple of names when the forward picks one
             per kernel (vLLM 0.33/0.34 also call ``prepare_megamoe_nvfp4_inputs`` for
             ``nvfp4_mega_moe``); ``hidden_states`` sits at ``stage_hidden_arg`` in each.
+            An empty tuple: the forward stages inline through DeepGEMM's cast, hooked on
+            the DeepGEMM module object (vLLM main's SM90 and gpt-oss experts).
         stage_hidden_arg: position (int) or keyword (str) of ``hidden_states`` in the
             staging call.
         kernel_ns: global name of the DeepGEMM namespace there (``"deep_gemm"``).
@@ -50,6 +52,9 @@ class ExpertsAdapter:
             reduction of calibrated amaxes).
         runtime: ``() -> str``, the framework and version the class comes from (``"vLLM
             0.34.0"``), for errors.
+        applies: ``module -> bool`` or ``None``: for an adapter registered on a class that
+            is not the experts class itself (vLLM main's MoE layer holding a modular
+            experts object), whether this instance is one; ``None``: every instance.
     """
 
     name: str
@@ -62,6 +67,7 @@ class ExpertsAdapter:
     fused_shared: Callable[[nn.Module], bool]
     ep_group: Callable[[nn.Module], Any]
     runtime: Callable[[], str] = lambda: "no framework"
+    applies: Callable[[nn.Module], bool] | None = None
 
 
 _ADAPTERS: dict[type, ExpertsAdapter] = {}
@@ -96,7 +102,7 @@ def adapter_for(module: nn.Module) -> ExpertsAdapter | None:
     """The adapter of ``module``'s class or its nearest registered base, else ``None``."""
     for klass in type(module).__mro__:
         adapter = _ADAPTERS.get(klass)
-        if adapter is not None:
+        if adapter is not None and (adapter.applies is None or adapter.applies(module)):
             return adapter
     return None
 

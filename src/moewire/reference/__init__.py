@@ -18,6 +18,9 @@ cycle; ``tests/reference/test_reference_imports.py`` checks it), from the bottom
 - ``buffer`` (the buffers' region layout, ``SymmBuffer``): ``_alloc``, ``builds``.
 - ``_kernel`` (the kernel body): ``_numerics``, ``buffer``.
 - ``nvfp4_mega_moe``: the modules above.
+- ``sm90_fork`` (the names of the DeepGEMM fork vLLM main's Hopper experts call:
+  ``get_symm_buffer_for_sm90_mega_moe``, ``transform_weights_for_mega_moe_sm90``,
+  ``fp8_mega_moe_sm90``; one rank): ``_alloc``, ``buffer``, ``deep_gemm_utils``.
 - ``deep_gemm`` (the thin API, re-exporting the public names): the modules above.
 - ``weights``, ``nvfp4_weights``, ``experts``, ``nvfp4_experts``: ``deep_gemm`` and below.
 """

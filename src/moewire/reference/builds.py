@@ -60,7 +60,9 @@ class KernelBuild:
 _BOTH = ("fp8_fp4_mega_moe", "bf16_mega_moe")
 
 KERNEL_BUILDS: dict[str, KernelBuild] = {
-    "deepgemm-main": KernelBuild("deepgemm-main", ("fp8_fp4_mega_moe",), None),
+    # DeepGEMM 54e2261 adds bf16_mega_moe (deep_gemm/mega/__init__.py); its combine
+    # region is the buffer's last, as fp8_fp4_mega_moe's (csrc/apis/mega.hpp).
+    "deepgemm-main": KernelBuild("deepgemm-main", _BOTH, None),
     "vllm-0.32": KernelBuild("vllm-0.32", _BOTH, "last"),
     "vllm-0.33": KernelBuild("vllm-0.33", _BOTH, "first", norm_after_combine=("bf16xbf16",)),
     "deepgemm-sm90": KernelBuild(

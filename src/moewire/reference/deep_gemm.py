@@ -12,10 +12,11 @@ same function), and the NVFP4 kernel's (``nvfp4_mega_moe``). A thin API, as Deep
 The buffer layout and the combine order follow a named *flavour*, one per kernel build
 (``reference.builds``; SPEC section 1):
 
-- ``deepgemm-main``: ``fp8_fp4_mega_moe`` only; regions ``x, x_sf, topk_idx, topk_weights,
-  l1_acts, l1_acts_sf, l2_acts, l2_acts_sf, combine``, the combine region last; no fused
-  shared expert.
-- ``vllm-0.32``: adds ``bf16_mega_moe``; a fused shared expert's row is stored at slot
+- ``deepgemm-main``: ``fp8_fp4_mega_moe`` and (DeepGEMM 54e2261) ``bf16_mega_moe``; regions
+  ``x, x_sf, topk_idx, topk_weights, l1_acts, l1_acts_sf, l2_acts, l2_acts_sf, combine``, the
+  combine region last; no fused shared expert. (Upstream sizes ``l1_acts``/``l2_acts`` by
+  ``num_ring_tokens``; the stand-in keeps them pool-sized, which moves no combine row.)
+- ``vllm-0.32``: both kernels; a fused shared expert's row is stored at slot
   ``k`` and added last.
 - ``vllm-0.33`` (the default; vLLM 0.33 and 0.34 bundle it): the shared row, still stored
   at slot ``k``, is added **first**; for ``bf16xbf16`` a ``combine_norm_buffer`` (FP32
@@ -302,6 +303,20 @@ def transform_weights_for_mega_moe(
     return back(_interleave_gate_up(w1), q1), l2
 
 
+def _defaults(
+    activation: str | None, alpha: float | None, beta: float | None
+) -> tuple[str, float, float]:
+    """``None`` for an activation argument means its default: vLLM main's
+    ``DeepGemmSm100MegaMoEBackend.run_mega_moe`` (``fused_moe/deep_gemm_mega_moe.py``,
+    4083b32) passes ``activation``, ``activation_alpha`` and ``activation_beta`` by keyword,
+    ``None`` when the model gave none (0.32's drops them instead)."""
+    return (
+        "swiglu" if activation is None else activation,
+        1.0 if alpha is None else alpha,
+        0.0 if beta is None else beta,
+    )
+
+
 def fp8_fp4_mega_moe(
     y: torch.Tensor,
     l1_weights: tuple[torch.Tensor, torch.Tensor],
@@ -310,11 +325,11 @@ def fp8_fp4_mega_moe(
     shared_l1_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared_l2_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     recipe: tuple[int, int, int] = (1, 1, 32),
-    activation: str = "swiglu",
+    activation: str | None = "swiglu",
     activation_clamp: float | None = None,
     fast_math: bool = True,
-    activation_alpha: float = 1.0,
-    activation_beta: float = 0.0,
+    activation_alpha: float | None = 1.0,
+    activation_beta: float | None = 0.0,
     *,
     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
 ) -> None:
@@ -351,10 +366,14 @@ def fp8_fp4_mega_moe(
         activation_clamp: SwiGLU clamp ``c`` or ``None`` (SiTU takes none).
         fast_math: accepted; the reference always uses exact ``silu`` (see the docs).
         activation_alpha, activation_beta: SiTU's gate and up tanh scales (``alpha > 0``;
-            ``beta = 0`` leaves ``up`` as is), as the bundled DeepGEMM names them.
+            ``beta = 0`` leaves ``up`` as is), as the bundled DeepGEMM names them. ``None``
+            for any activation argument means its default (vLLM main passes ``None``).
         cumulative_local_expert_recv_stats: optional int32 ``[E_local]``, incremented by the
             number of (token, slot) rows each local expert received.
     """
+    activation, activation_alpha, activation_beta = _defaults(
+        activation, activation_alpha, activation_beta
+    )
     _kernel.mega_moe(
         "fp8_fp4_mega_moe",
         y,
@@ -379,11 +398,11 @@ def bf16_mega_moe(
     sym_buffer: SymmBuffer,
     shared_l1_weights: torch.Tensor | None = None,
     shared_l2_weights: torch.Tensor | None = None,
-    activation: str = "swiglu",
+    activation: str | None = "swiglu",
     activation_clamp: float | None = None,
     fast_math: bool = True,
-    activation_alpha: float = 1.0,
-    activation_beta: float = 0.0,
+    activation_alpha: float | None = 1.0,
+    activation_beta: float | None = 0.0,
     *,
     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
 ) -> None:
@@ -401,6 +420,9 @@ def bf16_mega_moe(
         activation, activation_clamp, fast_math, cumulative_local_expert_recv_stats: as
             :func:`fp8_fp4_mega_moe`.
     """
+    activation, activation_alpha, activation_beta = _defaults(
+        activation, activation_alpha, activation_beta
+    )
     _kernel.mega_moe(
         "bf16_mega_moe",
         y,

@@ -1,0 +1,305 @@
+"""Where vLLM keeps its Mega-MoE experts, one declarative entry per site.
+
+A site says what recognises a class (where it lives, the calls its source makes, how it
+reaches DeepGEMM), how its forward stages the tokens (a staging global, or inline through
+DeepGEMM's cast) and where its buffer is. Everything moewire does for vLLM is derived from
+these entries (:mod:`moewire.integrations.vllm`: discovery, the bridge, the adapter); the
+kernel side (which build, where its rows are) is ``moewire.megamoe.builds``. Adding a site
+is one entry in :data:`SITES` (docs/architecture.md, "Adding a kernel build or a vLLM site").
+
+Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored versions):
+
+- ``vllm/model_executor/layers/fused_moe/deep_gemm_mega_moe.py``: 0.33/0.34's
+  ``DeepGemmMegaMoEExperts`` (released wheels); main (4083b32) has no experts class there
+  any more but ``DeepGemmMegaMoEBackend`` / ``DeepGemmSm100MegaMoEBackend.run_mega_moe``
+  (``y`` first, ``shared_l1_weights``/``shared_l2_weights`` and the activation arguments by
+  keyword, DeepGEMM through ``_import_deep_gemm()``), as in 0.32.
+- ``vllm/models/deepseek_v4/nvidia/model.py``: 0.32 (installed) stages with the global
+  ``prepare_megamoe_inputs`` and calls ``backend.run_mega_moe``; two stored main versions
+  (3296c77, 0101ca23) call ``deep_gemm.fp8_fp4_mega_moe`` on ``vllm.utils.deep_gemm``
+  imported at module level, never ``_import_deep_gemm()``: that shape is refused (what the
+  module-level name resolves to cannot be read here).
+- ``vllm/models/deepseek_v4/nvidia/sm90_mega_moe.py`` (6cd8b6b):
+  ``DeepseekV4MegaMoESM90Experts`` stages inline (``deep_gemm.utils.per_token_cast_to_fp8``
+  then copies into ``symm_buffer.x``/``x_sf``/``topk_idx``/``topk_weights``) and calls
+  ``deep_gemm.fp8_mega_moe_sm90``; buffer from ``get_symm_buffer()``.
+- ``vllm/model_executor/layers/fused_moe/experts/deep_gemm_mega_moe.py`` (13f9685):
+  gpt-oss's ``DeepGemmMegaExperts`` (a modular experts object, no ``nn.Module``) stages
+  inline with ``per_token_cast_to_fp8(gran_k=32)`` on ``import deep_gemm`` and calls
+  ``deep_gemm.fp8_fp4_mega_moe`` on ``self.buffer``; the ``nn.Module`` holding it is the
+  MoE layer, ``RoutedExperts`` (``fused_moe/routed_experts.py``, a ``PluggableLayer``; 0.32
+  installed, and main's quantization methods type their layer so), through
+  ``quant_method.moe_kernel.fused_experts`` (0.32's ``eep_reconfigure.py`` reads that path).
+
+May import: the standard library, torch and ``moewire.megamoe.registry`` (nothing of vLLM).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from moewire.megamoe.registry import ExpertsAdapter
+
+__all__ = [
+    "IMPORT_ACCESS",
+    "KERNEL_ACCESS",
+    "NVFP4_STAGE_FN",
+    "SITES",
+    "STAGE_FN",
+    "ExpertsSite",
+    "holder_class",
+    "recognise",
+    "site_adapter",
+]
+
+STAGE_FN = "prepare_megamoe_inputs"
+NVFP4_STAGE_FN = "prepare_megamoe_nvfp4_inputs"
+#: vLLM's call-time DeepGEMM lookup (``vllm.utils.deep_gemm._import_deep_gemm``).
+KERNEL_ACCESS = "_import_deep_gemm"
+#: A forward that imports DeepGEMM itself (gpt-oss's modular experts).
+IMPORT_ACCESS = "import deep_gemm"
+
+
+@dataclass(frozen=True)
+class ExpertsSite:
+    """One vLLM Mega-MoE experts class and the structure moewire hooks.
+
+    Attributes:
+        module: the module defining the class.
+        cls_name: the class name.
+        stage_fn: the staging global its forward calls (``hidden_states`` first), or
+            ``None`` for a forward that stages inline through DeepGEMM's cast
+            (``stage_cast``), hooked on the DeepGEMM module object.
+        read_from: the vLLM versions the site was read from (messages only).
+        extra_stage_fns: staging globals of other kernels the same forward may call.
+        stage_cast: the DeepGEMM cast an inline-staging forward calls.
+        calls: further calls the module's source must make (``"run_mega_moe("``): the
+            structure that tells this shape from another at the same path.
+        kernel_access: how the forward reaches DeepGEMM: :data:`KERNEL_ACCESS` (vLLM's
+            call-time lookup, which the bridge rebinds) or :data:`IMPORT_ACCESS`.
+        access_modules: other modules whose source may hold the access (the backend the
+            forward calls).
+        buffer: ``"name()"`` (a method of the experts object) or ``"name"`` (an attribute).
+        holder: for an experts object that is no ``nn.Module``: the attribute path from the
+            ``nn.Module`` holding it (``"quant_method.moe_kernel.fused_experts"``).
+        holder_class: ``"module:Class"`` of that ``nn.Module`` (the class moewire converts;
+            only its instances whose ``holder`` is one of these experts objects).
+        group: the process group the kernel's buffer spans, over which calibrated amaxes
+            are max-reduced: ``"ep"`` (vLLM's EP group) or ``"dp"`` (gpt-oss's buffer is on
+            ``get_dp_group()``).
+    """
+
+    module: str
+    cls_name: str
+    stage_fn: str | None = STAGE_FN
+    read_from: str = ""
+    extra_stage_fns: tuple[str, ...] = ()
+    stage_cast: str | None = None
+    calls: tuple[str, ...] = ()
+    kernel_access: str = KERNEL_ACCESS
+    access_modules: tuple[str, ...] = ()
+    buffer: str = "get_symm_buffer()"
+    holder: str | None = None
+    holder_class: str | None = None
+    group: str = "ep"
+
+    def __post_init__(self) -> None:
+        if (self.holder is None) != (self.holder_class is None):
+            raise ValueError(
+                f"ExpertsSite {self.path}: holder and holder_class go together (an experts "
+                "object that is no nn.Module, and the nn.Module class that holds it)"
+            )
+        if self.group not in ("ep", "dp"):
+            raise ValueError(f"ExpertsSite {self.path}: group must be 'ep' or 'dp'")
+        if (self.stage_fn is None) == (self.stage_cast is None):
+            raise ValueError(
+                f"ExpertsSite {self.path}: give a staging function (stage_fn) or an inline "
+                "staging cast (stage_cast), exactly one"
+            )
+        if self.kernel_access not in (KERNEL_ACCESS, IMPORT_ACCESS):
+            raise ValueError(
+                f"ExpertsSite {self.path}: kernel_access must be {KERNEL_ACCESS!r} or "
+                f"{IMPORT_ACCESS!r}, got {self.kernel_access!r}"
+            )
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}.{self.cls_name}"
+
+    @property
+    def stage_fns(self) -> tuple[str, ...]:
+        """Every staging global of the forward (none for inline staging)."""
+        return () if self.stage_fn is None else (self.stage_fn, *self.extra_stage_fns)
+
+    def experts_of(self, module: nn.Module) -> Any:
+        """The experts object of ``module`` (itself, or the one at :attr:`holder`)."""
+        obj: Any = module
+        for part in (self.holder or "").split(".") if self.holder else ():
+            obj = getattr(obj, part, None)
+        return obj
+
+    def get_symm_buffer(self, module: nn.Module) -> Any:
+        """The buffer the kernel of ``module`` reads (:attr:`buffer` of its experts)."""
+        experts = self.experts_of(module)
+        if self.buffer.endswith("()"):
+            return getattr(experts, self.buffer[:-2])()
+        return getattr(experts, self.buffer)
+
+    def describe(self) -> str:
+        staging = (
+            f"calling {self.stage_fn}(...)"
+            if self.stage_fn is not None
+            else f"staging inline with deep_gemm...{self.stage_cast}(...)"
+        )
+        calls = "".join(f", calling {c}...)" for c in self.calls)
+        return (
+            f"{self.path} {staging}{calls} and DeepGEMM through {self.kernel_access}"
+            f"{'()' if self.kernel_access == KERNEL_ACCESS else ''} (read from vLLM "
+            f"{self.read_from or '?'})"
+        )
+
+
+_MEGA = "vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe"
+
+SITES: tuple[ExpertsSite, ...] = (
+    # vLLM 0.33, 0.34.
+    ExpertsSite(_MEGA, "DeepGemmMegaMoEExperts", read_from="0.33, 0.34",
+                extra_stage_fns=(NVFP4_STAGE_FN,)),
+    # The backend shape: vLLM 0.32 and main's DeepGemmMegaMoEBackend.run_mega_moe.
+    ExpertsSite("vllm.models.deepseek_v4.nvidia.model", "DeepseekV4MegaMoEExperts",
+                read_from="0.32, main (backend)", calls=("run_mega_moe(",),
+                access_modules=(_MEGA,)),
+    ExpertsSite("vllm.models.kimi_k3.nvidia.model", "KimiK3MegaMoEExperts", read_from="0.32",
+                calls=("run_mega_moe(",), access_modules=(_MEGA,)),
+    # vLLM main on Hopper: inline staging, the fork's kernel.
+    ExpertsSite("vllm.models.deepseek_v4.nvidia.sm90_mega_moe", "DeepseekV4MegaMoESM90Experts",
+                stage_fn=None, stage_cast="per_token_cast_to_fp8", read_from="main",
+                calls=("fp8_mega_moe_sm90(",)),
+    # vLLM main, gpt-oss's modular experts (MXFP4 weights): held by the MoE layer.
+    ExpertsSite("vllm.model_executor.layers.fused_moe.experts.deep_gemm_mega_moe",
+                "DeepGemmMegaExperts", stage_fn=None, stage_cast="per_token_cast_to_fp8",
+                read_from="main", calls=("fp8_fp4_mega_moe(",), kernel_access=IMPORT_ACCESS,
+                buffer="buffer", holder="quant_method.moe_kernel.fused_experts",
+                holder_class="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts",
+                group="dp"),
+)
+
+
+def _source(module_name: str) -> str | None:
+    try:
+        return inspect.getsource(importlib.import_module(module_name))
+    except (ImportError, OSError, TypeError):
+        return None
+
+
+def recognise(cls: Any, site: ExpertsSite) -> str | None:
+    """Why ``cls`` lacks the structure moewire hooks at ``site``, or None if it has it.
+
+    The structure: an ``nn.Module`` class (any class for a ``holder`` site) whose module has
+    and calls each staging global, or calls the staging cast; makes every call of
+    ``site.calls``; and reaches DeepGEMM as ``site.kernel_access`` says (in its own source
+    or one of ``site.access_modules``'). Versions play no part.
+    """
+    if not isinstance(cls, type) or (site.holder is None and not issubclass(cls, nn.Module)):
+        return f"{site.path} is not an nn.Module class"
+    module = importlib.import_module(cls.__module__)
+    for fn in site.stage_fns:
+        if not callable(getattr(module, fn, None)):
+            return f"{cls.__module__} has no staging function {fn}"
+    source = _source(cls.__module__)
+    if source is None:
+        return f"the source of {cls.__module__} cannot be read"
+    wanted = [f"{fn}(" for fn in site.stage_fns[:1]] + (
+        [f".{site.stage_cast}("] if site.stage_cast else []
+    ) + list(site.calls)
+    for call in wanted:
+        if not re.search(rf"(?<!def ){re.escape(call)}", source):
+            return f"{cls.__module__} never calls {call.lstrip('.')}...)"
+    sources = [source, *(s for s in map(_source, site.access_modules) if s)]
+    if not any(site.kernel_access in s for s in sources):
+        return f"{cls.__module__} does not reach DeepGEMM through {site.kernel_access}" + (
+            "()" if site.kernel_access == KERNEL_ACCESS else ""
+        )
+    return None
+
+
+def holder_class(site: ExpertsSite) -> type:
+    """The ``nn.Module`` class of a holder site (``site.holder_class``), imported.
+
+    Raises:
+        RuntimeError: it does not import, or is no ``nn.Module`` class.
+    """
+    module_name, _, name = (site.holder_class or "").partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(
+            f"{site.path}: its experts object is held by {site.holder_class}, which this vLLM "
+            f"lacks ({exc}); moewire cannot convert the layer holding it"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise RuntimeError(f"{site.path}: {site.holder_class} is not an nn.Module class")
+    return cls
+
+
+def holder_predicate(site: ExpertsSite, cls: type) -> Callable[[nn.Module], bool]:
+    """``module -> bool``: the module holds an instance of ``cls`` at ``site.holder``."""
+
+    def holds(module: nn.Module) -> bool:
+        return isinstance(site.experts_of(module), cls)
+
+    return holds
+
+
+def site_adapter(
+    site: ExpertsSite,
+    cls: type,
+    *,
+    forward_module: str,
+    stage_globals: tuple[str, ...],
+    flavour: Callable[[nn.Module], str],
+    ep_group: Callable[[nn.Module], Any],
+    runtime: Callable[[], str],
+    kernel_ns: str = "deep_gemm",
+    get_symm_buffer: Callable[[nn.Module], Any] | None = None,
+) -> ExpertsAdapter:
+    """The experts adapter of ``cls`` at ``site``.
+
+    Args:
+        site: the site entry.
+        cls: the experts class found there.
+        forward_module: the module whose globals hold the staging functions and the
+            DeepGEMM namespace (``moewire.integrations._vllm_bridge`` under vLLM; the
+            class's own module for a class written to the same contract).
+        stage_globals: the names of the staging globals there, in ``site.stage_fns``
+            order (none for inline staging).
+        flavour, ep_group, runtime: as :class:`~moewire.megamoe.registry.ExpertsAdapter`.
+        kernel_ns: the DeepGEMM namespace global there.
+        get_symm_buffer: overrides ``site.get_symm_buffer`` (a wrapper that refuses a
+            debug setting, say).
+    """
+    stage: str | tuple[str, ...] = (
+        stage_globals[0] if len(stage_globals) == 1 else tuple(stage_globals)
+    )
+    return ExpertsAdapter(
+        name=f"vllm-{site.cls_name}",
+        forward_module=forward_module,
+        stage_fn=stage,
+        stage_hidden_arg=0,
+        kernel_ns=kernel_ns,
+        get_symm_buffer=get_symm_buffer or site.get_symm_buffer,
+        flavour=flavour,
+        fused_shared=lambda m: bool(
+            getattr(site.experts_of(m), "has_fused_shared_experts", False)
+        ),
+        ep_group=ep_group,
+        runtime=runtime,
+        applies=holder_predicate(site, cls) if site.holder else None,
+    )

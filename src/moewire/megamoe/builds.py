@@ -1,0 +1,325 @@
+"""The DeepGEMM builds moewire knows, one declarative entry per build.
+
+An entry (:class:`Build`) says everything moewire needs of one build: the structural
+facts that recognise its module (:class:`Recognition`: which functions it has, which
+parameters they take, never a version string), its Mega-MoE kernel functions and where
+each leaves its combine rows and in what order it adds them (:class:`KernelLayout`), the
+staging casts a forward may call on it, the kernels moewire refuses, and what was read and
+what stays unproven. ``moewire.megamoe.flavours`` registers one flavour per entry and
+derives from them detection, its error message, the refused kernels and the names the
+wrapper hooks; adding a build is adding one entry to :data:`BUILDS`
+(docs/architecture.md, "Adding a kernel build or a vLLM site").
+
+The combine region is always BF16 ``[num_slots][Tmax][H]``, slot-major; a *base rule*
+(:data:`BASE_RULES`) locates it in ``symm_buffer.buffer`` by ``data_ptr()`` differences
+(a view may be a DLPack tensor that shares no storage object with ``.buffer``).
+
+May import: torch and ``moewire.kernels`` (for ``SHARED_POSITIONS``); nothing above.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from moewire import kernels
+
+__all__ = [
+    "BASE_RULES",
+    "BUILDS",
+    "RENAMED",
+    "SHARED_POSITIONS",
+    "SM90_FORK_FUNCTIONS",
+    "Build",
+    "KernelLayout",
+    "Recognition",
+    "flat_buffer",
+    "register_base_rule",
+]
+
+# Where a fused shared row is added (the one definition lives with the kernels, the lowest
+# layer, which take it as an argument).
+SHARED_POSITIONS = kernels.SHARED_POSITIONS
+
+# Names used before issue 12; each named a picture of a build, not a build.
+RENAMED = {
+    "upstream": "deepgemm-main",
+    "vllm": "vllm-0.32 (vLLM 0.32's bundled DeepGEMM: shared expert added last) or "
+    "vllm-0.33 (vLLM 0.33/0.34's: shared expert added first)",
+    "sgl": "deepgemm-sm90 (DeepGEMM PR #323, no fused shared expert)",
+}
+
+
+# -- where the combine region starts ------------------------------------------------------------
+
+
+def flat_buffer(symm_buffer: Any, where: str) -> torch.Tensor:
+    """``symm_buffer.buffer``, checked to be a flat int8 tensor."""
+    buffer = getattr(symm_buffer, "buffer", None)
+    if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.dtype != torch.int8:
+        raise ValueError(
+            f"{where}: the symmetric buffer must have a flat int8 tensor in `.buffer`, got "
+            f"{type(buffer).__name__}"
+            + (f" {buffer.dtype} {tuple(buffer.shape)}" if isinstance(buffer, torch.Tensor) else "")
+            + "; pass the SymmBuffer from get_symm_buffer_for_mega_moe"
+        )
+    return buffer
+
+
+def _base_last_region(symm_buffer: Any, combine_bytes: int, where: str) -> int:
+    """The combine region ends where the buffer ends (DeepGEMM main, vLLM 0.32's build)."""
+    return flat_buffer(symm_buffer, where).numel() - combine_bytes
+
+
+def _base_after_l2_scales(symm_buffer: Any, combine_bytes: int, where: str) -> int:
+    """The combine region starts where the L2 scale region ends (``l2_acts_sf``; for a
+    kernel without scales, where ``l2_acts`` ends): ``layout/mega_moe.cuh``'s
+    ``combine_token_buffer`` in every build read so far.
+
+    Measured as ``view.data_ptr() + view bytes - buffer.data_ptr()``: the view may share no
+    storage object with ``.buffer`` (DLPack views of the SM90 build), but it points into it.
+    """
+    flat = flat_buffer(symm_buffer, where)
+    view = getattr(symm_buffer, "l2_acts_sf", None)
+    if not isinstance(view, torch.Tensor) or view.numel() == 0:
+        view = getattr(symm_buffer, "l2_acts", None)
+    if not isinstance(view, torch.Tensor) or view.numel() == 0:
+        raise ValueError(
+            f"{where}: the combine base of this build is the end of the buffer's "
+            "`l2_acts_sf` (or `l2_acts`) view, and the buffer has neither; use the flavour "
+            "of the DeepGEMM build that made this buffer"
+        )
+    start = view.data_ptr() - flat.data_ptr()
+    end = start + view.numel() * view.element_size()
+    if start < 0 or end > flat.numel() or view.device != flat.device:
+        raise ValueError(
+            f"{where}: the buffer's L2 view (bytes {start}..{end}) does not lie inside "
+            f"`.buffer` ({flat.numel()} bytes on {flat.device}); the views were not sliced "
+            "from this buffer: pass the SymmBuffer whose views the kernel uses"
+        )
+    return end
+
+
+BaseRule = Callable[[Any, int, str], int]
+
+BASE_RULES: dict[str, BaseRule] = {
+    "last_region": _base_last_region,
+    "after_l2_scales": _base_after_l2_scales,
+}
+
+
+def register_base_rule(name: str, rule: BaseRule) -> None:
+    """Register ``rule(symm_buffer, combine_bytes, where) -> byte offset`` under ``name``.
+
+    The offset is in bytes from ``symm_buffer.buffer.data_ptr()``; ``where`` names the
+    caller in errors.
+    """
+    if name in BASE_RULES:
+        raise ValueError(f"combine base rule {name!r} is already registered")
+    BASE_RULES[name] = rule
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    """Where one kernel function of one build leaves its combine rows.
+
+    Attributes:
+        base_rule: name in :data:`BASE_RULES`: the byte offset of the BF16
+            ``[num_slots][Tmax][H]`` combine region in ``symm_buffer.buffer``.
+        shared_position: where a fused shared expert's row (stored at slot ``k``) is added
+            in the sum: ``"first"``, ``"last"``, or ``None`` (this kernel fuses none).
+        weighted: the combine multiplies each row by its router weight (the rows in the
+            buffer are unweighted, ``nvfp4_mega_moe``); ``False``: the rows are already
+            weighted (the weight was applied before L2) and are simply added.
+    """
+
+    base_rule: str
+    shared_position: str | None
+    weighted: bool = False
+
+    def __post_init__(self) -> None:
+        if self.base_rule not in BASE_RULES:
+            raise ValueError(
+                f"KernelLayout: unknown combine base rule {self.base_rule!r}; known rules: "
+                f"{sorted(BASE_RULES)} (add one with register_base_rule)"
+            )
+        if self.shared_position not in SHARED_POSITIONS:
+            raise ValueError(
+                f"KernelLayout: shared_position must be one of {SHARED_POSITIONS}, got "
+                f"{self.shared_position!r}"
+            )
+        if not isinstance(self.weighted, bool):
+            raise TypeError(f"KernelLayout: weighted must be a bool, got {self.weighted!r}")
+
+    def combine_base(self, symm_buffer: Any, combine_bytes: int, where: str) -> int:
+        """Byte offset of the combine region (``combine_bytes`` long) in the flat buffer."""
+        return BASE_RULES[self.base_rule](symm_buffer, combine_bytes, where)
+
+
+# -- what recognises a build ----------------------------------------------------------------
+
+
+def _parameters(fn: Any) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+@dataclass(frozen=True)
+class Recognition:
+    """Facts of an imported DeepGEMM module that identify one build.
+
+    Attributes:
+        functions: callables the module has.
+        absent: names the module lacks (a later build adds them).
+        takes: ``(function, parameter)`` pairs: the function takes that parameter.
+        lacks_parameter: ``(function, parameter)`` pairs: it does not.
+    """
+
+    functions: tuple[str, ...]
+    absent: tuple[str, ...] = ()
+    takes: tuple[tuple[str, str], ...] = ()
+    lacks_parameter: tuple[tuple[str, str], ...] = ()
+
+    def matches(self, namespace: Any) -> bool:
+        """Whether ``namespace`` has every fact."""
+        if not all(callable(getattr(namespace, n, None)) for n in self.functions):
+            return False
+        if any(callable(getattr(namespace, n, None)) for n in self.absent):
+            return False
+        params = {fn: _parameters(getattr(namespace, fn, None))
+                  for fn, _ in (*self.takes, *self.lacks_parameter)}
+        return all(p in params[fn] for fn, p in self.takes) and not any(
+            p in params[fn] for fn, p in self.lacks_parameter
+        )
+
+    def describe(self) -> str:
+        """The facts, in words (for the error that lists what was looked for)."""
+        parts = [", ".join(self.functions)]
+        parts += [f"{fn} taking {p}" for fn, p in self.takes]
+        parts += [f"{fn} without {p}" for fn, p in self.lacks_parameter]
+        parts += [f"no {n}" for n in self.absent]
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Build:
+    """One DeepGEMM build, as moewire describes it.
+
+    Attributes:
+        name: the flavour name (``"vllm-0.33"``).
+        kernels: kernel function name -> :class:`KernelLayout`.
+        recognition: the facts of its module (:class:`Recognition`).
+        description: one line for errors and docs.
+        read: the sources the layouts were read from.
+        unproven: what could not be read (the layout check decides), or ``""``.
+        staging_casts: DeepGEMM casts a forward that stages inline may call on it (hooked
+            on the module object and its ``utils``).
+        refused: kernel functions moewire refuses inside a quantized forward -> why.
+    """
+
+    name: str
+    kernels: Mapping[str, KernelLayout]
+    recognition: Recognition
+    description: str
+    read: str
+    unproven: str = ""
+    staging_casts: tuple[str, ...] = ("per_token_cast_to_fp8",)
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernels", MappingProxyType(dict(self.kernels)))
+        object.__setattr__(self, "refused", MappingProxyType(dict(self.refused)))
+
+
+_LAST = KernelLayout("last_region", None)
+_AFTER_L2 = KernelLayout("after_l2_scales", None)
+
+#: vLLM main's Hopper experts need these (vllm/utils/deep_gemm.py:
+#: deep_gemm_supports_sm90_mega_moe; named by sm90_mega_moe.py's _check_runtime_supported).
+SM90_FORK_FUNCTIONS = (
+    "fp8_mega_moe_sm90",
+    "get_symm_buffer_for_sm90_mega_moe",
+    "transform_weights_for_mega_moe_sm90",
+)
+
+_FP4_FP4_REFUSED = (
+    "the NVFP4 x NVFP4 kernel of vLLM 0.33/0.34's DeepGEMM can RMS-normalise each "
+    "expert row at combine time from FP32 squared-norm partials kept in its "
+    "combine_norm_buffer (post_expert_norm_gamma; impls/sm100_fp4_fp4_mega_moe.cuh), so "
+    "the rows in the buffer are not what it sums (SPEC 1.5; only Muse Spark's own runner "
+    "calls it)"
+)
+
+#: Every build moewire knows, in detection order (the first whose facts match wins).
+BUILDS: tuple[Build, ...] = (
+    Build(
+        "deepgemm-sm90-fork",
+        {"fp8_mega_moe_sm90": _AFTER_L2},
+        Recognition(SM90_FORK_FUNCTIONS),
+        "the DeepGEMM fork vLLM main's SM90 experts call: layout guessed from PR #323, "
+        "proven by the layout check",
+        read="vLLM main vllm/models/deepseek_v4/nvidia/sm90_mega_moe.py (6cd8b6b): the call "
+        "signature, FP8 weights with 128x128 scales, no fused shared expert",
+        unproven="the fork's source (github.com/lengrongfu/DeepGEMM, branch "
+        "claude/pr36-mega-moe-port) is not stored here: its buffer layout and summation "
+        "order are PR #323's (the kernels it ports) by assumption",
+    ),
+    Build(
+        "deepgemm-sm90",
+        {"fp8_mega_moe": _AFTER_L2, "fp8_fp4_mega_moe": _AFTER_L2},
+        Recognition(("get_symm_buffer_for_sm90_mega_moe",)),
+        "DeepGEMM PR #323 (SM90 port): no fused shared expert, DLPack views",
+        read="DeepGEMM refs/pull/323/head (8ddf7f9); measured on an H200 "
+        "(benchmarks/results/real-kernel)",
+    ),
+    Build(
+        "vllm-0.33",
+        {
+            "fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "first"),
+            "bf16_mega_moe": KernelLayout("after_l2_scales", "first"),
+            # mega/nvfp4.py: unweighted rows, FMA combine with the shared row last
+            # (impls/sm100_nvfp4_mega_moe.cuh ~l.1746-1807); x_scales regions follow the
+            # combine region (layout/nvfp4_mega_moe.cuh ~l.115-126).
+            "nvfp4_mega_moe": KernelLayout("after_l2_scales", "last", weighted=True),
+        },
+        Recognition(("get_symm_buffer_for_mega_moe", "fp4_fp4_mega_moe"),
+                    takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
+        "DeepGEMM bundled in vLLM 0.33/0.34: fused shared expert added first",
+        read="vllm/third_party/deep_gemm of the vLLM 0.33.0 and 0.34.0 wheels (2.8.1): "
+        "impls/sm100_fp8_fp4_mega_moe.cuh l.1464, sm100_bf16_mega_moe.cuh l.1286, "
+        "layout/mega_moe.cuh l.458-471",
+        refused={"fp4_fp4_mega_moe": _FP4_FP4_REFUSED},
+    ),
+    Build(
+        "vllm-0.32",
+        {
+            "fp8_fp4_mega_moe": KernelLayout("last_region", "last"),
+            "bf16_mega_moe": KernelLayout("last_region", "last"),
+        },
+        Recognition(("get_symm_buffer_for_mega_moe",), absent=("fp4_fp4_mega_moe",),
+                    takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
+        "DeepGEMM bundled in vLLM 0.32: fused shared expert added last",
+        read="vllm/third_party/deep_gemm of vLLM 0.32.0 (2.8.0)",
+    ),
+    Build(
+        "deepgemm-main",
+        # 54e2261 adds bf16_mega_moe: combine_token_buffer after l2 (csrc/apis/mega.hpp), the
+        # buffer's end; rows weighted in the L1 epilogue, summed in ascending slot order in
+        # FP32 (impls/sm100_bf16_mega_moe.cuh, "Combine: reduce top-k results"); l1/l2 acts
+        # are ring-sized (num_ring_tokens), which the last-region rule does not read.
+        {"fp8_fp4_mega_moe": _LAST, "bf16_mega_moe": _LAST},
+        Recognition(("get_symm_buffer_for_mega_moe", "fp8_fp4_mega_moe"),
+                    absent=("get_symm_buffer_for_sm90_mega_moe",),
+                    lacks_parameter=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
+        "upstream DeepGEMM (SM100): no fused shared expert",
+        read="deepseek-ai/DeepGEMM 7f2a703..54e2261: deep_gemm/mega/__init__.py, "
+        "csrc/apis/mega.hpp, impls/sm100_{fp8_fp4,bf16}_mega_moe.cuh",
+    ),
+)
