@@ -285,3 +285,29 @@ def test_the_one_builder_never_stands_in_for_the_real_kernel_silently():
     with pytest.raises(ValueError, match="the reference kernel takes neither"):
         study_layer.build_layer(StudyConfig(model="tiny"), torch.Generator(),
                                 experts=lambda *a: {}, layer_cls=study_layer.StudyLayer)
+
+
+def test_the_fake_quantization_cost_is_paired_so_a_drift_cancels(monkeypatch):
+    """``added_forward_us`` times the quantized and the unquantized pass back to back in
+    each trial and takes the median difference: a clock that drifts by far more than the
+    cost between trials still gives the cost. The break it catches: timing the reference
+    once and the quantized layer later (what the study did, which printed negative costs on
+    the H200), or differencing the two medians of unpaired passes."""
+    clock = {"calls": 0}
+    cost, drift = 7.0, 50.0
+
+    def pass_us(model, evals):
+        clock["calls"] += 1
+        # The GPU slows down trial after trial (far more than the cost); within a trial
+        # (two passes) it is steady.
+        base = 1000.0 + drift * ((clock["calls"] - 1) // 2)
+        return base + (cost if model == "quantized" else 0.0)
+
+    calls = []
+    model = lambda *batch: calls.append("quantized")  # noqa: E731
+    reference = lambda *batch: calls.append("reference")  # noqa: E731
+    monkeypatch.setattr(study_layer, "_pass_us",
+                        lambda m, evals: pass_us("quantized" if m is model else "ref", evals))
+    got = study_layer.added_forward_us(model, reference, [("x", "w", "ids")])
+    assert got == cost
+    assert calls == ["quantized", "reference"]  # one warm-up pass each

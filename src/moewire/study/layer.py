@@ -10,6 +10,7 @@ same ``(topk_weights, topk_ids)``.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
@@ -443,36 +444,53 @@ class PairRun:
         outputs: BF16 ``[T, H]`` per evaluation batch.
         amax: the calibrated amax of each axis (``None``: not calibrated).
         summary: ``moewire.summary`` of the quantized model.
-        forward_us: mean microseconds of one quantized forward pass, when timed.
+        added_us: what the quantized forward adds over the unquantized one, microseconds
+            per batch (:func:`added_forward_us`), when timed.
     """
 
     outputs: list[torch.Tensor]
     amax: dict[str, float | None]
     summary: str
-    forward_us: float | None = None
+    added_us: float | None = None
 
 
-#: Timed repetitions over the evaluation batches (the minimum is kept: the least disturbed).
-_TIMED_REPEATS = 5
+#: Paired trials of the quantized and the unquantized forward (:func:`added_forward_us`).
+_TIMED_TRIALS = 9
 
 
-def forward_us(model: nn.Module, evals: list[Batch]) -> float:
-    """Mean microseconds of one forward pass of ``model`` over ``evals`` on CUDA (CUDA
-    events; one warm-up pass, the fastest of :data:`_TIMED_REPEATS` passes)."""
+def _pass_us(model: nn.Module, evals: list[Batch]) -> float:
+    """Microseconds of one pass of ``model`` over ``evals`` per batch (CUDA events)."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for batch in evals:
+        model(*batch)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / len(evals)
+
+
+def added_forward_us(model: nn.Module, reference: nn.Module, evals: list[Batch]) -> float:
+    """What the quantized ``model`` adds to one forward over the unquantized ``reference``,
+    in microseconds per batch on CUDA: the median over :data:`_TIMED_TRIALS` trials of the
+    difference of the two passes timed back to back in the same trial (their order
+    alternating), so a drift of the GPU's clock or of the host between trials cancels
+    instead of being read as the fake quantization's cost (benchmarks/real_kernel_overhead.py
+    measures the same way). One warm-up pass each first."""
     with torch.no_grad():
-        for batch in evals:
-            model(*batch)
-        best = float("inf")
-        for _ in range(_TIMED_REPEATS):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+        for m in (model, reference):
             for batch in evals:
-                model(*batch)
-            end.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(end) * 1e3 / len(evals))
-    return best
+                m(*batch)
+        diffs = []
+        for trial in range(_TIMED_TRIALS):
+            if trial % 2:
+                ref = _pass_us(reference, evals)
+                quant = _pass_us(model, evals)
+            else:
+                quant = _pass_us(model, evals)
+                ref = _pass_us(reference, evals)
+            diffs.append(quant - ref)
+    return statistics.median(diffs)
 
 
 def run_pair(
@@ -487,7 +505,8 @@ def run_pair(
 
     Calibration runs ``moewire.quantize(model, recipe, forward_loop)`` over ``calib``
     (only when :func:`needs_calibration`); evaluation runs every batch of ``evals``.
-    ``timed`` (CUDA only) also times the quantized forward (:func:`forward_us`).
+    ``timed`` (CUDA only) also times what the quantized forward adds over a fresh
+    unquantized copy (:func:`added_forward_us`).
     """
     model = layer.fresh()
 
@@ -507,7 +526,7 @@ def run_pair(
         value = quantizer.static_amax
         amax[axis] = None if value is None else float(value)
     return PairRun(outputs, amax, moewire.summary(model),
-                   forward_us(model, evals) if timed else None)
+                   added_forward_us(model, layer.fresh(), evals) if timed else None)
 
 
 def reference_outputs(layer: StudyLayer, evals: list[Batch]) -> list[torch.Tensor]:

@@ -41,7 +41,6 @@ from moewire.study.layer import (
     StudyLayer,
     build_layer,
     check_resources,
-    forward_us,
     needs_calibration,
     reference_outputs,
     run_pair,
@@ -141,7 +140,6 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
 
     progress.phase("unquantized reference")
     ref_outputs = reference_outputs(layer, evals)
-    ref_us = forward_us(layer.fresh(), evals) if timed else None
     ref = torch.cat(ref_outputs)
     ids = torch.cat([b[2] for b in evals])
     ref64 = ref.double()
@@ -163,7 +161,7 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
             **metrics.as_dict(),
             **wire_cost(d, c, layer.hidden, layer.top_k).as_dict(),
             **comm.comm_time(link, traffic, d, c, layer.hidden).as_dict(),
-            "fake_quant_us": None if run.forward_us is None else run.forward_us - ref_us,
+            "fake_quant_us": run.added_us,
             "calibrated": needs_calibration(d, c),
             "amax": run.amax,
         })
