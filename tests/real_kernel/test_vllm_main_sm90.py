@@ -158,7 +158,7 @@ def test_cuda_graph_replay_equals_eager(experts):
 def test_wrong_layout_refused_eager(experts, monkeypatch):
     """A wrong guess of the fork's layout (one token row early) is a clear refusal in eager
     mode, never a wrong y."""
-    _register_wrong_layout()
+    _register_wrong_layout(monkeypatch)
     monkeypatch.setenv(flavours.ENV_FLAVOUR, WRONG)
     moewire.quantize(experts, _combine("bf16"))
     x, w, ids, pad = _batch("wrong")
@@ -171,13 +171,20 @@ def test_wrong_layout_refused_eager(experts, monkeypatch):
 WRONG = "rk-fork-off-by-one"
 
 
-def _register_wrong_layout() -> None:
-    if WRONG not in flavours.names():
-        flavours.register_base_rule(
-            "rk_fork_off_by_one_row",
-            lambda buf, nbytes, where: buf.buffer.numel() - nbytes - 2 * buf.hidden)
-        flavours.register(flavours.Flavour(
-            WRONG, {"fp8_mega_moe_sm90": flavours.KernelLayout("rk_fork_off_by_one_row", None)}))
+def _register_wrong_layout(monkeypatch=None) -> None:
+    """The flavour reading the rows one token row early: for one test (``monkeypatch``), or
+    for the child process's life."""
+    rule = lambda buf, nbytes, where: buf.buffer.numel() - nbytes - 2 * buf.hidden  # noqa: E731
+    if monkeypatch is None:
+        flavours.BASE_RULES["rk_fork_off_by_one_row"] = rule
+    else:
+        monkeypatch.setitem(flavours.BASE_RULES, "rk_fork_off_by_one_row", rule)
+    flavour = flavours.Flavour(
+        WRONG, {"fp8_mega_moe_sm90": flavours.KernelLayout("rk_fork_off_by_one_row", None)})
+    if monkeypatch is None:
+        flavours.register(flavour)
+    else:
+        monkeypatch.setitem(flavours._REGISTRY, WRONG, flavour)
 
 
 def test_wrong_layout_in_a_cuda_graph_is_a_device_assert():

@@ -119,10 +119,10 @@ def _off_by_one(buf, nbytes, where):
 
 def test_wrong_layout_guess_is_refused(experts, monkeypatch):
     """A wrong guess of the fork's layout: a clear refusal, y never replaced."""
-    if "cpu-fork-off-by-one" not in flavours.names():
-        flavours.register_base_rule("cpu_fork_off_by_one", _off_by_one)
-        flavours.register(flavours.Flavour("cpu-fork-off-by-one", {
-            "fp8_mega_moe_sm90": flavours.KernelLayout("cpu_fork_off_by_one", None)}))
+    monkeypatch.setitem(flavours.BASE_RULES, "cpu_fork_off_by_one", _off_by_one)
+    monkeypatch.setitem(flavours._REGISTRY, "cpu-fork-off-by-one", flavours.Flavour(
+        "cpu-fork-off-by-one",
+        {"fp8_mega_moe_sm90": flavours.KernelLayout("cpu_fork_off_by_one", None)}))
     monkeypatch.setenv(flavours.ENV_FLAVOUR, "cpu-fork-off-by-one")
     moewire.quantize(experts, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "bf16"}}]})

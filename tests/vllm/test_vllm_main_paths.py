@@ -140,13 +140,12 @@ def _one_row_early(buf, nbytes, where):
 
 
 def _wrong_layout(monkeypatch, shared: str | None) -> None:
-    """Read fp8_fp4_mega_moe's rows one token row early (``MOEWIRE_FLAVOUR``)."""
+    """Read fp8_fp4_mega_moe's rows one token row early (``MOEWIRE_FLAVOUR``); the rule
+    and the flavour live for this test only."""
     name = f"test-one-row-early-{shared}"
-    if "test_one_row_early" not in flavours.BASE_RULES:
-        flavours.register_base_rule("test_one_row_early", _one_row_early)
-    if name not in flavours.names():
-        flavours.register(flavours.Flavour(name, {
-            "fp8_fp4_mega_moe": flavours.KernelLayout("test_one_row_early", shared)}))
+    monkeypatch.setitem(flavours.BASE_RULES, "test_one_row_early", _one_row_early)
+    monkeypatch.setitem(flavours._REGISTRY, name, flavours.Flavour(name, {
+        "fp8_fp4_mega_moe": flavours.KernelLayout("test_one_row_early", shared)}))
     monkeypatch.setenv(flavours.ENV_FLAVOUR, name)
 
 
