@@ -14,6 +14,7 @@ import ast
 from pathlib import Path
 
 import moewire
+from import_graph import find_cycle
 
 ROOT = Path(moewire.__file__).parent
 
@@ -60,29 +61,6 @@ def _graph() -> dict[str, set[str]]:
     return {m: _imports(m, p, set(modules)) for m, p in modules.items()}
 
 
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt) :] + [nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for start in sorted(graph):
-        if start not in state and (found := visit(start)):
-            return found
-    return None
-
-
 def test_the_cycle_finder_finds_the_old_vllm_cycle():
     """The shape before issue 27: vllm.py imported ``_parallel`` from vllm_worker.py
     (inside a method), which imports vllm.py."""
@@ -90,11 +68,11 @@ def test_the_cycle_finder_finds_the_old_vllm_cycle():
         "moewire.integrations.vllm": {"moewire.integrations.vllm_worker"},
         "moewire.integrations.vllm_worker": {"moewire.integrations.vllm"},
     }
-    assert _find_cycle(old) == [
+    assert find_cycle(old) == [
         "moewire.integrations.vllm", "moewire.integrations.vllm_worker",
         "moewire.integrations.vllm",
     ]
-    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_lazy_imports_and_from_imports_are_edges():
@@ -106,5 +84,5 @@ def test_lazy_imports_and_from_imports_are_edges():
 
 
 def test_no_import_cycle_in_src():
-    cycle = _find_cycle(_graph())
+    cycle = find_cycle(_graph())
     assert cycle is None, f"import cycle in src/moewire: {' -> '.join(cycle)}"

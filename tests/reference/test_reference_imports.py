@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import moewire.reference
+from import_graph import find_cycle
 
 PACKAGE = "moewire.reference"
 ROOT = Path(moewire.reference.__file__).parent
@@ -57,39 +58,16 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt) :] + [nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for start in sorted(graph):
-        if start not in state and (found := visit(start)):
-            return found
-    return None
-
-
 def test_the_cycle_finder_finds_the_old_cycle():
     # The shape before issue 16: deep_gemm imported _kernel, which imported deep_gemm back.
     old = {"deep_gemm": {"_kernel", "_alloc"}, "_kernel": {"deep_gemm"}, "_alloc": set()}
-    assert _find_cycle(old) == ["_kernel", "deep_gemm", "_kernel"]
-    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+    assert find_cycle(old) == ["_kernel", "deep_gemm", "_kernel"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_reference_modules_import_without_a_cycle():
     graph = _graph()
-    cycle = _find_cycle(graph)
+    cycle = find_cycle(graph)
     assert cycle is None, f"import cycle in moewire.reference: {' -> '.join(cycle)}"
     assert "buffer" in graph["_kernel"]  # the kernel reads the buffer, never the API
 
