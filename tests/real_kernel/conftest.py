@@ -7,17 +7,7 @@ an H100/H200 with the package on PYTHONPATH (docs/real-kernel.md):
     pytest -m real_kernel tests/real_kernel
 """
 
-import os
-import socket
-
 import pytest
-import torch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,15 +26,9 @@ def pytest_collection_modifyitems(config, items):
 def ep_group():
     """A one-rank NCCL group (the SM90 buffer is torch symmetric memory over a group)."""
     import torch.distributed as dist
+    from rk_cases import one_rank_group
 
-    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")
-    torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0,
-        device_id=torch.device("cuda:0"),
-    )
-    group = dist.new_group([0])
+    group = one_rank_group()
     yield group
     dist.destroy_process_group()
 

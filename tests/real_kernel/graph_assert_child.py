@@ -12,13 +12,11 @@ the replay and the synchronisation after it succeed.
 """
 
 import os
-import socket
 import sys
 import types
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,14 +65,7 @@ class UserExperts(nn.Module):
 sm90.register_sm90_experts(UserExperts, forward_module="__main__", stage_fn="stage_inputs",
                            kernel_ns="kernels_ns", get_symm_buffer=lambda m: m.buf)
 
-os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-torch.cuda.set_device(0)
-dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
-                        device_id=torch.device("cuda:0"))
-group = dist.new_group([0])
+group = rk.one_rank_group()
 shape = rk.TINY
 w1, w2, buf = rk.prepared(KERNEL, shape, group)
 module = moewire.quantize(UserExperts(w1, w2, buf),

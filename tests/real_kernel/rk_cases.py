@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from moewire import formats
 from moewire.integrations.deepgemm_sm90 import SM90MegaMoEExperts, deep_gemm, quantize_weights
+
+
+def one_rank_group() -> dist.ProcessGroup:
+    """A one-rank NCCL group on GPU 0 (the SM90 buffer is torch symmetric memory over a
+    group), NVLink multicast kept off; the pytest fixture and the child processes share it."""
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                      NVSHMEM_DISABLE_NVLS="1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=1,
+                            rank=0, device_id=torch.device("cuda:0"))
+    return dist.new_group([0])
 
 KERNELS = ("fp8_mega_moe", "fp8_fp4_mega_moe")
 

@@ -12,12 +12,10 @@ succeed.
 """
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -34,14 +32,7 @@ if MODE == "wrong":
     t._register_wrong_layout()
     os.environ[flavours.ENV_FLAVOUR] = t.WRONG
 
-os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-torch.cuda.set_device(0)
-dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
-                        device_id=torch.device("cuda:0"))
-group = dist.new_group([0])
+group = rk.one_rank_group()
 module = t.make_experts(group)
 moewire.quantize(module, t._combine("fp8", 64.0))
 x0, w0, ids0, pad0 = t._batch("warm", all_padding=True)
