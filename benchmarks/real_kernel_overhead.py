@@ -270,8 +270,9 @@ def run(kernels: tuple[str, ...], tokens: tuple[int, ...], reps: int, trials: in
                 added = _added(profiles, label) if profiles else {}
                 moewire_us = sum(added.values()) if profiles else None
                 nbytes = moved_bytes(t, d, c)
-                copy = copies.setdefault(nbytes, copy_us(nbytes, reps, trials)) if nbytes \
-                    else None
+                if nbytes and nbytes not in copies:  # the combine pairs share one byte count
+                    copies[nbytes] = copy_us(nbytes, reps, trials)
+                copy = copies.get(nbytes)
                 row = dict(
                     kernel=kernel, tokens=t, mode=label, dispatch=d, combine=c,
                     graph_us=statistics.median(times[label]),
