@@ -20,6 +20,7 @@ from moewire.megamoe.convert import convert
 from moewire.megamoe.layout_check import layout_checked
 from moewire.quantizer import WireQuantizer
 from moewire.reference import MegaMoEExperts, deep_gemm
+from moewire.reference.builds import KERNEL_BUILDS
 
 T = 20
 A, C = 2.0**20, 2.0**-6
@@ -132,8 +133,10 @@ def test_a_build_summing_descending_fails_the_check(monkeypatch):
 # Where each build adds a fused shared row (SPEC 1 table, 1.3), written here independently
 # of moewire's flavour table; every registered flavour must be listed.
 SPEC_SHARED = {"deepgemm-main": None, "vllm-0.32": "last", "vllm-0.33": "first",
-               "deepgemm-sm90": None, "deepgemm-sm90-fork": None}
-FUSING = [name for name, position in SPEC_SHARED.items() if position is not None]
+               "deepgemm-sm90": None, "deepgemm-sm90-fork": None, "deepgemm-2.8": "first"}
+# The builds the stand-in kernel imitates (DeepGEMM 2.8.0's is recognised, not imitated).
+FUSING = [name for name, position in SPEC_SHARED.items()
+          if position is not None and name in KERNEL_BUILDS]
 
 
 def test_every_flavour_is_listed_here():

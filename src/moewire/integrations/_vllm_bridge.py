@@ -126,15 +126,38 @@ def installed_stage_globals() -> list[tuple[str, str, str]]:
 
 def install_access() -> None:
     """Rebind vLLM's ``_import_deep_gemm`` to this module's ``deep_gemm`` (idempotent;
-    through the undo ledger, ``moewire.patches``).
+    through the undo ledger, ``moewire.patches``), in every module of
+    ``vllm_sites.ACCESS_MODULES`` that imports (vLLM main moved it to
+    ``vllm.foundation.utilities.deep_gemm``).
 
     Enough for a forward that stages inline (vLLM main's SM90 experts): it has no staging
     global, and its cast and kernel are hooked on the DeepGEMM module object.
+
+    Raises:
+        RuntimeError: no module of ``ACCESS_MODULES`` imports with an ``_import_deep_gemm``.
     """
-    utils = importlib.import_module("vllm.utils.deep_gemm")
-    if utils._import_deep_gemm is not import_deep_gemm:
-        _resolver["vllm"] = utils._import_deep_gemm
-        patches.patch_attr(utils, "_import_deep_gemm", import_deep_gemm)
+    from moewire.integrations.vllm_sites import ACCESS_MODULES, KERNEL_ACCESS
+
+    holders = []
+    for name in ACCESS_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if callable(getattr(module, KERNEL_ACCESS, None)):
+            holders.append(module)
+    if not holders:
+        raise RuntimeError(
+            f"moewire: this vLLM has no {KERNEL_ACCESS} in any of {list(ACCESS_MODULES)}, so "
+            "moewire cannot reach the DeepGEMM its Mega-MoE experts call; add the module "
+            "that holds it to moewire.integrations.vllm_sites.ACCESS_MODULES"
+        )
+    unpatched = [m for m in holders if getattr(m, KERNEL_ACCESS) is not import_deep_gemm]
+    if unpatched:
+        # vLLM's own lookup (main's old path re-exports the new one: the same function).
+        _resolver["vllm"] = getattr(unpatched[0], KERNEL_ACCESS)
+    for module in unpatched:
+        patches.patch_attr(module, KERNEL_ACCESS, import_deep_gemm)
 
 
 def install(forward_module: str, stage_fn: str) -> str:

@@ -97,16 +97,9 @@ def experts_sites(sites: tuple[ExpertsSite, ...] = SITES) -> list[tuple[type, Ex
     """
     found, rejected = [], []
     for site in sites:
-        try:
-            module = importlib.import_module(site.module)
-        except ImportError as exc:
-            rejected.append(f"{site.module} does not import ({exc})")
-            continue
-        cls = getattr(module, site.cls_name, None)
-        if cls is None:
-            rejected.append(f"{site.module} has no {site.cls_name}")
-            continue
-        why = recognise(cls, site)
+        cls, why = _site_class(site)
+        if cls is not None:
+            why = recognise(cls, site)
         if why is None:
             found.append((cls, site))
         else:
@@ -120,6 +113,26 @@ def experts_sites(sites: tuple[ExpertsSite, ...] = SITES) -> list[tuple[type, Ex
             "this way under another name"
         )
     return found
+
+
+def _site_class(site: ExpertsSite) -> tuple[type | None, str | None]:
+    """The class at the first of ``site.modules`` that imports and has it, else why not.
+
+    vLLM moves its packages: an entry lists every module that may hold the class; the
+    class is recognised by its own module (where it is defined), not by the path.
+    """
+    why = []
+    for name in site.modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            why.append(f"{name} does not import ({exc})")
+            continue
+        cls = getattr(module, site.cls_name, None)
+        if cls is not None:
+            return cls, None
+        why.append(f"{name} has no {site.cls_name}")
+    return None, "; ".join(why)
 
 
 def _version_or_unknown() -> str:
@@ -222,7 +235,12 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
     """
     from moewire.megamoe import api
 
-    classes = tuple(register_vllm_experts())
+    found = experts_sites()
+    for cls, site in found:
+        register_site(cls, site)
+    _register_subclasses(model, found)
+    classes = tuple(cls for cls, _ in found)
+    _refuse_sites(model, found)
     count = sum(isinstance(m, classes) for m in model.modules())
     if count == 0:
         raise RuntimeError(
@@ -240,6 +258,48 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
     if scales_path:
         api.load_scales(model, rank_path(scales_path))
     return count
+
+
+def _overrides_forward(sub: type, base: type) -> bool:
+    for klass in sub.__mro__:
+        if klass is base:
+            return False
+        if "forward" in vars(klass):
+            return True
+    return False
+
+
+def _register_subclasses(model: nn.Module, found: list[tuple[type, ExpertsSite]]) -> None:
+    """Register the model's subclasses of a found class whose forward lives in another
+    module (GLM-5-Next's ``Glm5NextMegaMoEExperts(DeepseekV4MegaMoEExperts)``, say): the
+    bridge rebinds the staging global of the module that defines the forward. A subclass
+    that keeps its base's forward keeps its base's adapter; one whose own module lacks the
+    site's structure keeps it too, and fails closed at its first forward."""
+    seen: set[type] = set()
+    for module in model.modules():
+        sub = type(module)
+        if sub in seen:
+            continue
+        seen.add(sub)
+        for cls, site in found:
+            if (sub is cls or not issubclass(sub, cls) or sub.__module__ == cls.__module__
+                    or not _overrides_forward(sub, cls)):
+                continue
+            if recognise(sub, site) is None:
+                register_site(sub, site)
+            break
+
+
+def _refuse_sites(model: nn.Module, found: list[tuple[type, ExpertsSite]]) -> None:
+    """Refuse a model holding an experts class that moewire recognises but refuses
+    (``ExpertsSite.refusal``), before any module is converted."""
+    for name, module in model.named_modules():
+        for cls, site in found:
+            if site.refusal is not None and isinstance(module, cls):
+                raise RuntimeError(
+                    f"moewire: {name or type(module).__name__} is a {site.path}, which "
+                    f"moewire does not quantize: {site.refusal}"
+                )
 
 
 def _wrap_model_loader() -> None:

@@ -30,15 +30,39 @@ Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored 
   MoE layer, ``RoutedExperts`` (``fused_moe/routed_experts.py``, a ``PluggableLayer``; 0.32
   installed, and main's quantization methods type their layer so), through
   ``quant_method.moe_kernel.fused_experts`` (0.32's ``eep_reconfigure.py`` reads that path).
+- ``vllm/models/common/deep_gemm_mega_moe.py`` (6dfb263): ``DeepGemmMegaMoEExperts`` for FP4
+  or BF16 expert weights. ``mma_type="fp8xfp4"`` stages with the global
+  ``prepare_megamoe_inputs`` (imported from ``vllm.models.deepseek_v4.nvidia.ops.
+  prepare_megamoe``); ``mma_type="bf16xbf16"`` stages with a plain copy,
+  ``symm_buffer.x[:num_tokens].copy_(hidden_states)``, which no staging hook sees: the site's
+  :class:`PlainCopy` makes the forward's own ``hidden_states`` argument the dispatch hook,
+  once :func:`prove_plain_copy` has read from the forward's AST that the argument feeds
+  nothing but that copy (and the staging call of the other branch). The kernel is a local
+  name (``kernel = deep_gemm.bf16_mega_moe if ... else deep_gemm.fp8_fp4_mega_moe``).
+- ``vllm/models/deepseek_v32/nvidia/mega_moe.py`` (30a3a7a): ``DeepseekV32MegaMoEExperts``
+  (DeepSeek V3.2, GLM-5.2 NVFP4) stages with the global ``prepare_megamoe_nvfp4_inputs``
+  into an ``mma_type="fp4xfp4"`` buffer and calls ``deep_gemm.fp4_fp4_mega_moe(y, l1, l2,
+  buf, l1_alphas=, l2_alphas=)``: recognised, and the kernel is refused by every build
+  moewire knows (``moewire.megamoe.builds``: its combine is unread).
+- ``vllm/models/deepseek_v4/nvidia/fi_moe.py`` (055e47c): ``DeepseekV4MegaMoEExpertsFI``, a
+  subclass of ``DeepseekV4MegaMoEExperts`` that stages through FlashInfer
+  (``kernel.stage_inputs(..., quantize_input=True)``) and runs its ``moe_ep`` megakernel:
+  recognised and refused (:data:`FLASHINFER_REFUSAL`).
+- ``vllm/foundation/utilities/deep_gemm.py`` (055e47c): main's new home of
+  ``_import_deep_gemm`` (:data:`ACCESS_MODULES`); ``fi_moe.py`` imports
+  ``vllm.foundation...`` and ``vllm.runtime...``: a class is looked up at every path of its
+  entry (``also_at``) and recognised by its own module's source, wherever it is defined.
 
 May import: the standard library, torch and ``moewire.megamoe.registry`` (nothing of vLLM).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,13 +72,18 @@ from torch import nn
 from moewire.megamoe.registry import ExpertsAdapter
 
 __all__ = [
+    "ACCESS_MODULES",
+    "FLASHINFER_ACCESS",
+    "FLASHINFER_REFUSAL",
     "IMPORT_ACCESS",
     "KERNEL_ACCESS",
     "NVFP4_STAGE_FN",
     "SITES",
     "STAGE_FN",
     "ExpertsSite",
+    "PlainCopy",
     "holder_class",
+    "prove_plain_copy",
     "recognise",
     "site_adapter",
 ]
@@ -65,6 +94,54 @@ NVFP4_STAGE_FN = "prepare_megamoe_nvfp4_inputs"
 KERNEL_ACCESS = "_import_deep_gemm"
 #: A forward that imports DeepGEMM itself (gpt-oss's modular experts).
 IMPORT_ACCESS = "import deep_gemm"
+#: A forward that runs FlashInfer's ``moe_ep`` megakernel (no DeepGEMM call moewire hooks).
+FLASHINFER_ACCESS = "flashinfer.moe_ep"
+#: Where vLLM keeps ``_import_deep_gemm``: 0.32 to 0.34 and main until the move, then main's
+#: ``vllm/foundation/utilities/deep_gemm.py`` (055e47c). The bridge rebinds it in each that
+#: imports.
+ACCESS_MODULES = ("vllm.utils.deep_gemm", "vllm.foundation.utilities.deep_gemm")
+
+#: Why moewire refuses FlashInfer's ``moe_ep`` megakernel, and what to switch to.
+FLASHINFER_REFUSAL = (
+    "it runs FlashInfer's moe_ep megakernel (flashinfer-python 0.7.2.post1: "
+    "moe_ep/backends/mega/kernel/sm100/*/backend.py), whose workspace keeps no "
+    "per-(token, slot) combine rows moewire can read: the cutedsl megakernels reduce the "
+    "top-k rows in the kernel (in-flight cross-rank atomic adds with "
+    "enable_in_kernel_fc2_reduce, in an order that is not deterministic) or, only with "
+    "defer_topk_reduce, in a view whose shape and offset come from the compiled kernel's "
+    "descriptor (deferred_topk_reduce_region), not from a layout moewire can check. Serve "
+    "with --moe-backend deep_gemm_mega_moe (DeepseekV4MegaMoEExperts, which moewire "
+    "quantizes), or use FlashInfer's own quantized combine wire (combine_dtype='mxfp8' or "
+    "'nvfp4' of its nvfp4 cutedsl megakernel) unquantized by moewire"
+)
+
+
+@dataclass(frozen=True)
+class PlainCopy:
+    """A forward branch that stages the tokens with a plain copy into the buffer.
+
+    vLLM main's ``DeepGemmMegaMoEExperts`` (``vllm/models/common/deep_gemm_mega_moe.py``,
+    6dfb263) stages ``mma_type="bf16xbf16"`` with ``symm_buffer.x[:n].copy_(hidden_states)``:
+    no staging function or cast ever sees the tokens. moewire then quantizes the forward's
+    own ``hidden_states`` argument (out of place: the caller keeps its tokens), which is the
+    staging hook of that branch, where :func:`prove_plain_copy` shows from the forward's
+    AST that the argument feeds nothing else that a quantized value would change.
+
+    Attributes:
+        attr: the attribute of the experts object that selects the branch (``"mma_type"``).
+        value: its value on the plain-copy branch (``"bf16xbf16"``).
+        arg: the forward's parameter holding the tokens (``"hidden_states"``).
+        view: the buffer view the copy writes (``"x"``).
+    """
+
+    attr: str
+    value: str
+    arg: str = "hidden_states"
+    view: str = "x"
+
+    def taken(self, experts: Any) -> bool:
+        """Whether ``experts`` takes the plain-copy branch."""
+        return getattr(experts, self.attr, None) == self.value
 
 
 @dataclass(frozen=True)
@@ -94,6 +171,12 @@ class ExpertsSite:
         group: the process group the kernel's buffer spans, over which calibrated amaxes
             are max-reduced: ``"ep"`` (vLLM's EP group) or ``"dp"`` (gpt-oss's buffer is on
             ``get_dp_group()``).
+        also_at: further modules that may define or re-export the class (vLLM moves its
+            packages); the class is recognised by its own module (``cls.__module__``).
+        plain_copy: the forward branch that stages with a plain copy (:class:`PlainCopy`),
+            or ``None``.
+        refusal: why moewire refuses this class although it recognises it (and what to
+            switch to), or ``None``; a refused site needs no staging.
     """
 
     module: str
@@ -109,6 +192,9 @@ class ExpertsSite:
     holder: str | None = None
     holder_class: str | None = None
     group: str = "ep"
+    also_at: tuple[str, ...] = ()
+    plain_copy: PlainCopy | None = None
+    refusal: str | None = None
 
     def __post_init__(self) -> None:
         if (self.holder is None) != (self.holder_class is None):
@@ -118,20 +204,31 @@ class ExpertsSite:
             )
         if self.group not in ("ep", "dp"):
             raise ValueError(f"ExpertsSite {self.path}: group must be 'ep' or 'dp'")
-        if (self.stage_fn is None) == (self.stage_cast is None):
+        if self.refusal is None and (self.stage_fn is None) == (self.stage_cast is None):
             raise ValueError(
                 f"ExpertsSite {self.path}: give a staging function (stage_fn) or an inline "
                 "staging cast (stage_cast), exactly one"
             )
-        if self.kernel_access not in (KERNEL_ACCESS, IMPORT_ACCESS):
+        accesses = (KERNEL_ACCESS, IMPORT_ACCESS, FLASHINFER_ACCESS)
+        if self.kernel_access not in accesses:
             raise ValueError(
-                f"ExpertsSite {self.path}: kernel_access must be {KERNEL_ACCESS!r} or "
-                f"{IMPORT_ACCESS!r}, got {self.kernel_access!r}"
+                f"ExpertsSite {self.path}: kernel_access must be one of {accesses}, got "
+                f"{self.kernel_access!r}"
+            )
+        if self.kernel_access == FLASHINFER_ACCESS and self.refusal is None:
+            raise ValueError(
+                f"ExpertsSite {self.path}: a site reaching {FLASHINFER_ACCESS} has no DeepGEMM "
+                "call to hook; give its refusal"
             )
 
     @property
     def path(self) -> str:
         return f"{self.module}.{self.cls_name}"
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Every module the class is looked up in (:attr:`module` first)."""
+        return (self.module, *self.also_at)
 
     @property
     def stage_fns(self) -> tuple[str, ...]:
@@ -157,10 +254,12 @@ class ExpertsSite:
             f"calling {self.stage_fn}(...)"
             if self.stage_fn is not None
             else f"staging inline with deep_gemm...{self.stage_cast}(...)"
+            if self.stage_cast is not None
+            else "staging elsewhere"
         )
         calls = "".join(f", calling {c}...)" for c in self.calls)
         return (
-            f"{self.path} {staging}{calls} and DeepGEMM through {self.kernel_access}"
+            f"{self.path} {staging}{calls} and its kernel through {self.kernel_access}"
             f"{'()' if self.kernel_access == KERNEL_ACCESS else ''} (read from vLLM "
             f"{self.read_from or '?'})"
         )
@@ -189,7 +288,99 @@ SITES: tuple[ExpertsSite, ...] = (
                 buffer="buffer", holder="quant_method.moe_kernel.fused_experts",
                 holder_class="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts",
                 group="dp"),
+    # vLLM main's common experts: fp8xfp4 through the staging global, bf16xbf16 by a copy.
+    ExpertsSite("vllm.models.common.deep_gemm_mega_moe", "DeepGemmMegaMoEExperts",
+                read_from="main (6dfb263)", calls=("bf16_mega_moe", "fp8_fp4_mega_moe"),
+                plain_copy=PlainCopy("mma_type", "bf16xbf16")),
+    # vLLM main's NVFP4 x NVFP4 experts (DeepSeek V3.2, GLM-5.2): the kernel is refused.
+    ExpertsSite("vllm.models.deepseek_v32.nvidia.mega_moe", "DeepseekV32MegaMoEExperts",
+                stage_fn=NVFP4_STAGE_FN, read_from="main (30a3a7a)",
+                calls=("fp4_fp4_mega_moe(",)),
+    # vLLM main's FlashInfer megakernel experts: recognised, refused.
+    ExpertsSite("vllm.models.deepseek_v4.nvidia.fi_moe", "DeepseekV4MegaMoEExpertsFI",
+                stage_fn=None, read_from="main (055e47c)", calls=("stage_inputs(",),
+                kernel_access=FLASHINFER_ACCESS, refusal=FLASHINFER_REFUSAL),
 )
+
+#: Uses of the tokens' parameter that read only its metadata.
+_METADATA_ATTRS = frozenset({"shape", "dtype", "device", "size", "dim"})
+#: Calls whose first argument contributes only its metadata.
+_METADATA_CALLS = frozenset({"empty_like", "zeros_like", "ones_like"})
+
+
+def _call_name(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def _plain_copy_use(node: ast.Name, parent: ast.AST, plain: PlainCopy,
+                    stage_fns: tuple[str, ...]) -> str | None:
+    """``"copy"``/``"staging"``/``"metadata"`` for an allowed use of the tokens, else None."""
+    if isinstance(parent, ast.Attribute) and parent.attr in _METADATA_ATTRS:
+        return "metadata"
+    if not isinstance(parent, ast.Call) or node not in parent.args:
+        return None
+    first = parent.args[0] is node
+    name = _call_name(parent)
+    if first and name in _METADATA_CALLS:
+        return "metadata"
+    if first and name in stage_fns:
+        return "staging"
+    func = parent.func
+    if (name == "copy_" and len(parent.args) == 1 and isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Subscript)
+            and isinstance(func.value.value, ast.Attribute)
+            and func.value.value.attr == plain.view):
+        return "copy"
+    return None
+
+
+def prove_plain_copy(cls: type, plain: PlainCopy, stage_fns: tuple[str, ...] = ()) -> str | None:
+    """Why the forward's tokens may feed more than the plain staging copy, or None.
+
+    Read from the AST of ``cls.forward``: the parameter ``plain.arg`` is never rebound, and
+    each use of it is one of: its metadata (``.shape``, ``.dtype``, ``.device``,
+    ``.size()``, ``.dim()``, ``torch.empty_like(arg, ...)``); the single argument of a copy
+    into a slice of the buffer view ``plain.view`` (``symm_buffer.x[:n].copy_(arg)``, at
+    least one); or the first argument of a staging function of ``stage_fns`` (the other
+    branch: moewire refuses a forward that reaches both). Then replacing the argument by
+    its quantized copy changes exactly the staged tokens: the router and an unfused shared
+    expert see the caller's tensor, outside this forward.
+
+    Args:
+        cls: the experts class.
+        plain: the site's plain-copy branch.
+        stage_fns: the site's staging globals.
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(cls.forward))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError, AttributeError) as exc:
+        return f"the source of {cls.__qualname__}.forward cannot be read ({exc})"
+    fn = tree.body[0]
+    if not isinstance(fn, ast.FunctionDef):
+        return f"{cls.__qualname__}.forward is not a plain function"
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)]
+    if plain.arg not in params:
+        return f"{cls.__qualname__}.forward has no parameter {plain.arg!r}"
+    parents = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+    copies = 0
+    for node in ast.walk(fn):
+        if not (isinstance(node, ast.Name) and node.id == plain.arg):
+            continue
+        if not isinstance(node.ctx, ast.Load):
+            return f"{cls.__qualname__}.forward rebinds {plain.arg} (line {node.lineno})"
+        use = _plain_copy_use(node, parents[node], plain, stage_fns)
+        if use is None:
+            return (
+                f"{cls.__qualname__}.forward uses {plain.arg} in "
+                f"`{ast.unparse(parents[node])}` (line {node.lineno}), not only in the staging "
+                f"copy into .{plain.view}[...]"
+            )
+        copies += use == "copy"
+    if copies == 0:
+        return f"{cls.__qualname__}.forward never copies {plain.arg} into .{plain.view}[...]"
+    return None
 
 
 def _source(module_name: str) -> str | None:
@@ -288,6 +479,9 @@ def site_adapter(
     stage: str | tuple[str, ...] = (
         stage_globals[0] if len(stage_globals) == 1 else tuple(stage_globals)
     )
+    forward_dispatch = None
+    if site.plain_copy is not None:
+        forward_dispatch = _plain_copy_dispatch(site, site.plain_copy, cls)
     return ExpertsAdapter(
         name=f"vllm-{site.cls_name}",
         forward_module=forward_module,
@@ -302,4 +496,29 @@ def site_adapter(
         ep_group=ep_group,
         runtime=runtime,
         applies=holder_predicate(site, cls) if site.holder else None,
+        forward_dispatch=forward_dispatch,
+        refusal=site.refusal,
     )
+
+
+def _plain_copy_dispatch(
+    site: ExpertsSite, plain: PlainCopy, cls: type
+) -> Callable[[nn.Module], str | None]:
+    """``module -> "hidden_states" | None``: the forward's argument to quantize when the
+    module takes the plain-copy branch; raises there if :func:`prove_plain_copy` failed."""
+    unproven = prove_plain_copy(cls, plain, site.stage_fns)
+
+    def dispatch(module: nn.Module) -> str | None:
+        if not plain.taken(site.experts_of(module)):
+            return None
+        if unproven is not None:
+            raise RuntimeError(
+                f"{site.path}: with {plain.attr}={plain.value!r} the forward stages the tokens "
+                f"with a plain copy into .{plain.view}, which no hook sees, and moewire "
+                f"quantizes its {plain.arg} argument instead only where the source proves "
+                f"that argument feeds nothing else; here {unproven}. Disable "
+                f"dispatch_quantizer, or serve with {plain.attr} other than {plain.value!r}"
+            )
+        return plain.arg
+
+    return dispatch

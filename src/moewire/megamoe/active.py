@@ -13,17 +13,22 @@ import contextvars
 import torch
 from torch import nn
 
-__all__ = ["ACTIVE", "CAST_CALIBRATION", "IN_STAGING_CALL", "REACHED", "reached"]
+__all__ = [
+    "ACTIVE", "CAST_CALIBRATION", "IN_STAGING_CALL", "PLAIN_COPY_HOOK", "REACHED", "reached"
+]
 
 # The quantized experts module (a ``QuantExperts``) whose forward is running (None: pass
 # everything through). Typed as a module: this module sits below the class.
 ACTIVE: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar(
     "moewire_active_experts", default=None
 )
-# The hooks the running quantized forward has reached ("staging", "kernel").
+# The hooks the running quantized forward has reached ("staging", "kernel", and
+# PLAIN_COPY_HOOK once its own tokens argument was quantized).
 REACHED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
     "moewire_reached_hooks", default=None
 )
+# The mark of a forward whose tokens argument was quantized (it stages with a plain copy).
+PLAIN_COPY_HOOK = "plain copy"
 # True while the adapter's staging function runs: it already got the quantized tokens, so
 # a cast it makes through the module (the SM90 staging does) is not a staging of its own.
 IN_STAGING_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(

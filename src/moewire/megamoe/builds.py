@@ -257,6 +257,15 @@ _FP4_FP4_REFUSED = (
     "calls it)"
 )
 
+_FP4_FP4_28_REFUSED = (
+    "the NVFP4 x NVFP4 kernel of DeepGEMM 2.8.0 (deep_gemm/mega/__init__.py at 0274ad7: "
+    "fp4_fp4_mega_moe with per-expert l1_alphas/l2_alphas, a2_scales, a BF16 shared expert "
+    "from x_bf16 and routed_scaling_factor applied before that shared output is added) "
+    "has a combine moewire has not read: its source (impls/sm100_fp4_fp4_mega_moe.cuh, "
+    "layout/mega_moe.cuh and csrc/apis/mega.hpp of that commit) is not stored, so where its "
+    "rows lie in the fp4xfp4 buffer, whether l2_alphas are applied before they are written, "
+    "and the order of the sum are unproven"
+)
 #: Every build moewire knows, in detection order (the first whose facts match wins).
 BUILDS: tuple[Build, ...] = (
     Build(
@@ -270,6 +279,36 @@ BUILDS: tuple[Build, ...] = (
         unproven="the fork's source (github.com/lengrongfu/DeepGEMM, branch "
         "claude/pr36-mega-moe-port) is not stored here: its buffer layout and summation "
         "order are PR #323's (the kernels it ports) by assumption",
+    ),
+    Build(
+        "deepgemm-2.8",
+        # SymmBuffer of 0274ad7 slices x, x_sf, topk_idx, topk_weights, shared_l1/l2 acts,
+        # l1/l2 acts (and scales) as vLLM 0.33/0.34's 2.8.1 does, with num_shared_experts:
+        # that build's layout is the guess for the SM100 kernels, proven by the layout check.
+        # The SM90 fp8_mega_moe (#383, an SM90SymmBuffer with PR #323's view names): PR
+        # #323's layout is the guess, and the first batch's layout check decides between them.
+        {
+            "fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "first"),
+            "bf16_mega_moe": KernelLayout("after_l2_scales", "first"),
+            "fp8_mega_moe": _AFTER_L2,
+        },
+        Recognition(("get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90",
+                     "fp8_mega_moe", "fp4_fp4_mega_moe"),
+                    absent=("fp8_mega_moe_sm90",),
+                    takes=(("fp4_fp4_mega_moe", "routed_scaling_factor"),
+                           ("get_symm_buffer_for_mega_moe", "num_shared_experts"))),
+        "upstream DeepGEMM 2.8.0 (SM100 and SM90 Mega-MoE in one module): SM100 kernels read "
+        "as vLLM 0.33's 2.8.1, the SM90 fp8_mega_moe (#383) as PR #323, both proven by the "
+        "layout check; fp4_fp4_mega_moe refused",
+        read="deepseek-ai/DeepGEMM deep_gemm/__init__.py and deep_gemm/mega/__init__.py at "
+        "0274ad7 (__version__ 2.8.0): the exported names, SymmBuffer's views and "
+        "num_shared_experts, SM90SymmBuffer, fp4_fp4_mega_moe's and fp8_mega_moe's signatures",
+        unproven="the kernels' sources at 0274ad7 are not stored: the SM100 combine is taken "
+        "to be vLLM 0.33's 2.8.1 (after the L2 scales, fused shared row first), the SM90 "
+        "fp8_mega_moe's (#383: separate L1 and L2 kernels; get_symm_buffer_size_for_sm90_mega_moe "
+        "unread) to be PR #323's (after the L2 scales, no shared expert); the first batch's "
+        "layout check decides, a different layout is a refusal",
+        refused={"fp4_fp4_mega_moe": _FP4_FP4_28_REFUSED},
     ),
     Build(
         "deepgemm-sm90",

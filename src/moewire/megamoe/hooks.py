@@ -34,7 +34,7 @@ import torch
 
 from moewire import patches
 from moewire.megamoe import flavours as _flavours
-from moewire.megamoe.active import ACTIVE, IN_STAGING_CALL, REACHED, reached
+from moewire.megamoe.active import ACTIVE, IN_STAGING_CALL, PLAIN_COPY_HOOK, REACHED, reached
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES, QuantExperts, original_class
 from moewire.megamoe.registry import ExpertsAdapter, stage_fn_names
 
@@ -57,6 +57,7 @@ class _StagingProxy:
         module = ACTIVE.get()
         if module is None:
             return self._moewire_original(*args, **kwargs)
+        _refuse_second_staging(module, self.__name__)
         reached("staging")
         token = IN_STAGING_CALL.set(True)
         try:
@@ -106,6 +107,19 @@ class _KernelNamespace:
     def __repr__(self) -> str:
         return f"<moewire kernel proxy of {self._moewire_namespace!r}>"
 
+
+
+def _refuse_second_staging(module: QuantExperts, name: str) -> None:
+    """A staging call or cast after the forward's own tokens were quantized (it stages
+    with a plain copy) would quantize them a second time: refused."""
+    if PLAIN_COPY_HOOK in (REACHED.get() or ()):
+        raise RuntimeError(
+            f"{module._moewire_name}: the forward of {original_class(type(module)).__qualname__} "
+            f"called {name} although moewire had quantized its tokens argument for a plain-copy "
+            "staging (the adapter's forward_dispatch said this call copies the tokens into "
+            "the buffer); the tokens would be quantized twice. Fix the adapter's "
+            "forward_dispatch (the site's plain_copy branch), or disable dispatch_quantizer"
+        )
 
 
 def _refuse_kernel(fn: Callable, name: str) -> Callable:
@@ -193,6 +207,7 @@ def _wrap_cast(fn: Callable, name: str) -> Callable:
         x = args[0] if args else kwargs.get("x")
         if not _stages_tokens(module, x):
             return fn(*args, **kwargs)
+        _refuse_second_staging(module, name)
         seen = REACHED.get() or set()
         if seen & {"staging", "kernel"}:
             when = (

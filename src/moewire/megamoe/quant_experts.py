@@ -28,7 +28,7 @@ from torch import nn
 
 from moewire.megamoe import flavours as _flavours
 from moewire.megamoe import layout_check
-from moewire.megamoe.active import ACTIVE, CAST_CALIBRATION, REACHED
+from moewire.megamoe.active import ACTIVE, CAST_CALIBRATION, PLAIN_COPY_HOOK, REACHED
 from moewire.megamoe.layout import combine_rows
 from moewire.megamoe.registry import ExpertsAdapter, adapter_for, stage_fn_names
 
@@ -120,11 +120,13 @@ class QuantExperts:
         return self.__dict__.get("_moewire_name_") or type(self).__name__
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._moewire_refuse()
         reached: set[str] = set()
         pending: list[torch.Tensor] = []
         token, reached_token = ACTIVE.set(self), REACHED.set(reached)
         pending_token = CAST_CALIBRATION.set(pending)
         try:
+            args, kwargs = self._moewire_stage_forward(args, kwargs)
             result = super().forward(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
@@ -142,6 +144,40 @@ class QuantExperts:
             )
         self._moewire_require_hooks(reached)
         return result
+
+    def _moewire_refuse(self) -> None:
+        """Refuse a class whose adapter says moewire cannot quantize it, unless every
+        quantizer is disabled."""
+        refusal = self._moewire_adapter.refusal
+        if refusal is not None and any(
+            getattr(self, q).mode != "disabled" for q in QUANTIZER_NAMES
+        ):
+            raise RuntimeError(
+                f"{self._moewire_name}: moewire does not quantize "
+                f"{original_class(type(self)).__qualname__}: {refusal}"
+            )
+
+    def _moewire_stage_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The staging hook of a forward that stages with a plain copy (the adapter's
+        ``forward_dispatch``): the tokens' argument of this forward becomes
+        ``dispatch_quantizer(tokens)``, out of place (calibrating: collected at the kernel
+        call, once the ids are staged). Other forwards pass unchanged."""
+        adapter = self._moewire_adapter
+        if adapter.forward_dispatch is None or self.dispatch_quantizer.mode == "disabled":
+            return args, kwargs
+        where = adapter.forward_dispatch(self)
+        if where is None:
+            return args, kwargs
+
+        def rebuild(*a: Any, **k: Any) -> tuple[tuple, dict]:
+            return a, k
+
+        rebuild.__signature__ = inspect.signature(super().forward)  # type: ignore[attr-defined]
+        # Both marks live in this forward's REACHED set: "staging" for the fail-closed
+        # check, the plain-copy mark so a staging call or cast in the same forward refuses
+        # (the tokens are quantized already).
+        REACHED.get().update(("staging", PLAIN_COPY_HOOK))  # type: ignore[union-attr]
+        return self._moewire_stage(rebuild, args, kwargs, cast="plain copy", where=where)
 
     def _moewire_require_hooks(self, reached: set[str]) -> None:
         """Fail closed: an enabled quantizer whose hook the forward never reached.
@@ -184,10 +220,16 @@ class QuantExperts:
     # -- dispatch ------------------------------------------------------------------------
 
     def _moewire_stage(
-        self, fn: Callable, args: tuple, kwargs: dict, cast: str | None = None
+        self,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        cast: str | None = None,
+        where: int | str | None = None,
     ) -> Any:
         """The staging hook: run ``fn`` (the staging function, or with ``cast`` DeepGEMM's
-        staging cast of that name, hidden states first) on ``dispatch_quantizer(hidden)``.
+        staging cast of that name, hidden states first or at ``where``) on
+        ``dispatch_quantizer(hidden)``.
 
         Calibrating, ``fn`` runs on the original tokens and the tokens with a valid staged
         slot are collected: right after a staging function (it stages the ids), or at the
@@ -204,7 +246,8 @@ class QuantExperts:
                 f"would see quantized inputs too; run with {FUSION_SWITCH} (vLLM) or build "
                 "the layer with the shared expert unfused, or disable the dispatch quantizer"
             )
-        where = adapter.stage_hidden_arg if cast is None else 0
+        if where is None:
+            where = adapter.stage_hidden_arg if cast is None else 0
         hidden, put = _locate_hidden(fn, args, kwargs, where, self._moewire_name)
         _on_device(quantizer, hidden.device, self._moewire_name, "dispatch_quantizer")
         if quantizer.mode == "calibrate":

@@ -55,6 +55,13 @@ class ExpertsAdapter:
         applies: ``module -> bool`` or ``None``: for an adapter registered on a class that
             is not the experts class itself (vLLM main's MoE layer holding a modular
             experts object), whether this instance is one; ``None``: every instance.
+        forward_dispatch: ``module -> int | str | None`` or ``None``: for a forward that
+            stages some calls with a plain copy no hook sees (vLLM main's BF16 Mega-MoE),
+            the position or name of its tokens' argument when this call does so (the
+            forward's argument is then the staging hook), else ``None``; it raises where
+            the argument is not proven to feed only the copy.
+        refusal: why moewire refuses to quantize this class at all (recognised, but its
+            kernel keeps no combine rows moewire can read), or ``None``.
     """
 
     name: str
@@ -68,6 +75,8 @@ class ExpertsAdapter:
     ep_group: Callable[[nn.Module], Any]
     runtime: Callable[[], str] = lambda: "no framework"
     applies: Callable[[nn.Module], bool] | None = None
+    forward_dispatch: Callable[[nn.Module], int | str | None] | None = None
+    refusal: str | None = None
 
 
 _ADAPTERS: dict[type, ExpertsAdapter] = {}
