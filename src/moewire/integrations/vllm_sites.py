@@ -204,11 +204,6 @@ class ExpertsSite:
             )
         if self.group not in ("ep", "dp"):
             raise ValueError(f"ExpertsSite {self.path}: group must be 'ep' or 'dp'")
-        if self.refusal is None and (self.stage_fn is None) == (self.stage_cast is None):
-            raise ValueError(
-                f"ExpertsSite {self.path}: give a staging function (stage_fn) or an inline "
-                "staging cast (stage_cast), exactly one"
-            )
         accesses = (KERNEL_ACCESS, IMPORT_ACCESS, FLASHINFER_ACCESS)
         if self.kernel_access not in accesses:
             raise ValueError(
@@ -219,6 +214,11 @@ class ExpertsSite:
             raise ValueError(
                 f"ExpertsSite {self.path}: a site reaching {FLASHINFER_ACCESS} has no DeepGEMM "
                 "call to hook; give its refusal"
+            )
+        if self.refusal is None and (self.stage_fn is None) == (self.stage_cast is None):
+            raise ValueError(
+                f"ExpertsSite {self.path}: give a staging function (stage_fn) or an inline "
+                "staging cast (stage_cast), exactly one"
             )
 
     @property

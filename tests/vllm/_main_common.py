@@ -1,0 +1,115 @@
+"""A stand-in written to vLLM main's common Mega-MoE experts contract.
+
+Contract (read, not copied): ``vllm/models/common/deep_gemm_mega_moe.py`` at 6dfb263,
+``DeepGemmMegaMoEExperts.forward``: ``y = torch.empty_like(hidden_states, dtype=bf16)``;
+DeepGEMM through ``_import_deep_gemm()`` inside the forward; ``mma_type="bf16xbf16"``
+stages with a plain copy (``symm_buffer.x[:n].copy_(hidden_states)``, then the ids and
+weights), ``"fp8xfp4"`` with the global ``prepare_megamoe_inputs(hidden_states, topk_weights,
+topk_ids, x, x_sf, topk_idx, topk_weights, is_padding=, shared_x_sf=, shared_block_m=)``;
+the kernel is a local name, ``kernel = deep_gemm.bf16_mega_moe if ... else
+deep_gemm.fp8_fp4_mega_moe``, called ``kernel(y, l1, l2, symm_buffer, activation_clamp=,
+fast_math=)``. This module is both the experts' module and, for the tests, the bridge:
+``deep_gemm`` is what ``_import_deep_gemm()`` returns (the stand-in kernel).
+
+``ResidualExperts`` breaks the contract on purpose: its forward also adds ``hidden_states``
+to ``y``, so quantizing the argument would change more than the staged tokens.
+``TwiceStagedExperts`` copies and then also calls the staging function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from _standin import prepare_megamoe_inputs_reference
+from torch import nn
+
+from moewire.reference import deep_gemm as reference
+from moewire.reference import make_weights
+
+deep_gemm: Any = reference
+prepare_megamoe_inputs = prepare_megamoe_inputs_reference
+
+
+def _import_deep_gemm() -> Any:
+    return globals()["deep_gemm"]
+
+
+class DeepGemmMegaMoEExperts(nn.Module):
+    """vLLM main's common experts (one rank, stand-in kernel, no fused shared expert)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 max_num_tokens: int, *, mma_type: str = "fp8xfp4", seed: int = 0) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.mma_type = num_experts, top_k, mma_type
+        self.weights = make_weights(num_experts, hidden, intermediate, mma_type=mma_type,
+                                    seed=seed)
+        self._buffer = reference.get_symm_buffer_for_mega_moe(
+            None, num_experts, max_num_tokens, top_k, hidden, intermediate,
+            mma_type=mma_type, device="cpu")
+        self.register_buffer("anchor", torch.zeros(()))
+
+    @property
+    def has_fused_shared_experts(self) -> bool:
+        return False
+
+    def get_symm_buffer(self) -> Any:
+        return self._buffer
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, *, activation_clamp: float | None,
+                fast_math: bool = True) -> torch.Tensor:
+        y = torch.empty_like(hidden_states, dtype=torch.bfloat16)
+        deep_gemm = _import_deep_gemm()
+        symm_buffer = self.get_symm_buffer()
+        num_tokens = hidden_states.shape[0]
+        if self.mma_type == "bf16xbf16":
+            symm_buffer.x[:num_tokens].copy_(hidden_states)
+            symm_buffer.topk_idx[:num_tokens].copy_(topk_ids)
+            symm_buffer.topk_weights[:num_tokens].copy_(topk_weights)
+        else:
+            prepare_megamoe_inputs(
+                hidden_states, topk_weights, topk_ids, symm_buffer.x[:num_tokens],
+                symm_buffer.x_sf[:num_tokens], symm_buffer.topk_idx[:num_tokens],
+                symm_buffer.topk_weights[:num_tokens], is_padding=None, shared_x_sf=None,
+                shared_block_m=None)
+        kernel = (
+            deep_gemm.bf16_mega_moe if self.mma_type == "bf16xbf16" else deep_gemm.fp8_fp4_mega_moe
+        )
+        w = self.weights
+        kernel(y, w.l1, w.l2, symm_buffer, activation_clamp=activation_clamp,
+               fast_math=fast_math)
+        return y
+
+
+class ResidualExperts(DeepGemmMegaMoEExperts):
+    """Breaks the plain-copy proof: ``hidden_states`` also feeds ``y``."""
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, *, activation_clamp: float | None,
+                fast_math: bool = True) -> torch.Tensor:
+        y = torch.empty_like(hidden_states, dtype=torch.bfloat16)
+        deep_gemm = _import_deep_gemm()
+        symm_buffer = self.get_symm_buffer()
+        num_tokens = hidden_states.shape[0]
+        symm_buffer.x[:num_tokens].copy_(hidden_states)
+        symm_buffer.topk_idx[:num_tokens].copy_(topk_ids)
+        symm_buffer.topk_weights[:num_tokens].copy_(topk_weights)
+        w = self.weights
+        deep_gemm.bf16_mega_moe(y, w.l1, w.l2, symm_buffer, activation_clamp=activation_clamp)
+        return y + hidden_states
+
+
+class TwiceStagedExperts(DeepGemmMegaMoEExperts):
+    """Copies the tokens and then also calls the staging function in one forward."""
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, *, activation_clamp: float | None,
+                fast_math: bool = True) -> torch.Tensor:
+        symm_buffer = self.get_symm_buffer()
+        num_tokens = hidden_states.shape[0]
+        symm_buffer.x[:num_tokens].copy_(hidden_states)
+        prepare_megamoe_inputs(
+            hidden_states, topk_weights, topk_ids, symm_buffer.x[:num_tokens], None,
+            symm_buffer.topk_idx[:num_tokens], symm_buffer.topk_weights[:num_tokens])
+        return torch.empty_like(hidden_states, dtype=torch.bfloat16)
