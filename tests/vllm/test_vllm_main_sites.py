@@ -10,8 +10,10 @@ The vLLM installed here is 0.32, which has none of main's new modules; the test 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
+import types
 import zlib
 from pathlib import Path
 
@@ -98,3 +100,33 @@ def test_gptoss_holder_class_is_the_installed_routed_experts():
     site = next(s for s in vllm_sites.SITES if s.cls_name == "DeepGemmMegaExperts")
     assert vllm_sites.holder_class(site) is RoutedExperts
     assert flavours.get("deepgemm-main").layout("fp8_fp4_mega_moe").base_rule == "last_region"
+
+
+def test_the_bridge_rebinds_the_moved_deep_gemm_lookup_too(monkeypatch):
+    """vLLM main moved _import_deep_gemm to vllm.foundation.utilities.deep_gemm (055e47c):
+    the bridge rebinds it in every module of ACCESS_MODULES that imports, and the undo
+    ledger puts both back. Break: drop the new path from ACCESS_MODULES."""
+    from vllm.utils import deep_gemm as old
+
+    from moewire import patches
+
+    def moved_lookup():
+        return None
+
+    moved = types.ModuleType(vllm_sites.ACCESS_MODULES[1])
+    moved._import_deep_gemm = moved_lookup
+    monkeypatch.setitem(sys.modules, moved.__name__, moved)
+    _vllm_bridge.install_access()
+    try:
+        assert old._import_deep_gemm is _vllm_bridge.import_deep_gemm
+        assert moved._import_deep_gemm is _vllm_bridge.import_deep_gemm
+    finally:
+        patches.undo_all()
+    assert moved._import_deep_gemm is moved_lookup
+
+
+def test_a_site_finds_its_class_at_a_further_path(main_sm90):
+    site = next(s for s in vllm_sites.SITES if s.cls_name == "DeepseekV4MegaMoESM90Experts")
+    moved = dataclasses.replace(site, module="vllm.no_such_package.sm90", also_at=(MAIN_SM90,))
+    found = vllm_mod.experts_sites((moved,))
+    assert found == [(main_sm90.VllmMainSM90Experts, moved)]
