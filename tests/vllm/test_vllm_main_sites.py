@@ -130,3 +130,71 @@ def test_a_site_finds_its_class_at_a_further_path(main_sm90):
     moved = dataclasses.replace(site, module="vllm.no_such_package.sm90", also_at=(MAIN_SM90,))
     found = vllm_mod.experts_sites((moved,))
     assert found == [(main_sm90.VllmMainSM90Experts, moved)]
+
+
+_BASE_SRC = '''
+from torch import nn
+from vllm.utils.deep_gemm import _import_deep_gemm
+
+
+def prepare_megamoe_inputs(hidden_states):
+    return hidden_states
+
+
+class Experts(nn.Module):
+    def forward(self, hidden_states):
+        _import_deep_gemm()
+        return prepare_megamoe_inputs(hidden_states)
+'''
+_SUB_SRC = '''
+from vllm.utils.deep_gemm import _import_deep_gemm
+from {base} import Experts
+
+
+def prepare_megamoe_inputs(hidden_states):
+    return hidden_states
+
+
+class {name}(Experts):
+    def _ensure_backend(self):
+        return _import_deep_gemm()
+
+    def forward(self, hidden_states):
+        self._ensure_backend()
+        return prepare_megamoe_inputs(hidden_states)
+
+
+class Inherits(Experts):
+    pass
+'''
+
+
+def test_a_subclass_with_its_own_forward_elsewhere_is_registered(tmp_path, monkeypatch):
+    """GLM-5-Next's shape: a subclass of a found class, defined in another module with a
+    forward of its own, gets its own adapter and its own module's staging global rebound;
+    a subclass that keeps the base's forward keeps the base's adapter. Break: skip
+    _register_subclasses in quantize_vllm_model."""
+    from moewire import patches
+    from moewire.megamoe import registry
+
+    monkeypatch.setattr(registry, "_ADAPTERS", dict(registry._ADAPTERS))
+    (tmp_path / "wave2_base.py").write_text(_BASE_SRC)
+    (tmp_path / "wave2_sub.py").write_text(_SUB_SRC.format(base="wave2_base", name="Glm5Next"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("wave2_base", "wave2_sub"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    base = importlib.import_module("wave2_base")
+    sub = importlib.import_module("wave2_sub")
+    site = vllm_sites.ExpertsSite("wave2_base", "Experts")
+    try:
+        vllm_mod.register_site(base.Experts, site)
+        model = torch.nn.ModuleList([base.Experts(), sub.Glm5Next(), sub.Inherits()])
+        vllm_mod._register_subclasses(model, [(base.Experts, site)])
+        base_adapter = registry.adapter_for(model[0])
+        assert registry.adapter_for(model[2]) is base_adapter
+        own = registry.adapter_for(model[1])
+        assert own is not base_adapter
+        assert own.stage_fn == _vllm_bridge.stage_global_name("wave2_sub")
+        assert sub.prepare_megamoe_inputs._moewire_trampoline == own.stage_fn
+    finally:
+        patches.undo_all()
