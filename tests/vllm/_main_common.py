@@ -26,6 +26,7 @@ from torch import nn
 
 from moewire.reference import deep_gemm as reference
 from moewire.reference import make_weights
+from moewire.reference._nvfp4_numerics import stage_nvfp4_per_token
 
 deep_gemm: Any = reference
 prepare_megamoe_inputs = prepare_megamoe_inputs_reference
@@ -113,3 +114,49 @@ class TwiceStagedExperts(DeepGemmMegaMoEExperts):
             hidden_states, topk_weights, topk_ids, symm_buffer.x[:num_tokens], None,
             symm_buffer.topk_idx[:num_tokens], symm_buffer.topk_weights[:num_tokens])
         return torch.empty_like(hidden_states, dtype=torch.bfloat16)
+
+
+def prepare_megamoe_nvfp4_inputs(hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                                 topk_ids: torch.Tensor, x: torch.Tensor, x_sf: torch.Tensor,
+                                 topk_idx: torch.Tensor, topk_weights_out: torch.Tensor,
+                                 is_padding: torch.Tensor | None = None) -> None:
+    """The staging call of vLLM main's ``DeepseekV32MegaMoEExperts`` (its arguments as
+    ``vllm/models/deepseek_v32/nvidia/mega_moe.py`` at 30a3a7a passes them; the op itself,
+    ``.ops.prepare_megamoe_nvfp4``, is not read: NVFP4 per 16 as vLLM 0.33's dispatch)."""
+    packed, sf, _ = stage_nvfp4_per_token(hidden_states)
+    x.copy_(packed)
+    x_sf.copy_(sf)
+    topk_idx.copy_(topk_ids.to(torch.int64))
+    topk_weights_out.copy_(topk_weights.float())
+
+
+class DeepseekV32MegaMoEExperts(nn.Module):
+    """vLLM main's NVFP4 x NVFP4 experts' forward (30a3a7a), on an NVFP4 buffer; the kernel
+    ``deep_gemm.fp4_fp4_mega_moe`` with per-expert alphas, no fused shared expert."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 max_num_tokens: int) -> None:
+        super().__init__()
+        self.max_num_tokens = max_num_tokens
+        self._buffer = reference.NVFP4SymmBuffer(None, num_experts, max_num_tokens, top_k,
+                                                 hidden, intermediate, device="cpu")
+        self._l1_alphas = torch.ones(num_experts, 2)
+        self._l2_alphas = torch.ones(num_experts)
+        self.register_buffer("anchor", torch.zeros(()))
+
+    def get_symm_buffer(self) -> Any:
+        return self._buffer
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(hidden_states, dtype=torch.bfloat16)
+        deep_gemm = _import_deep_gemm()
+        symm_buffer = self.get_symm_buffer()
+        num_tokens = hidden_states.shape[0]
+        prepare_megamoe_nvfp4_inputs(
+            hidden_states, topk_weights, topk_ids, symm_buffer.x[:num_tokens],
+            symm_buffer.x_sf[:num_tokens], symm_buffer.topk_idx[:num_tokens],
+            symm_buffer.topk_weights[:num_tokens], is_padding=None)
+        deep_gemm.fp4_fp4_mega_moe(y, None, None, symm_buffer, l1_alphas=self._l1_alphas,
+                                   l2_alphas=self._l2_alphas)
+        return y

@@ -27,7 +27,7 @@ from torch import nn
 import moewire
 from moewire import formats
 from moewire.integrations import vllm_sites
-from moewire.megamoe import api, flavours, layout_check
+from moewire.megamoe import api, flavours, layout_check, registry
 from moewire.megamoe.registry import register_experts_class
 from moewire.reference import deep_gemm
 
@@ -53,6 +53,8 @@ COMMON_SITE = _site("DeepGemmMegaMoEExperts", module=COMMON)
 
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
+    # Every class a test registers is forgotten after it (the registry is process-wide).
+    monkeypatch.setattr(registry, "_ADAPTERS", dict(registry._ADAPTERS))
     monkeypatch.setenv(deep_gemm.ENV_FLAVOUR, "vllm-0.33")
     layout_check.reset_layout_checks()
     _register(_main_common.DeepGemmMegaMoEExperts, COMMON_SITE)
@@ -246,3 +248,35 @@ def test_deepgemm_28_layouts_and_its_nvfp4_kernel_refused():
     assert "fp4_fp4_mega_moe" in build.refused
     assert "fp4_fp4_mega_moe" in flavours.UNSUPPORTED_KERNELS
     assert "fp8_mega_moe" not in flavours.UNSUPPORTED_KERNELS
+
+
+# -- DeepSeek V3.2 / GLM-5.2: NVFP4 x NVFP4 ------------------------------------------------------
+
+
+def _never_runs(*args, **kwargs):
+    raise AssertionError("moewire must refuse fp4_fp4_mega_moe before it runs")
+
+
+@pytest.mark.parametrize(("flavour", "why"),
+                         [("deepgemm-2.8", "794783a"), ("vllm-0.33", "post_expert_norm_gamma")],
+                         ids=["deepgemm-2.8", "vllm-0.33"])
+@pytest.mark.parametrize("which", ["dispatch", "combine"])
+def test_the_nvfp4_x_nvfp4_kernel_is_refused_with_its_builds_reason(flavour, why, which,
+                                                                     monkeypatch):
+    """The V3.2 site is recognised; its kernel is refused with any quantizer enabled (the
+    dispatch one too: the combine is unread either way), naming the reason of the build
+    the layer runs on. Break: drop fp4_fp4_mega_moe from deepgemm-2.8's refused."""
+    cls = _main_common.DeepseekV32MegaMoEExperts
+    site = _site("DeepseekV32MegaMoEExperts", module=COMMON)
+    assert vllm_sites.recognise(cls, site) is None
+    monkeypatch.setattr(deep_gemm, "fp4_fp4_mega_moe", _never_runs, raising=False)
+    register_experts_class(cls, vllm_sites.site_adapter(
+        site, cls, forward_module=COMMON, stage_globals=site.stage_fns,
+        flavour=lambda m: flavour, ep_group=lambda m: None, runtime=lambda: "a stand-in"))
+    experts = cls(E, K, H, INTER, T)
+    cfg = _dispatch("fp8", 4.0) if which == "dispatch" else {"quant_cfg": [
+        {"quantizer_name": "*combine_quantizer", "cfg": {"format": "bf16"}}]}
+    moewire.quantize(experts, cfg)
+    x, w, ids = _batch("v32")
+    with pytest.raises(RuntimeError, match=f"calls fp4_fp4_mega_moe.*{why}"):
+        experts(x, w, ids)

@@ -258,13 +258,17 @@ _FP4_FP4_REFUSED = (
 )
 
 _FP4_FP4_28_REFUSED = (
-    "the NVFP4 x NVFP4 kernel of DeepGEMM 2.8.0 (deep_gemm/mega/__init__.py at 0274ad7: "
-    "fp4_fp4_mega_moe with per-expert l1_alphas/l2_alphas, a2_scales, a BF16 shared expert "
-    "from x_bf16 and routed_scaling_factor applied before that shared output is added) "
-    "has a combine moewire has not read: its source (impls/sm100_fp4_fp4_mega_moe.cuh, "
-    "layout/mega_moe.cuh and csrc/apis/mega.hpp of that commit) is not stored, so where its "
-    "rows lie in the fp4xfp4 buffer, whether l2_alphas are applied before they are written, "
-    "and the order of the sum are unproven"
+    "DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel (fp4_fp4_mega_moe with per-expert l1_alphas/"
+    "l2_alphas, a2_scales, a BF16 shared expert from x_bf16 and routed_scaling_factor; "
+    "deep_gemm/mega/__init__.py at 0274ad7) is not modelled: its combine, read in "
+    "impls/sm100_fp4_fp4_mega_moe.cuh at 794783a (the kernel of that API; 0274ad7's own "
+    "copy is not stored), writes rows bf16(bf16(acc * l2_alpha) * topk_weight) into the "
+    "NVFP4 buffer layout (layout::nvfp4::MegaMoEBuffer), sums the valid slots in ascending "
+    "order in FP32 without normalising, and with a shared expert rounds the routed sum to "
+    "BF16 and scales it by routed_scaling_factor before adding the shared row last; "
+    "moewire has no CPU stand-in of that kernel to prove a layout entry against, and its "
+    "refused-kernel table is by name across builds (vLLM 0.33/0.34's kernel of the same "
+    "name normalises)"
 )
 #: Every build moewire knows, in detection order (the first whose facts match wins).
 BUILDS: tuple[Build, ...] = (
@@ -302,7 +306,8 @@ BUILDS: tuple[Build, ...] = (
         "layout check; fp4_fp4_mega_moe refused",
         read="deepseek-ai/DeepGEMM deep_gemm/__init__.py and deep_gemm/mega/__init__.py at "
         "0274ad7 (__version__ 2.8.0): the exported names, SymmBuffer's views and "
-        "num_shared_experts, SM90SymmBuffer, fp4_fp4_mega_moe's and fp8_mega_moe's signatures",
+        "num_shared_experts, SM90SymmBuffer, fp4_fp4_mega_moe's and fp8_mega_moe's "
+        "signatures; impls/sm100_fp4_fp4_mega_moe.cuh at 794783a (its combine)",
         unproven="the kernels' sources at 0274ad7 are not stored: the SM100 combine is taken "
         "to be vLLM 0.33's 2.8.1 (after the L2 scales, fused shared row first), the SM90 "
         "fp8_mega_moe's (#383: separate L1 and L2 kernels; get_symm_buffer_size_for_sm90_mega_moe "

@@ -122,6 +122,16 @@ def _refuse_second_staging(module: QuantExperts, name: str) -> None:
         )
 
 
+def _refusal(module: QuantExperts, name: str) -> str:
+    """Why ``name`` is refused: the reason of the module's own build where it refuses the
+    kernel (two builds may refuse one name for different reasons), else the first given."""
+    try:
+        flavour = _flavours.get(module._moewire_adapter.flavour(module))
+    except (RuntimeError, ValueError):
+        return _flavours.UNSUPPORTED_KERNELS[name]
+    return flavour.refused.get(name, _flavours.UNSUPPORTED_KERNELS[name])
+
+
 def _refuse_kernel(fn: Callable, name: str) -> Callable:
     """A kernel moewire cannot quantize around: refused inside a quantized forward whose
     quantizers are not all disabled (``flavours.UNSUPPORTED_KERNELS`` says why)."""
@@ -133,7 +143,7 @@ def _refuse_kernel(fn: Callable, name: str) -> Callable:
         ):
             raise RuntimeError(
                 f"{module._moewire_name}: this Mega-MoE layer calls {name}, which moewire "
-                f"does not support: {_flavours.UNSUPPORTED_KERNELS[name]}; disable its "
+                f"does not support: {_refusal(module, name)}; disable its "
                 "dispatch_quantizer and combine_quantizer (or leave the layer unconverted)"
             )
         return fn(*args, **kwargs)
