@@ -280,3 +280,21 @@ def test_the_nvfp4_x_nvfp4_kernel_is_refused_with_its_builds_reason(flavour, why
     x, w, ids = _batch("v32")
     with pytest.raises(RuntimeError, match=f"calls fp4_fp4_mega_moe.*{why}"):
         experts(x, w, ids)
+
+
+def test_deepgemm_28_guess_is_proven_by_the_layout_check(monkeypatch):
+    """DeepGEMM 2.8.0's SM100 combine is a guess (vLLM 0.33's 2.8.1: after the L2 scales,
+    fused shared row first): the first batch's layout check proves it bit for bit on a
+    stand-in of that layout. (A shared row at the other end is refused by the same check on
+    rows whose order survives BF16: tests/megamoe/test_megamoe_layout_ulp.py.)"""
+    from moewire.reference import MegaMoEExperts
+
+    monkeypatch.setenv(flavours.ENV_FLAVOUR, "deepgemm-2.8")
+    experts = MegaMoEExperts(E, K, H, INTER, T, num_fused_shared_experts=1, device="cpu")
+    x, w, ids = _batch("guess")
+    y_plain = experts(x, w, ids)
+    moewire.quantize(experts, {"quant_cfg": [
+        {"quantizer_name": "*combine_quantizer", "cfg": {"format": "bf16"}}]})
+    assert _same(experts(x, w, ids), y_plain)
+    assert layout_check.layout_checked(experts.symm_buffer)
+    assert experts._moewire_adapter.flavour(experts) == "deepgemm-2.8"
