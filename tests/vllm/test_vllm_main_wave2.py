@@ -298,3 +298,13 @@ def test_deepgemm_28_guess_is_proven_by_the_layout_check(monkeypatch):
     assert _same(experts(x, w, ids), y_plain)
     assert layout_check.layout_checked(experts.symm_buffer)
     assert experts._moewire_adapter.flavour(experts) == "deepgemm-2.8"
+
+
+def test_a_model_holding_flashinfer_experts_is_refused_before_conversion():
+    from moewire.integrations import vllm as vllm_mod
+
+    site = next(s for s in vllm_sites.SITES if s.cls_name == "DeepseekV4MegaMoEExpertsFI")
+    model = nn.ModuleDict({"experts": _FlashInferExperts()})
+    with pytest.raises(RuntimeError, match="experts is a vllm.models.deepseek_v4.nvidia.fi_moe"):
+        vllm_mod._refuse_sites(model, [(_FlashInferExperts, site)])
+    vllm_mod._refuse_sites(model, [(_FlashInferExperts, COMMON_SITE)])

@@ -211,10 +211,14 @@ def register_vllm_experts() -> list[type]:
     Returns:
         The registered classes.
     """
+    return [cls for cls, _ in _register_found()]
+
+
+def _register_found() -> list[tuple[type, ExpertsSite]]:
     found = experts_sites()
     for cls, site in found:
         register_site(cls, site)
-    return [cls for cls, _ in found]
+    return found
 
 
 def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None = None) -> int:
@@ -235,12 +239,10 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
     """
     from moewire.megamoe import api
 
-    found = experts_sites()
-    for cls, site in found:
-        register_site(cls, site)
+    found = _register_found()
     _register_subclasses(model, found)
-    classes = tuple(cls for cls, _ in found)
     _refuse_sites(model, found)
+    classes = tuple(cls for cls, _ in found)
     count = sum(isinstance(m, classes) for m in model.modules())
     if count == 0:
         raise RuntimeError(
