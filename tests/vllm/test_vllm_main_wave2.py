@@ -35,9 +35,9 @@ E, K, H, INTER, T = 8, 3, 512, 512, 24
 COMMON = _main_common.__name__
 
 
-def _site(name: str, **changes) -> vllm_sites.ExpertsSite:
-    site = next(s for s in vllm_sites.SITES if s.cls_name == name and "common" in s.module
-                or s.cls_name == name and name != "DeepGemmMegaMoEExperts")
+def _site(path: str, **changes) -> vllm_sites.ExpertsSite:
+    """The entry for the class at ``path`` (vLLM's module.Class), with ``changes``."""
+    site = next(s for s in vllm_sites.SITES if s.path == path)
     return dataclasses.replace(site, **changes)
 
 
@@ -48,7 +48,8 @@ def _register(cls, site) -> None:
         ep_group=lambda m: None, runtime=lambda: "a vLLM main stand-in"))
 
 
-COMMON_SITE = _site("DeepGemmMegaMoEExperts", module=COMMON)
+COMMON_SITE = _site("vllm.models.common.deep_gemm_mega_moe.DeepGemmMegaMoEExperts",
+                    module=COMMON)
 
 
 @pytest.fixture(autouse=True)
@@ -267,7 +268,8 @@ def test_the_nvfp4_x_nvfp4_kernel_is_refused_with_its_builds_reason(flavour, why
     dispatch one too: the combine is unread either way), naming the reason of the build
     the layer runs on. Break: drop fp4_fp4_mega_moe from deepgemm-2.8's refused."""
     cls = _main_common.DeepseekV32MegaMoEExperts
-    site = _site("DeepseekV32MegaMoEExperts", module=COMMON)
+    site = _site("vllm.models.deepseek_v32.nvidia.mega_moe.DeepseekV32MegaMoEExperts",
+                 module=COMMON)
     assert vllm_sites.recognise(cls, site) is None
     monkeypatch.setattr(deep_gemm, "fp4_fp4_mega_moe", _never_runs, raising=False)
     register_experts_class(cls, vllm_sites.site_adapter(
