@@ -1,0 +1,44 @@
+"""A CPU stand-in of sgl-deep-gemm's SM90 API, the names SGLang's ``mega_moe_sm90.py`` calls.
+
+``mega_moe_pre_dispatch_sm90`` is moewire's stand-in written from the wheel's
+``impls/sm90_mega_moe_pre_dispatch.cuh`` (``moewire.reference.sgl_staging``); the buffer
+and kernel are ``moewire.reference.sm90_fork``'s (the SM90 buffer with the combine region
+right after ``l2_acts_sf``; FP8 x FP8, 128x128 weight scales, valid slots summed in
+ascending order in FP32), behind sgl-deep-gemm's signatures (``deep_gemm/__init__.py``):
+``fp8_mega_moe(y, l1, l2, sym_buffer, cumulative_local_expert_recv_stats=None,
+recipe=(128, 128, 128), activation='swiglu', activation_clamp=None, fast_math=True)``.
+"""
+
+from __future__ import annotations
+
+import types
+
+from moewire.reference.sgl_staging import mega_moe_pre_dispatch_sm90
+
+# Bound here, not looked up on the module: another test may have hooked sm90_fork's module
+# object as a DeepGEMM, and the stand-in's kernel must not run moewire's hooks twice.
+from moewire.reference.sm90_fork import fp8_mega_moe_sm90 as _sm90_kernel
+from moewire.reference.sm90_fork import get_symm_buffer_for_sm90_mega_moe as _sm90_buffer
+
+FLAVOUR = "sgl-deep-gemm-0.2.3"
+
+
+def fp8_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
+                 recipe=(128, 128, 128), activation="swiglu", activation_clamp=None,
+                 fast_math=True, num_tokens_bound=None):
+    if tuple(recipe) != (128, 128, 128) or activation != "swiglu":
+        raise ValueError(f"fp8_mega_moe: recipe {recipe} / activation {activation!r}")
+    _sm90_kernel(
+        y, l1_weights, l2_weights, sym_buffer,
+        cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+        activation_clamp=activation_clamp, fast_math=fast_math)
+
+
+def module() -> types.ModuleType:
+    """A fresh plain module named ``deep_gemm`` (moewire hooks module objects)."""
+    dg = types.ModuleType("deep_gemm")
+    dg.moewire_flavour = lambda: FLAVOUR
+    dg.get_symm_buffer_for_sm90_mega_moe = _sm90_buffer
+    dg.mega_moe_pre_dispatch_sm90 = mega_moe_pre_dispatch_sm90
+    dg.fp8_mega_moe = fp8_mega_moe
+    return dg
