@@ -101,8 +101,9 @@ def mega_moe_pre_dispatch_sm90(
     buf_x[:t] = scaled.view(t, h).to(torch.float8_e4m3fn)
     buf_x_sf[:t] = sf
     buf_topk_idx[:t] = topk_idx[:t].to(torch.int64)
-    buf_topk_weights[:t] = topk_weights[:t] * torch.tensor(
-        routed_scaling_factor, dtype=torch.float32, device=topk_weights.device
-    )
+    # An FP32 product: torch multiplies an FP32 tensor by a Python float in FP32, with the
+    # float rounded to FP32 as the kernel's float argument is (no host-to-device copy, so
+    # this stages inside a CUDA-graph capture too).
+    buf_topk_weights[:t] = topk_weights[:t] * float(routed_scaling_factor)
     buf_topk_idx[t:] = -1
     buf_topk_weights[t:] = 0.0
