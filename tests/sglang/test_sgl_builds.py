@@ -15,7 +15,7 @@ import pytest
 
 from moewire.megamoe import flavours
 
-WHEELS = Path(os.environ.get("SGL_DEEP_GEMM_WHEELS", ".venv-sglang/sgl-deep-gemm"))
+WHEELS = Path(os.environ.get("MOEWIRE_SGL_DEEP_GEMM_WHEELS", ".venv-sglang/sgl-deep-gemm"))
 REAL_KERNEL = Path(os.environ.get("MOEWIRE_REAL_KERNEL", ".real-kernel"))
 
 
