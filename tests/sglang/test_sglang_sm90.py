@@ -209,13 +209,23 @@ def test_calibrate_then_save_and_load(sglang_sm90, tmp_path):
                        y.view(torch.int16))
 
 
-def test_plugin_registers_the_load_model_hook(sglang_sm90, monkeypatch):
+def _scheduler_module():
+    """Stands in for ``sglang.srt.managers.scheduler`` (it imports the whole server)."""
+    module = types.ModuleType("sglang.srt.managers.scheduler")
+    module.Scheduler = type("Scheduler", (), {})
+    return module
+
+
+def test_plugin_registers_the_load_model_hook_and_the_rpcs(sglang_sm90, monkeypatch):
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    scheduler = _scheduler_module()
+    monkeypatch.setitem(sys.modules, scheduler.__name__, scheduler)
     monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
     monkeypatch.delenv("MOEWIRE_RECIPE", raising=False)
     sg.register()
     assert not HookRegistry._hooks
+    assert callable(scheduler.Scheduler.moewire_begin_calibration)
     monkeypatch.setenv("MOEWIRE_RECIPE", "moe_fp8")
     sg.register()
     target = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
@@ -224,3 +234,27 @@ def test_plugin_registers_the_load_model_hook(sglang_sm90, monkeypatch):
     runner = types.SimpleNamespace(model=Model())
     assert hook("loaded", runner) == "loaded"
     assert type(runner.model.experts).__name__.startswith("Quant")
+
+
+def test_calibration_rpcs_save_what_serving_loads(sglang_sm90, tmp_path):
+    """Engine.collective_rpc("moewire_begin_calibration", ...), prompts, then
+    "moewire_finish_calibration": the scheduler's model is calibrated and its scales saved;
+    a server started with MOEWIRE_SCALES loads them (the load_model hook)."""
+    scheduler = types.SimpleNamespace(
+        tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=Model())))
+    model = scheduler.tp_worker.model_runner.model
+    x, ids, w = batch("rpc")
+    with pytest.raises(RuntimeError, match="no calibration in progress"):
+        sg.SchedulerCalibration.moewire_finish_calibration(scheduler, "unused")
+    sg.SchedulerCalibration.moewire_begin_calibration(scheduler, recipe="moe_fp8")
+    assert model.experts.combine_quantizer.mode == "calibrate"
+    buf = new_buffer()
+    run(sys.modules["sglang.srt.layers.moe.mega_moe_sm90"], model.experts, buf, x, ids, w)
+    path = str(tmp_path / "rank{rank}.pt")
+    sg.SchedulerCalibration.moewire_finish_calibration(scheduler, scales_path=path)
+    assert (tmp_path / "rank0.pt").is_file()
+    y = run(sglang_sm90, model.experts, buf, x, ids, w)
+    served = Model()
+    sg.quantize_sglang_model(served, "moe_fp8", path)
+    assert torch.equal(run(sglang_sm90, served.experts, new_buffer(), x, ids, w).view(torch.int16),
+                       y.view(torch.int16))

@@ -22,6 +22,7 @@ Where SGLang runs its Mega-MoE experts is one declarative entry per site in
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib
 import inspect
@@ -45,6 +46,8 @@ __all__ = [
     "ENV_RECIPE",
     "ENV_SCALES",
     "SITES",
+    "SchedulerCalibration",
+    "calibrate",
     "calibrating",
     "install",
     "quantize_sglang_model",
@@ -137,8 +140,8 @@ def _refusal(site: SglangSite, experts: nn.Module, args: dict[str, Any]) -> str 
             f"{name}: the dispatch quantizer is enabled, but with mma_type={mma!r} the "
             f"kernel's staging (deep_gemm.mega_moe_pre_dispatch) already quantizes the "
             f"dispatch to {W4A4[mma]}; a second quantizer before it would not model the "
-            "wire. Use a combine-only recipe (set the recipe's dispatch format to none / "
-            "disable dispatch_quantizer)"
+            "wire. Use a combine-only recipe (moe_combine_fp8, moe_combine_mxfp8, "
+            "moe_combine_nvfp4, moe_combine_logfmt10), or disable dispatch_quantizer"
         )
     return None
 
@@ -380,8 +383,6 @@ def calibrating(model: nn.Module, scales_path: str) -> Any:
     Run it before CUDA-graph capture (``--disable-cuda-graph``), as for vLLM: graphs
     captured before calibration replay without it.
     """
-    import contextlib
-
     from moewire.megamoe import api
 
     @contextlib.contextmanager
@@ -400,21 +401,78 @@ def _after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> An
     return result
 
 
+class SchedulerCalibration:
+    """Calibration RPCs added to SGLang's ``Scheduler`` (``Engine.collective_rpc``).
+
+    ``collective_rpc(method, **kwargs)`` calls ``getattr(scheduler, method)(**kwargs)`` in
+    every scheduler process (``sglang/srt/managers/scheduler.py``, ``handle_rpc_request``),
+    where the model is ``scheduler.tp_worker.model_runner.model``. Calibrate with CUDA
+    graphs off (``disable_cuda_graph=True``): graphs captured before the quantizers existed
+    replay without them.
+    """
+
+    def moewire_begin_calibration(self, recipe: Any) -> None:
+        """Quantize the experts and put every quantizer in calibrate mode."""
+        from moewire.megamoe import api
+
+        model = self.tp_worker.model_runner.model  # type: ignore[attr-defined]
+        quantize_sglang_model(model, recipe)
+        stack = contextlib.ExitStack()
+        stack.enter_context(api.calibrating(model))
+        self._moewire_calibration = stack
+
+    def moewire_finish_calibration(self, scales_path: str) -> None:
+        """Leave calibrate mode (amaxes max-reduced over the EP group), save the scales."""
+        from moewire.megamoe import api
+
+        stack = getattr(self, "_moewire_calibration", None)
+        if stack is None:
+            raise RuntimeError(
+                "moewire_finish_calibration: no calibration in progress; call "
+                "moewire_begin_calibration first"
+            )
+        stack.close()
+        self._moewire_calibration = None
+        model = self.tp_worker.model_runner.model  # type: ignore[attr-defined]
+        api.save_scales(model, rank_path(scales_path, _ep_rank()))
+
+
+def calibrate(engine: Any, recipe: Any, prompts: list[str], scales_path: str) -> None:
+    """Calibrate an ``sglang.Engine(..., disable_cuda_graph=True)`` and save the scales.
+
+    Args:
+        engine: the engine (its scheduler processes loaded moewire's plugin).
+        recipe: recipe name or path.
+        prompts: calibration prompts.
+        scales_path: where each rank saves; ``{rank}`` is replaced by the EP rank.
+    """
+    engine.collective_rpc("moewire_begin_calibration", recipe=recipe)
+    engine.generate(prompts, {"max_new_tokens": 1})
+    engine.collective_rpc("moewire_finish_calibration", scales_path=scales_path)
+
+
 def register() -> None:
     """SGLang general plugin (entry point ``sglang.srt.plugins: moewire``).
 
-    With ``MOEWIRE_RECIPE`` set, registers an AFTER hook on ``ModelRunner.load_model``
-    (SGLang's ``HookRegistry``; ``load_plugins`` applies it) that quantizes the Mega-MoE
-    experts once their weights are built, before warm-up and CUDA-graph capture, and loads
-    ``MOEWIRE_SCALES``. Without it: nothing.
+    SGLang loads it in every process (``load_plugins``). It adds the calibration RPCs
+    (:class:`SchedulerCalibration`) to ``Scheduler``, and with ``MOEWIRE_RECIPE`` set
+    registers an AFTER hook on ``ModelRunner.load_model`` (SGLang's ``HookRegistry``;
+    ``load_plugins`` applies it) that quantizes the Mega-MoE experts once their weights are
+    built, before warm-up and CUDA-graph capture, and loads ``MOEWIRE_SCALES`` when set.
     """
-    if not os.environ.get(ENV_RECIPE):
-        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    try:
+        from sglang.srt.managers.scheduler import Scheduler
+    except ImportError:  # a process without the scheduler (the tests load no scheduler)
+        Scheduler = None  # noqa: N806
+    if Scheduler is not None:
+        for name in ("moewire_begin_calibration", "moewire_finish_calibration"):
+            patches.patch_attr(Scheduler, name, getattr(SchedulerCalibration, name))
+    if not os.environ.get(ENV_RECIPE):
+        return
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
         _after_load_model,
         HookType.AFTER,
     )
-
