@@ -34,6 +34,19 @@ def fp8_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_
         activation_clamp=activation_clamp, fast_math=fast_math)
 
 
+def get_symm_buffer_for_mega_moe(group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                 intermediate_hidden, num_shared_experts=0,
+                                 use_fp8_dispatch=None, mma_type="fp8xfp4", activation="swiglu"):
+    """sgl-deep-gemm's entry on a Hopper: the SM90 buffer, FP8 dispatch, no shared expert
+    (``deep_gemm/__init__.py`` asserts both there)."""
+    if mma_type.split("x")[0] != "fp8" or num_shared_experts != 0 or activation != "swiglu":
+        raise AssertionError(
+            f"get_symm_buffer_for_mega_moe on SM90: mma_type={mma_type!r}, "
+            f"num_shared_experts={num_shared_experts}, activation={activation!r}")
+    return _sm90_buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                        intermediate_hidden)
+
+
 def module() -> types.ModuleType:
     """A fresh plain module named ``deep_gemm`` (moewire hooks module objects)."""
     dg = types.ModuleType("deep_gemm")
@@ -41,4 +54,6 @@ def module() -> types.ModuleType:
     dg.get_symm_buffer_for_sm90_mega_moe = _sm90_buffer
     dg.mega_moe_pre_dispatch_sm90 = mega_moe_pre_dispatch_sm90
     dg.fp8_mega_moe = fp8_mega_moe
+    dg.get_symm_buffer_for_mega_moe = get_symm_buffer_for_mega_moe
+    dg.get_num_sms = lambda: 132  # an H200's SM count (SGLang keys its buffer cache by it)
     return dg

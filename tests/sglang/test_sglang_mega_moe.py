@@ -1,9 +1,9 @@
-"""SGLang 0.5.23's released SM90 Mega-MoE path (``run_sm90_mega_routed``) quantized through
-moewire's SGLang integration, on the CPU stand-in of sgl-deep-gemm (``_standin``)."""
+"""SGLang 0.5.23's released Mega-MoE path on a Hopper (``mega_moe.run_mega_routed_experts``
+handing over to ``mega_moe_sm90.run_sm90_mega_routed``) quantized through moewire's SGLang
+integration, on the CPU stand-in of sgl-deep-gemm (``_standin``)."""
 
 from __future__ import annotations
 
-import re
 import sys
 import types
 import zlib
@@ -34,6 +34,8 @@ class Experts(nn.Module):
         self.num_experts = E
         self._mega_moe_weights_built = True
         self._mega_moe_sm90_fp8_weights = True
+        self._mega_moe_nvfp4 = False
+        self._mega_moe_w4a4 = False
         w1 = (torch.randn(E, 2 * INTER, H, generator=g) * 8).to(torch.float8_e4m3fn)
         w2 = (torch.randn(E, H, INTER, generator=g) * 8).to(torch.float8_e4m3fn)
         self.mega_l1_weights = (w1, torch.full((E, 2 * INTER // 128, H // 128), 2.0**-6))
@@ -57,6 +59,29 @@ def batch(tag: str, n: int = T):
     masked = torch.rand(n, K, generator=g) < 0.3
     masked[-2:] = True  # padding tokens: no valid slot
     return x, ids.masked_fill(masked, -1).int(), w.masked_fill(masked, 0.0)
+
+
+@pytest.fixture(autouse=True)
+def _small_cap(monkeypatch):
+    """SGLang's token cap per rank (its buffer's capacity), small for the CPU."""
+    monkeypatch.setenv("SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK", "16")
+
+
+def mega_moe():
+    return sys.modules["sglang.srt.layers.moe.mega_moe"]
+
+
+def run_mega(experts, x, ids, w, rsf=1.0, **kwargs):
+    """SGLang's ``_run_mega_routed`` call (SM100 and, on Hopper, the SM90 hand-off)."""
+    return mega_moe().run_mega_routed_experts(
+        experts, x, ids, w, hidden_size=H, intermediate_size=INTER, top_k=K,
+        num_tokens=x.shape[0], routed_scaling_factor=rsf, **kwargs)
+
+
+def mega_buffer():
+    """The buffer ``run_mega_routed_experts`` uses (SGLang's ``_MEGA_MOE_SYMM_BUFFER``)."""
+    [buf] = mega_moe()._MEGA_MOE_SYMM_BUFFER.values()
+    return buf
 
 
 def run(sm90, experts, buf, x, ids, w, rsf=1.0, n=None):
@@ -98,6 +123,22 @@ def test_quantized_matches_the_kernel_on_quantized_tokens_and_rows(sglang_sm90):
     assert torch.equal(buf.topk_weights[:T], w * torch.tensor(rsf))
 
 
+def test_through_run_mega_routed_experts(sglang_sm90):
+    """The SM90 hand-off: the buffer comes from SGLang's cache, both sites' runners nest."""
+    model = Model()
+    x, ids, w = batch("mega")
+    plain = run_mega(model.experts, x, ids, w, 2.5)
+    buf = mega_buffer()
+    rows = combine_rows(buf, get(sg._flavour(model.experts)), "fp8_mega_moe")
+    assert torch.equal(plain.view(torch.int16), ascending_sum(rows, ids, T).view(torch.int16))
+    sg.quantize_sglang_model(model, {"quant_cfg": [
+        {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]})
+    y = run_mega(model.experts, x, ids, w, 2.5)
+    assert mega_buffer() is buf and layout_check.layout_checked(buf)
+    want = ascending_sum(moewire.formats.fake_quant(rows[:, :T], "mxfp8"), ids, T)
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+
+
 def test_identity_formats_are_bit_exact(sglang_sm90):
     model, buf = Model(), new_buffer()
     x, ids, w = batch("bf16")
@@ -109,8 +150,9 @@ def test_identity_formats_are_bit_exact(sglang_sm90):
     assert torch.equal(y.view(torch.int16), plain.view(torch.int16))
 
 
-def test_sites_recognised_by_structure(sglang_sm90):
-    assert sg.recognise_site(SITES[1]) is None
+def test_sites_recognised_by_structure(sglang_sm90, monkeypatch):
+    assert [sg.recognise_site(site) for site in SITES] == [None, None]
+    monkeypatch.setitem(sys.modules, sg.MEGA_MOE, None)
     assert "does not import" in sg.recognise_site(SITES[0])
 
 
@@ -125,51 +167,69 @@ def test_wrong_call_shape_fails(sglang_sm90, monkeypatch):
         run(sglang_sm90, Model().experts, new_buffer(), *batch("shape"))
 
 
-def test_fp8_combine_refused(sglang_sm90, monkeypatch):
-    model, buf = Model(), new_buffer()
-    sg.quantize_sglang_model(model, MX)
-    monkeypatch.setenv("DG_USE_FP8_COMBINE", "1")
-    with pytest.raises(RuntimeError, match="DG_USE_FP8_COMBINE=1 makes .* unset"):
-        run(sglang_sm90, model.experts, buf, *batch("fp8c"))
-
-
 def _quantized(sglang_sm90, cfg=MX):
     model = Model()
     sg.quantize_sglang_model(model, cfg)
     return model.experts
 
 
-@pytest.mark.parametrize(
-    ("args", "mma", "match"),
-    [
-        ({"routing_in_buffer": True}, "fp8xfp4", "Mega-Gate .* SGLANG_OPT_DEEPGEMM_MEGA_GATE=0"),
-        ({"hidden_states": "tagged"}, "fp8xfp4",
-         r"mega_moe_input_target.* SGLANG_OPT_DEEPGEMM_MEGA_GATE=0"),
-        ({}, "fp8xfp8", "mma_type='fp8xfp8', which moewire does not know"),
-        ({}, "nvfp4xnvfp4", "already quantizes the dispatch to NVFP4.*combine-only recipe"),
-        ({}, "mxf4xmxf4", "already quantizes the dispatch to MXFP4.*combine-only recipe"),
-    ],
-    ids=["mega-gate", "input-in-buffer", "unknown-mma-type", "w4a4-nvfp4", "w4a4-mxfp4"],
-)
-def test_mega_site_refusals(sglang_sm90, monkeypatch, args, mma, match):
-    experts = _quantized(sglang_sm90)
-    fake = types.SimpleNamespace(_mega_moe_mma_type=lambda e: mma,
-                                 MEGA_MOE_INPUT_TAG="_mega_moe_input_in_buffer")
-    monkeypatch.setitem(sys.modules, sg.MEGA_MOE, fake)
-    if args.get("hidden_states") == "tagged":
-        hidden = torch.zeros(1, H)
-        hidden._mega_moe_input_in_buffer = (None, 1)
-        args = {"hidden_states": hidden}
-    why = sg._refusal(SITES[0], experts, args)
-    assert why is not None and why.startswith(f"{experts._moewire_name}: ")
-    assert re.search(match, why), why
+def _tagged(experts, x):
+    """Mark ``x`` as written into the buffer by the op before the MoE (SGLang's own tag)."""
+    mm = mega_moe()
+    buf = mm._mega_moe_buffer(types.SimpleNamespace(
+        experts=experts, config=types.SimpleNamespace(
+            num_experts_per_tok=K, hidden_size=H, moe_intermediate_size=INTER),
+        num_fused_shared_experts=0, mega_shared_l1_weights=None))
+    mm.MegaMoeInput(buf, x.shape[0], None, None, None, 0).mark(x)
+    return x
 
 
-def test_w4a4_combine_only_is_not_refused(sglang_sm90, monkeypatch):
+REFUSALS = [
+    ("mega-gate", "Mega-Gate .* SGLANG_OPT_DEEPGEMM_MEGA_GATE=0"),
+    ("input-in-buffer", r"mega_moe_input_target.* SGLANG_OPT_DEEPGEMM_MEGA_GATE=0"),
+    ("fp8-combine", "DG_USE_FP8_COMBINE=1 makes .* unset DG_USE_FP8_COMBINE"),
+    ("unknown-mma-type", "mma_type='fp8xfp8', which moewire does not know"),
+    ("w4a4-nvfp4", "already quantizes the dispatch to NVFP4.*combine-only recipe"),
+    ("w4a4-mxfp4", "already quantizes the dispatch to MXFP4.*combine-only recipe"),
+    ("mxfp4-on-sm90", "mma_type='mxf4xmxf4', which moewire does not know for "
+                      r"sglang\.srt\.layers\.moe\.mega_moe_sm90"),
+]
+
+
+@pytest.mark.parametrize(("case", "match"), REFUSALS, ids=[case for case, _ in REFUSALS])
+def test_refusals_through_sglang(sglang_sm90, monkeypatch, case, match):
+    """Each path moewire cannot see, refused by name before SGLang's function runs."""
+    cfg = MX
+    if case == "mxfp4-on-sm90":
+        cfg = {"quant_cfg": [
+            {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]}
+    experts = _quantized(sglang_sm90, cfg)
+    x, ids, w = batch(case)
+    kwargs = {}
+    if case == "mega-gate":
+        kwargs["routing_in_buffer"] = True
+    elif case == "input-in-buffer":
+        x = _tagged(experts, x)
+    elif case == "fp8-combine":
+        monkeypatch.setenv("DG_USE_FP8_COMBINE", "1")
+    elif case == "unknown-mma-type":  # a later SGLang with another kind
+        monkeypatch.setattr(mega_moe(), "_mega_moe_mma_type", lambda e: "fp8xfp8")
+    elif case == "w4a4-nvfp4":
+        experts._mega_moe_nvfp4 = True
+    else:
+        experts._mega_moe_w4a4 = True
+    with pytest.raises(RuntimeError, match=match) as info:
+        if case == "mxfp4-on-sm90":  # the SM90 site alone (sgl-deep-gemm's SM90 buffer
+            run(sglang_sm90, experts, new_buffer(), x, ids, w)  # asserts FP8 before it)
+        else:
+            run_mega(experts, x, ids, w, **kwargs)
+    assert str(info.value).startswith(f"{experts._moewire_name}: ")
+
+
+def test_w4a4_combine_only_is_not_refused_by_the_mega_site(sglang_sm90):
     experts = _quantized(sglang_sm90, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]})
-    monkeypatch.setitem(sys.modules, sg.MEGA_MOE,
-                        types.SimpleNamespace(_mega_moe_mma_type=lambda e: "nvfp4xnvfp4"))
+    experts._mega_moe_nvfp4 = True
     assert sg._refusal(SITES[0], experts, {}) is None
 
 
