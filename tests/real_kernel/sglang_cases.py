@@ -50,6 +50,10 @@ class Experts(nn.Module):
         self.num_experts = SHAPE.experts
         self._mega_moe_weights_built = True
         self._mega_moe_sm90_fp8_weights = True
+        # Set by SGLang's FusedMoE.__init__ (fused_moe_triton/layer.py); mega_moe.py's
+        # _mega_moe_mma_type reads them.
+        self._mega_moe_nvfp4 = False
+        self._mega_moe_w4a4 = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         raise AssertionError("SGLang's Mega-MoE path never calls the experts' forward")

@@ -34,6 +34,7 @@ class Experts(nn.Module):
         self.num_experts = E
         self._mega_moe_weights_built = True
         self._mega_moe_sm90_fp8_weights = True
+        # Set by SGLang's FusedMoE.__init__; mega_moe.py's _mega_moe_mma_type reads them.
         self._mega_moe_nvfp4 = False
         self._mega_moe_w4a4 = False
         w1 = (torch.randn(E, 2 * INTER, H, generator=g) * 8).to(torch.float8_e4m3fn)
