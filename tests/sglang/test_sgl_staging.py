@@ -92,3 +92,112 @@ def test_refuses(change, match):
         kwargs.update(change)
     with pytest.raises(ValueError, match=match):
         mega_moe_pre_dispatch_sm90(x, ids, w, *buffers(), **kwargs)
+
+
+# -- SM100: mega_moe_pre_dispatch ---------------------------------------------------------------
+
+E2M1 = ml_dtypes.float4_e2m1fn
+
+
+def _e2m1_oracle(v: np.ndarray) -> np.ndarray:
+    """E2M1 codes by ml_dtypes' RNE cast (saturating at 6), negative zero as +0."""
+    codes = np.clip(v, -6, 6).astype(E2M1).view(np.uint8) & 0xF
+    return np.where((codes & 0x7) == 0, 0, codes).astype(np.uint8)
+
+
+def _ue8m0_oracle(raw: np.ndarray) -> np.ndarray:
+    """The byte of the smallest power of two >= raw, from frexp (raw = m 2^e, m in [.5, 1))."""
+    m, e = np.frexp(raw.astype(np.float64))
+    exp = np.where(m == 0.5, e - 1, e) + 127
+    return np.clip(exp, 1, 254).astype(np.int64)
+
+
+def sm100_oracle(x: np.ndarray, mma: str, gs: int):
+    """(codes or FP8 values, scale bytes, per-token scales) for FP32 ``x`` [T, H]."""
+    t, h = x.shape
+    g = x.reshape(t, h // gs, gs).astype(np.float32)
+    gmax = np.abs(g).max(-1)
+    pts = None
+    if mma == "nvfp4xnvfp4":
+        pts = (np.maximum(gmax.max(-1, keepdims=True), np.float32(1e-4))
+               / np.float32(2688)).astype(np.float32)
+        sf = np.clip((gmax / (np.float32(6) * pts)).astype(np.float32), -448, 448).astype(
+            ml_dtypes.float8_e4m3fn)
+        dec = (sf.astype(np.float32) * pts).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(sf.astype(np.float32) > 0, np.float32(1) / dec, 0).astype(np.float32)
+        sf_bytes = sf.view(np.uint8)
+    else:
+        finfo = np.float32(448 if mma == "fp8xfp4" else 6)
+        exp = _ue8m0_oracle((np.maximum(gmax, np.float32(1e-4)) / finfo).astype(np.float32))
+        inv = np.ldexp(np.float32(1), 127 - exp).astype(np.float32)
+        sf_bytes = exp.astype(np.uint8)
+    scaled = (g * inv[..., None]).astype(np.float32).reshape(t, h)
+    if mma == "fp8xfp4":
+        q = np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    else:
+        c = _e2m1_oracle(scaled).reshape(t, h // 2, 2)
+        q = (c[..., 0] | (c[..., 1] << 4)).astype(np.uint8)
+    return q, sf_bytes, None if pts is None else pts.reshape(t)
+
+
+def sm100_data(t: int, h: int):
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(t, h, generator=g) * torch.logspace(-3, 2, t)[:, None]).bfloat16()
+    x[0, :64] = 0  # zero groups: the 1e-4 floor, and an NVFP4 scale of 0
+    x[2] = (torch.randn(h, generator=g) * 1e-5).bfloat16()  # a row under the 1e-4 floor
+    # E2M1 midpoints at scale 1 (amax 6 -> raw 1 -> inv 1 in UE8M0 mode): ties to even.
+    x[1, :32] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5] + [0.0] * 22)
+    return x
+
+
+@pytest.mark.parametrize(("mma", "gs"), [("fp8xfp4", 32), ("fp8xfp4", 128), ("mxf4xmxf4", 32),
+                                         ("nvfp4xnvfp4", 16)],
+                         ids=["fp8-32", "fp8-128", "mxfp4-32", "nvfp4-16"])
+def test_sm100_pre_dispatch_matches_the_oracle(mma, gs):
+    t, tmax, h, k = 6, 8, 512, 3
+    x = sm100_data(t, h)
+    ids = torch.tensor([[0, 4, -1]] * t, dtype=torch.int32)
+    w = torch.rand(t, k, generator=torch.Generator().manual_seed(3))
+    escale = torch.tensor([0.5, 1.0, 3.0, 0.1, 2.0])
+    bytes_per_row = h if mma == "fp8xfp4" else h // 2
+    buf_x = torch.zeros(tmax, bytes_per_row, dtype=torch.uint8)
+    if mma == "fp8xfp4":
+        buf_x = buf_x.view(torch.float8_e4m3fn)
+    buf_sf = torch.full((tmax, h // gs // 4), -1, dtype=torch.int32)
+    bidx, bw = torch.full((tmax, k), 9, dtype=torch.int64), torch.full((tmax, k), 9.0)
+    scales = torch.full((tmax,), -1.0)
+    from moewire.reference.sgl_staging import mega_moe_pre_dispatch
+
+    mega_moe_pre_dispatch(x, ids, w, buf_x, buf_sf, bidx, bw, t, gs, mma,
+                          buf_x_scales=scales if mma == "nvfp4xnvfp4" else None,
+                          expert_scales=escale)
+    q, sf_bytes, pts = sm100_oracle(x.float().numpy(), mma, gs)
+    np.testing.assert_array_equal(buf_x.view(torch.uint8)[:t].numpy(), q)
+    np.testing.assert_array_equal(buf_sf.view(torch.uint8).view(tmax, -1)[:t].numpy(), sf_bytes)
+    if pts is not None:
+        np.testing.assert_array_equal(scales[:t].numpy(), pts)
+        assert (scales[t:] == -1).all()
+    want_w = w.numpy().copy()
+    want_w[:, 0] *= np.float32(0.5)
+    want_w[:, 1] *= np.float32(2.0)
+    np.testing.assert_array_equal(bw[:t].numpy(), want_w)
+    assert (bidx[t:] == -1).all() and (bw[t:] == 0).all()
+    assert torch.equal(bidx[:t], ids.long())
+
+
+@pytest.mark.parametrize(
+    ("mma", "gs", "match"),
+    [("fp8xfp8", 32, "unknown mma_type"), ("nvfp4xnvfp4", 32, "group_size 32 is not"),
+     ("mxf4xmxf4", 16, "group_size 16 is not"), ("nvfp4xnvfp4", 16, "pass buf_x_scales")],
+    ids=["unknown-mma", "nvfp4-group-32", "mxfp4-group-16", "nvfp4-no-x-scales"],
+)
+def test_sm100_pre_dispatch_refuses(mma, gs, match):
+    from moewire.reference.sgl_staging import mega_moe_pre_dispatch
+
+    x = torch.zeros(2, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        mega_moe_pre_dispatch(x, torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, 1),
+                              torch.zeros(4, 512, dtype=torch.uint8),
+                              torch.zeros(4, 4, dtype=torch.int32),
+                              torch.zeros(4, 1, dtype=torch.int64), torch.zeros(4, 1), 2, gs, mma)
