@@ -19,6 +19,8 @@ import sys
 import types
 from pathlib import Path
 
+from moewire.reference.sgl_staging import sglang_mega_moe_pre_dispatch
+
 MEGA_MOE_SM90 = "sglang.srt.layers.moe.mega_moe_sm90"
 MEGA_MOE = "sglang.srt.layers.moe.mega_moe"
 _PACKAGES = ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.moe",
@@ -54,9 +56,8 @@ def _parallel():
 #: fills ``_device_sm``).
 REPLACED = {
     "sglang.srt.models.deepseek_common.utils": {"_device_sm": None},
-    # SGLang's JIT CUDA cast (the SM100 fp8xfp4 staging); no stand-in of it yet.
-    "sglang.kernels.ops.moe.dsv4": {
-        "mega_moe_pre_dispatch": _absent("sglang.kernels.ops.moe.dsv4.mega_moe_pre_dispatch")},
+    # SGLang's JIT CUDA cast (the SM100 fp8xfp4 staging): moewire's stand-in of it.
+    "sglang.kernels.ops.moe.dsv4": {"mega_moe_pre_dispatch": sglang_mega_moe_pre_dispatch},
     "sglang.srt.layers.attention.dsa.utils": {"is_dsa_enable_prefill_cp": lambda: False},
     "sglang.srt.layers.dp_attention": {"get_dp_global_num_tokens": lambda: None},
     "sglang.srt.layers.moe.mega_gate": {

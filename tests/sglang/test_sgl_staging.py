@@ -201,3 +201,54 @@ def test_sm100_pre_dispatch_refuses(mma, gs, match):
                               torch.zeros(4, 512, dtype=torch.uint8),
                               torch.zeros(4, 4, dtype=torch.int32),
                               torch.zeros(4, 1, dtype=torch.int64), torch.zeros(4, 1), 2, gs, mma)
+
+
+# -- SGLang's own fp8xfp4 cast --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gs", [32, 128], ids=["group-32", "group-128"])
+def test_sglang_cast_matches_the_oracle(gs):
+    from moewire.reference.sgl_staging import sglang_mega_moe_pre_dispatch
+
+    t, tmax, h, k = 6, 8, 512, 2
+    x = sm100_data(t, h)
+    x[3, :gs] = 0  # a zero group: the 1e-10 floor (sgl-deep-gemm's SM100 cast uses 1e-4)
+    ids = torch.tensor([[1, -1]] * t, dtype=torch.int32)
+    w = torch.rand(t, k, generator=torch.Generator().manual_seed(5))
+    buf_x = torch.zeros(tmax, h, dtype=torch.float8_e4m3fn)
+    # Rows padded to 8 int32 (32 bytes): the scale bytes follow the row stride.
+    sf_store = torch.full((tmax, 8), -1, dtype=torch.int32)
+    buf_sf = sf_store[:, : h // gs // 4]
+    bidx, bw = torch.full((tmax, k), 9, dtype=torch.int64), torch.full((tmax, k), 9.0)
+    sglang_mega_moe_pre_dispatch(x, ids, w, buf_x, buf_sf, bidx, bw, gs)
+    g = x.float().numpy().reshape(t, h // gs, gs)
+    amax = np.maximum(np.abs(g).max(-1), np.float32(1e-10)).astype(np.float32)
+    m, e = np.frexp((amax / np.float32(448)).astype(np.float32).astype(np.float64))
+    exp = np.where(m == 0.5, e - 1, e) + 127
+    inv = np.ldexp(np.float32(1), 127 - exp).astype(np.float32)
+    q = np.clip((g * inv[..., None]).astype(np.float32), -448, 448).astype(
+        ml_dtypes.float8_e4m3fn).reshape(t, h)
+    np.testing.assert_array_equal(buf_x[:t].view(torch.uint8).numpy(), q.view(np.uint8))
+    sf_bytes = sf_store.view(torch.uint8).numpy()
+    np.testing.assert_array_equal(sf_bytes[:t, : h // gs], exp.astype(np.uint8))
+    assert (sf_bytes[:t, h // gs :] == 0xFF).all() and (sf_bytes[t:] == 0xFF).all()
+    assert torch.equal(bidx[:t], ids.long()) and torch.equal(bw[:t], w)
+    assert (bidx[t:] == -1).all() and (bw[t:] == 0).all()
+    sglang_mega_moe_pre_dispatch(x, ids, w * 0, buf_x, buf_sf, bidx, bw, gs, copy_topk=False)
+    assert torch.equal(bw[:t], w)  # Mega-Gate's routing stays
+
+
+@pytest.mark.parametrize(("change", "match"), [({"quant_group_size": 16}, "must be 32, 64"),
+                                               ({"shared_x_sf": "yes"}, "not modelled")],
+                         ids=["group-16", "shared-x-sf"])
+def test_sglang_cast_refuses(change, match):
+    from moewire.reference.sgl_staging import sglang_mega_moe_pre_dispatch
+
+    if "shared_x_sf" in change:
+        change = {"shared_x_sf": torch.zeros(1, dtype=torch.int32)}
+    with pytest.raises(ValueError, match=match):
+        sglang_mega_moe_pre_dispatch(
+            torch.zeros(2, 512, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int32),
+            torch.zeros(2, 1), torch.zeros(4, 512, dtype=torch.float8_e4m3fn),
+            torch.zeros(4, 4, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.int64),
+            torch.zeros(4, 1), **change)

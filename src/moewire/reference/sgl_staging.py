@@ -1,7 +1,8 @@
 """Stand-ins of sgl-deep-gemm's staging functions (CPU and GPU).
 
 :func:`mega_moe_pre_dispatch_sm90` is the SM90 one; :func:`mega_moe_pre_dispatch` the
-SM100 one (its own section below).
+SM100 one and :func:`sglang_mega_moe_pre_dispatch` SGLang's own SM100 fp8xfp4 cast (their
+own sections below).
 
 Written from ``include/deep_gemm/impls/sm90_mega_moe_pre_dispatch.cuh`` of the sgl-deep-gemm
 0.2.3.post2 and 0.2.5 wheels (the file is the same in both; the Python wrapper is
@@ -33,7 +34,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["E4M3_MAX", "GROUP_SIZE", "mega_moe_pre_dispatch", "mega_moe_pre_dispatch_sm90"]
+__all__ = [
+    "E4M3_MAX",
+    "GROUP_SIZE",
+    "mega_moe_pre_dispatch",
+    "mega_moe_pre_dispatch_sm90",
+    "sglang_mega_moe_pre_dispatch",
+]
 
 GROUP_SIZE = 128
 E4M3_MAX = 448.0
@@ -246,6 +253,84 @@ def mega_moe_pre_dispatch(
         weights = torch.where(ids >= 0, weights * scale, weights)
     buf_topk_idx[:t] = ids
     buf_topk_weights[:t] = weights
+    buf_topk_idx[t:] = -1
+    buf_topk_weights[t:] = 0.0
+
+
+# -- SGLang's own SM100 fp8xfp4 cast ----------------------------------------------------------
+#
+# ``sglang.kernels.ops.moe.dsv4.mega_moe_pre_dispatch(x, topk_idx, topk_weights, buf_x,
+# buf_x_sf, buf_topk_idx, buf_topk_weights, quant_group_size=32, *, shared_x_sf=None,
+# shared_block_m=0, copy_topk=True)``, written from the sglang 0.5.23 wheel's
+# ``sglang/kernels/jit/csrc/deepseek_v4/mega_moe_pre_dispatch.cuh`` and
+# ``include/sgl_kernel/deepseek_v4/fp8_utils.cuh`` (the CUDA path). For the ``T =
+# x.shape[0]`` tokens and each group of ``quant_group_size`` columns: ``absmax = max(max |x|,
+# 1e-10)``, ``e`` = the exponent field of ``absmax / 448`` (FP32) plus 1 if its mantissa is
+# non-zero (no clamp), ``buf_x = e4m3_rn(clip(x * 2^(127 - e), +-448))``, the scale byte
+# ``e`` at ``t * row_stride_bytes + g`` of ``buf_x_sf``; with ``copy_topk`` the ids and
+# weights are copied as they are (int32 -> int64); rows ``T <= t`` of ``buf_topk_idx`` /
+# ``buf_topk_weights`` become ``-1`` / ``0.0``.
+
+
+def sglang_mega_moe_pre_dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    buf_x: torch.Tensor,
+    buf_x_sf: torch.Tensor,
+    buf_topk_idx: torch.Tensor,
+    buf_topk_weights: torch.Tensor,
+    quant_group_size: int = 32,
+    *,
+    shared_x_sf: torch.Tensor | None = None,
+    shared_block_m: int = 0,
+    copy_topk: bool = True,
+) -> None:
+    """Stage ``x.shape[0]`` tokens as SGLang's fp8xfp4 cast does (section above).
+
+    Args:
+        x: BF16 ``[T, H]``; topk_idx: int32 ``[T, k]``; topk_weights: FP32 ``[T, k]``.
+        buf_x: FP8 E4M3 ``[Tmax, H]``; buf_x_sf: int32 ``[Tmax, H/quant_group_size/4]``.
+        buf_topk_idx: int64 ``[Tmax, k]``; buf_topk_weights: FP32 ``[Tmax, k]``.
+        quant_group_size: 32, 64 or 128.
+        shared_x_sf, shared_block_m: the fused shared expert's paged copy of the scales
+            (not modelled: refused).
+        copy_topk: copy the routing (``False``: Mega-Gate staged it in the buffer).
+
+    Raises:
+        ValueError: another group size, a ``shared_x_sf``, or a view of the wrong size.
+    """
+    where = "sglang.kernels.ops.moe.dsv4.mega_moe_pre_dispatch (stand-in)"
+    if quant_group_size not in (32, 64, 128):
+        raise ValueError(f"{where}: quant_group_size must be 32, 64 or 128, got {quant_group_size}")
+    if shared_x_sf is not None:
+        raise ValueError(
+            f"{where}: the fused shared expert's paged scale copy (shared_x_sf) is not "
+            "modelled; build the layer with the shared expert unfused"
+        )
+    t, h = x.shape
+    tmax, k = buf_topk_idx.shape
+    groups = h // quant_group_size
+    if h % (quant_group_size * 4) or tuple(buf_x.shape) != (tmax, h) or t > tmax or (
+        buf_x_sf.shape[0] != tmax or buf_x_sf.shape[1] * 4 != groups
+    ):
+        raise ValueError(
+            f"{where}: x [{t}, {h}] does not fit buf_x {list(buf_x.shape)} / buf_x_sf "
+            f"{list(buf_x_sf.shape)} (hidden a multiple of 4 x {quant_group_size})"
+        )
+    g = x.float().view(t, groups, quant_group_size)
+    amax = g.abs().amax(dim=-1).clamp_min(1e-10)
+    raw = amax / torch.full_like(amax, E4M3_MAX)
+    bits = raw.view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    inv = ((254 - exp) << 23).view(torch.float32)
+    scaled = (g * inv[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(t, h)
+    buf_x.view(torch.float8_e4m3fn)[:t] = scaled.to(torch.float8_e4m3fn)
+    # Byte t * row_stride + g: the uint8 view keeps the int32 rows' stride.
+    buf_x_sf.view(torch.uint8)[:t, :groups] = exp.to(torch.uint8)
+    if copy_topk:
+        buf_topk_idx[:t] = topk_idx.to(torch.int64)
+        buf_topk_weights[:t] = topk_weights
     buf_topk_idx[t:] = -1
     buf_topk_weights[t:] = 0.0
 
