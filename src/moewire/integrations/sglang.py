@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import inspect
 import logging
@@ -94,7 +95,11 @@ def _enabled(experts: nn.Module) -> list[str]:
 
 
 def _mma_type(experts: nn.Module) -> str:
-    """The ``mma_type`` SGLang derives for ``experts`` (``mega_moe._mega_moe_mma_type``)."""
+    """The ``mma_type`` SGLang derives for ``experts`` (``mega_moe._mega_moe_mma_type``).
+
+    Without SGLang's ``mega_moe`` module only ``run_sm90_mega_routed`` can run, and only on
+    FP8 dispatch (sgl-deep-gemm's ``get_symm_buffer_for_mega_moe`` asserts it on SM90).
+    """
     module = sys.modules.get(MEGA_MOE)
     derive = getattr(module, "_mega_moe_mma_type", None)
     return str(derive(experts)) if callable(derive) else "fp8xfp4"
@@ -149,6 +154,10 @@ def _refusal(site: SglangSite, experts: nn.Module, args: dict[str, Any]) -> str 
 # -- the trampolines --------------------------------------------------------------------------
 
 
+# SGLang's functions (a few), read once: the runners run on every MoE layer's forward.
+_signature = functools.lru_cache(maxsize=16)(inspect.signature)
+
+
 def _global_name(site: SglangSite) -> str:
     return f"run__{site.name.replace('-', '_')}"
 
@@ -162,7 +171,7 @@ def _runner(site: SglangSite) -> Callable[..., Any]:
         original = globals()[f"{global_name}__original"]
         if not hasattr(experts, "moewire_run"):
             return original(experts, *args, **kwargs)
-        bound = inspect.signature(original).bind(experts, *args, **kwargs).arguments
+        bound = _signature(original).bind(experts, *args, **kwargs).arguments
         why = _refusal(site, experts, bound)
         if why is not None:
             raise RuntimeError(why)
