@@ -11,7 +11,10 @@ recipe=(128, 128, 128), activation='swiglu', activation_clamp=None, fast_math=Tr
 
 from __future__ import annotations
 
+import contextlib
 import types
+
+import torch
 
 from moewire.reference.sgl_staging import mega_moe_pre_dispatch_sm90
 
@@ -57,3 +60,34 @@ def module() -> types.ModuleType:
     dg.get_symm_buffer_for_mega_moe = get_symm_buffer_for_mega_moe
     dg.get_num_sms = lambda: 132  # an H200's SM count (SGLang keys its buffer cache by it)
     return dg
+
+
+@contextlib.contextmanager
+def sm100_module(monkeypatch):
+    """A plain module named ``deep_gemm`` with sgl-deep-gemm 0.2.5's SM100 names.
+
+    Staging: moewire's ``mega_moe_pre_dispatch`` (from ``sm100_mega_moe_pre_dispatch.cuh``).
+    Buffer and kernel: ``moewire.reference.deep_gemm`` under its ``vllm-0.33`` build, whose
+    combine region follows the L2 scales and whose fused shared row is added first, as
+    sgl-deep-gemm 0.2.5's (``layout/mega_moe.cuh``, ``sm100_fp8_fp4_mega_moe.cuh``); its
+    ``x_sf`` is int32 ``[Tmax, H/128]`` with the UE8M0 bytes in group order, the layout
+    SGLang's cast writes. ``get_num_sms``/``set_num_sms`` keep a count, and the CUDA
+    device properties SGLang reads for its SM budget are a B200's 148 SMs.
+    """
+    from moewire.reference import deep_gemm as ref
+    from moewire.reference.builds import use_flavour
+    from moewire.reference.sgl_staging import mega_moe_pre_dispatch
+
+    sms = {"n": 148}
+    dg = types.ModuleType("deep_gemm")
+    dg.moewire_flavour = lambda: "sgl-deep-gemm-0.2.5"
+    dg.get_symm_buffer_for_mega_moe = ref.get_symm_buffer_for_mega_moe
+    dg.fp8_fp4_mega_moe = ref.fp8_fp4_mega_moe
+    dg.get_block_m_for_mega_moe = ref.get_block_m_for_mega_moe
+    dg.mega_moe_pre_dispatch = mega_moe_pre_dispatch
+    dg.get_num_sms = lambda: sms["n"]
+    dg.set_num_sms = lambda n: sms.update(n=n)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=148))
+    with use_flavour("vllm-0.33"):
+        yield dg
