@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import importlib
 import inspect
 import logging
@@ -154,10 +153,6 @@ def _refusal(site: SglangSite, experts: nn.Module, args: dict[str, Any]) -> str 
 # -- the trampolines --------------------------------------------------------------------------
 
 
-# SGLang's functions (a few), read once: the runners run on every MoE layer's forward.
-_signature = functools.lru_cache(maxsize=16)(inspect.signature)
-
-
 def _global_name(site: SglangSite) -> str:
     return f"run__{site.name.replace('-', '_')}"
 
@@ -166,12 +161,17 @@ def _runner(site: SglangSite) -> Callable[..., Any]:
     """The function the trampolines of ``site`` call: the original, run through the
     quantized experts module when ``experts`` is one."""
     global_name = _global_name(site)
+    # The original's signature, read once per original (the runner runs on every MoE
+    # layer's forward); on the runner, so it goes with it.
+    signature: list[tuple[Callable[..., Any], inspect.Signature]] = []
 
     def run(experts: Any, *args: Any, **kwargs: Any) -> Any:
         original = globals()[f"{global_name}__original"]
         if not hasattr(experts, "moewire_run"):
             return original(experts, *args, **kwargs)
-        bound = _signature(original).bind(experts, *args, **kwargs).arguments
+        if not signature or signature[0][0] is not original:
+            signature[:] = [(original, inspect.signature(original))]
+        bound = signature[0][1].bind(experts, *args, **kwargs).arguments
         why = _refusal(site, experts, bound)
         if why is not None:
             raise RuntimeError(why)
