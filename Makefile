@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 # from pulling a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: test test-fast demo lint test-vllm test-triton-next mutants clean
+.PHONY: test test-fast demo lint test-vllm test-sglang test-triton-next mutants clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,26 @@ test-vllm:
 	.venv-vllm/bin/python tests/vllm/fetch_vllm_src.py 0.33.0 .venv-vllm/vllm-0.33.0-src
 	.venv-vllm/bin/python tests/vllm/fetch_vllm_src.py 0.34.0 .venv-vllm/vllm-0.34.0-src
 	.venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
+
+# SGLang integration tests (docs/sglang.md): their own venv with the sglang 0.5.23 wheel
+# (--no-deps: the tests load only its released Mega-MoE and plugin modules, replacing the
+# few that cannot import on a CPU machine) and the sgl-deep-gemm wheels unpacked, never
+# imported (their API is read from source); .ci/run calls it.
+SGLANG        ?= sglang==0.5.23
+SGL_DEEP_GEMM ?= 0.2.3.post2 0.2.5
+test-sglang:
+	test -x .venv-sglang/bin/python || python3.11 -m venv .venv-sglang
+	.venv-sglang/bin/pip install -q "$(TORCH)" pyyaml numpy rich matplotlib safetensors \
+		pytest pytest-timeout ml_dtypes
+	.venv-sglang/bin/pip install -q --no-deps -e . "$(SGLANG)"
+	for v in $(SGL_DEEP_GEMM); do \
+		test -d .venv-sglang/sgl-deep-gemm/$$v/deep_gemm || { \
+		.venv-sglang/bin/pip download -q --no-deps "sgl-deep-gemm==$$v" -d .venv-sglang/dl/$$v && \
+		.venv-sglang/bin/python -m zipfile -e .venv-sglang/dl/$$v/*.whl \
+			.venv-sglang/sgl-deep-gemm/$$v; } || exit 1; \
+	done
+	MOEWIRE_SGL_DEEP_GEMM_WHEELS=.venv-sglang/sgl-deep-gemm .venv-sglang/bin/python -m pytest -q \
+		-o addopts= -p no:cacheprovider tests/sglang
 
 # The kernel tests under the newest Triton 3.x as well as the pinned 3.6 of the H200
 # (issue 15): a small venv of their own; .ci/run calls it.

@@ -117,8 +117,8 @@ def test_base_rule_works_on_views_that_share_no_storage(kernel):
 
 def test_flavour_registry():
     assert flavours.names() == [
-        "deepgemm-2.8", "deepgemm-main", "deepgemm-sm90", "deepgemm-sm90-fork", "vllm-0.32",
-        "vllm-0.33"]
+        "deepgemm-2.8", "deepgemm-main", "deepgemm-sm90", "deepgemm-sm90-fork",
+        "sgl-deep-gemm-0.2.3", "sgl-deep-gemm-0.2.5", "vllm-0.32", "vllm-0.33"]
     # SPEC 1.3: stored at slot k everywhere; added last by 0.32's build, first by 0.33's.
     for kernel in ("fp8_fp4_mega_moe", "bf16_mega_moe"):
         assert flavours.get("vllm-0.32").layout(kernel).shared_position == "last"

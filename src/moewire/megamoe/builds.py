@@ -270,8 +270,67 @@ _FP4_FP4_28_REFUSED = (
     "refused-kernel table is by name across builds (vLLM 0.33/0.34's kernel of the same "
     "name normalises)"
 )
-#: Every build moewire knows, in detection order (the first whose facts match wins).
+
+# sgl-deep-gemm (the DeepGEMM SGLang pins), read from the released wheels 0.2.3.post2 (what
+# sglang 0.5.23 pins) and 0.2.5. One module holds the SM90 kernel (``fp8_mega_moe`` on
+# ``SM90SymmBuffer``, staged by ``mega_moe_pre_dispatch_sm90``) and the SM100 one
+# (``fp8_fp4_mega_moe`` on ``mega.SymmBuffer(mma_type=, num_shared_experts=)``, staged by
+# ``mega_moe_pre_dispatch`` or SGLang's own cast). Both put the BF16 ``[slots][Tmax][H]``
+# combine region right after the L2 scale buffer: ``impls/sm90_fp8_mega_moe.cuh``
+# (``combine_token_buffer`` on ``l2_sf_buffer.get_end_ptr()``) and ``layout/mega_moe.cuh``
+# (``MegaMoEBuffer``: after ``l2_sf_buffer``, or ``l2_token_buffer`` without scales). Both
+# sum the valid slots in FP32 from +0.0 and round once to BF16; the SM90 kernel in
+# ascending slot order (``__ffs`` of the slot mask) with no shared slot
+# (``get_symm_buffer_for_mega_moe`` asserts ``num_shared_experts == 0`` on SM90).
+_SGL_STAGING = ("mega_moe_pre_dispatch_sm90", "mega_moe_pre_dispatch")
+_SGL_FACTS = ("SM90SymmBuffer", "mega_moe_pre_dispatch_sm90", "get_block_m_for_mega_moe",
+              "transform_scales_for_mega_moe")
+_SGL_TAKES = (("get_symm_buffer_for_mega_moe", "num_shared_experts"),
+              ("get_symm_buffer_for_mega_moe", "mma_type"))
+_SGL_UNPROVEN = (
+    "the FP8 combine rows of DG_USE_FP8_COMBINE=1 (refused by the SGLang integration), "
+    "post_expert_norm (refused), the SM100 kernels on hardware, and 0.2.5's SM90 early "
+    "combine (the same rows and order by the source; the layout check decides)"
+)
+
+_SGL_BUILDS: tuple[Build, ...] = (
+    Build(
+        "sgl-deep-gemm-0.2.5",
+        {"fp8_mega_moe": _AFTER_L2,
+         # Shared slot first, then the routed slots in top-k order ("Shared slot goes
+         # first", impls/sm100_fp8_fp4_mega_moe.cuh, combine's move_mask_and_load).
+         "fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "first")},
+        Recognition((*_SGL_FACTS, "localize"), takes=_SGL_TAKES),
+        "sgl-deep-gemm 0.2.5 (SGLang's DeepGEMM): SM90 fp8_mega_moe, SM100 fp8_fp4_mega_moe "
+        "with a fused shared expert added first",
+        read="sgl-deep-gemm 0.2.5 wheel: deep_gemm/__init__.py, deep_gemm/mega/__init__.py, "
+        "include/deep_gemm/layout/{mega_moe,sm90_mega_moe}.cuh, "
+        "impls/{sm90_fp8_mega_moe,sm100_fp8_fp4_mega_moe,sm90_mega_moe_pre_dispatch}.cuh",
+        unproven=_SGL_UNPROVEN,
+        staging_casts=_SGL_STAGING,
+    ),
+    Build(
+        "sgl-deep-gemm-0.2.3",
+        {"fp8_mega_moe": _AFTER_L2,
+         # Ascending slot order over the mask, the shared slot k last (__ffs, no special
+         # case; impls/sm100_fp8_fp4_mega_moe.cuh, combine).
+         "fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "last")},
+        Recognition(_SGL_FACTS, absent=("localize",), takes=_SGL_TAKES),
+        "sgl-deep-gemm 0.2.3.post2 (the one sglang 0.5.23 pins): SM90 fp8_mega_moe, SM100 "
+        "fp8_fp4_mega_moe with a fused shared expert added last",
+        read="sgl-deep-gemm 0.2.3.post2 wheel: deep_gemm/__init__.py, "
+        "deep_gemm/mega/__init__.py, include/deep_gemm/layout/mega_moe.cuh, "
+        "impls/{sm90_fp8_mega_moe,sm100_fp8_fp4_mega_moe,sm90_mega_moe_pre_dispatch}.cuh",
+        unproven=_SGL_UNPROVEN,
+        staging_casts=_SGL_STAGING,
+    ),
+)
+
+#: Every build moewire knows, in detection order (the first whose facts match wins). The
+#: sgl-deep-gemm builds come first: their module also has the facts of ``deepgemm-sm90``
+#: and ``vllm-0.32`` (``get_symm_buffer_for_sm90_mega_moe``; ``num_shared_experts``).
 BUILDS: tuple[Build, ...] = (
+    *_SGL_BUILDS,
     Build(
         "deepgemm-sm90-fork",
         {"fp8_mega_moe_sm90": _AFTER_L2},

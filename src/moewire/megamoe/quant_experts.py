@@ -120,6 +120,16 @@ class QuantExperts:
         return self.__dict__.get("_moewire_name_") or type(self).__name__
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.moewire_run(super().forward, *args, **kwargs)
+
+    def moewire_run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` as this module's Mega-MoE forward: hooks active,
+        then the fail-closed check of :meth:`forward`.
+
+        A host whose forward is a function taking the experts module rather than the
+        module's own ``forward`` (SGLang's ``run_mega_routed_experts(moe.experts, ...)``)
+        runs that function through here.
+        """
         self._moewire_refuse()
         reached: set[str] = set()
         pending: list[torch.Tensor] = []
@@ -127,7 +137,7 @@ class QuantExperts:
         pending_token = CAST_CALIBRATION.set(pending)
         try:
             args, kwargs = self._moewire_stage_forward(args, kwargs)
-            result = super().forward(*args, **kwargs)
+            result = fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
             REACHED.reset(reached_token)
