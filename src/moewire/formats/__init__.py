@@ -22,7 +22,15 @@ from moewire.formats.base import (
 if TYPE_CHECKING:  # the formats import torch inside their methods: `moewire formats` runs
     import torch  # without it
 
-__all__ = ["ACCUMULATE_MODES", "ModelOptSpelling", "WireFormat", "fake_quant", "get", "names", "register"]
+__all__ = [
+    "ACCUMULATE_MODES",
+    "ModelOptSpelling",
+    "WireFormat",
+    "fake_quant",
+    "get",
+    "names",
+    "register",
+]
 
 
 def fake_quant(
