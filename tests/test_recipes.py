@@ -18,6 +18,10 @@ UNITS = {
     "moe_combine_nvfp4": ("combine", "nvfp4"),
     "moe_combine_mxfp8": ("combine", "mxfp8"),
     "moe_combine_logfmt10": ("combine", "logfmt10"),
+    "deepgemm_fp8_combine": ("combine", "deepgemm_fp8_combine"),
+    "trtllm_fp8_combine": ("combine", "trtllm_32e4m3xe8m0"),
+    "trtllm_fp4_combine": ("combine", "trtllm_16e2m1xbf16"),
+    "te_mxfp8_combine": ("combine", "te_mxfp8"),
 }
 PRESETS = {
     "moe_fp8": ("fp8", "fp8"),
@@ -281,7 +285,7 @@ def test_unit_cycle_refused(tmp_path):
 
 @pytest.mark.parametrize(
     ("arg", "match"),
-    [("moe_fp6", "unknown recipe 'moe_fp6'; packaged recipes: moe_combine_fp8"),
+    [("moe_fp6", "unknown recipe 'moe_fp6'; packaged recipes: deepgemm_fp8_combine, moe_comb"),
      ("missing/recipe.yaml", "does not exist")],
     ids=["unknown-name", "missing-file"],
 )

@@ -28,7 +28,7 @@ __all__ = ["CFG_KEYS", "USE_CONSTANT_AMAX", "CfgError", "QuantizerSpec", "modelo
 #: Keys a quantizer cfg may hold: ModelOpt's attribute names plus moewire's own
 #: ``format`` and ``allow_dynamic``.
 CFG_KEYS = ("num_bits", "block_sizes", "axis", "constant_amax", "use_constant_amax", "enable",
-            "format", "allow_dynamic")
+            "format", "allow_dynamic", "accumulate")
 #: The amax ModelOpt's ``use_constant_amax: true`` pins (the FP8 E4M3 maximum).
 USE_CONSTANT_AMAX = 448.0
 
@@ -90,6 +90,7 @@ class QuantizerSpec:
     constant_amax: float | None = None
     enable: bool = True
     allow_dynamic: bool = True
+    accumulate: str | None = None
 
 
 def _bits(value: Any, key: tuple[Any, ...]) -> tuple[int, int]:
@@ -201,10 +202,11 @@ def parse_cfg(cfg: Mapping[str, Any]) -> QuantizerSpec:
 
     Accepted keys (:data:`CFG_KEYS`): ``num_bits``, ``block_sizes``, ``axis``,
     ``constant_amax``, ``use_constant_amax``, ``enable`` (ModelOpt's attribute names), and
-    moewire's own ``format`` (a registered format name) and ``allow_dynamic``.
-    ``use_constant_amax: true`` pins the amax to 448.0 (:data:`USE_CONSTANT_AMAX`, ModelOpt's
-    FP8 E4M3 range), i.e. ``constant_amax: 448.0``; the two keys are mutually exclusive, as
-    in ModelOpt.
+    moewire's own ``format`` (a registered format name), ``allow_dynamic`` and
+    ``accumulate`` (``bf16`` or ``fp32``: how the combine adds the dequantized rows; absent,
+    the format's ``combine_accumulate``). ``use_constant_amax: true`` pins the amax to 448.0
+    (:data:`USE_CONSTANT_AMAX`, ModelOpt's FP8 E4M3 range), i.e. ``constant_amax: 448.0``;
+    the two keys are mutually exclusive, as in ModelOpt.
 
     ``num_bits``/``block_sizes``/``axis`` name the format whose ``modelopt_spelling`` they
     spell (:func:`modelopt_table`; docs/recipes.md lists the built-in ones): ``num_bits`` and
@@ -304,5 +306,13 @@ def parse_cfg(cfg: Mapping[str, Any]) -> QuantizerSpec:
             f"come from each block or row); remove {key}",
             (key,),
         )
-    return QuantizerSpec(name, constant, enable, allow_dynamic)
+    accumulate = cfg.get("accumulate")
+    if accumulate is not None and accumulate not in formats.ACCUMULATE_MODES:
+        raise CfgError(
+            f"accumulate={accumulate!r} is not one of {', '.join(formats.ACCUMULATE_MODES)} "
+            "(bf16: QDQ each row to BF16, then sum; fp32: sum the FP32 dequantized values, "
+            "as the real FP8/FP4 combine kernels do); leave it out for the format's own",
+            ("accumulate",),
+        )
+    return QuantizerSpec(name, constant, enable, allow_dynamic, accumulate)
 

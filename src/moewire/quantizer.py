@@ -94,6 +94,10 @@ class WireQuantizer(nn.Module):
         allow_dynamic: for ``needs_amax`` formats without an amax, use ``max|x|`` of each
             call (ModelOpt's uncalibrated behaviour). ``False`` makes such a call an error.
         name: the quantizer's path in the model, used in messages (``None``: its class).
+        accumulate: how a combine adds this quantizer's rows, ``"bf16"`` (QDQ to BF16, then
+            the FP32 sum) or ``"fp32"`` (the FP32 dequantized values summed, as the real
+            FP8/FP4 combine kernels do); ``None`` takes the format's
+            ``combine_accumulate`` (what the real kernel for that format does).
 
     Attributes:
         fmt: the :class:`~moewire.formats.WireFormat`.
@@ -118,6 +122,7 @@ class WireQuantizer(nn.Module):
         enable: bool = True,
         allow_dynamic: bool = True,
         name: str | None = None,
+        accumulate: str | None = None,
     ) -> None:
         super().__init__()
         label = name or "WireQuantizer"
@@ -133,6 +138,12 @@ class WireQuantizer(nn.Module):
             raise TypeError(f"WireQuantizer: name must be a str or None, got "
                             f"{type(name).__name__}")
         self.fmt = formats.get(fmt)
+        if accumulate is not None and accumulate not in formats.ACCUMULATE_MODES:
+            raise ValueError(
+                f"{label}: accumulate must be one of {formats.ACCUMULATE_MODES} (or None for "
+                f"the format's own, {self.fmt.combine_accumulate!r}), got {accumulate!r}"
+            )
+        self.accumulate = accumulate or self.fmt.combine_accumulate
         self.allow_dynamic = allow_dynamic
         self.name = name
         self.register_buffer("amax", torch.zeros((), dtype=torch.float32))
@@ -157,7 +168,7 @@ class WireQuantizer(nn.Module):
         """
         spec = parse_cfg(cfg)
         return cls(spec.fmt, constant_amax=spec.constant_amax, enable=spec.enable,
-                   allow_dynamic=spec.allow_dynamic, name=name)
+                   allow_dynamic=spec.allow_dynamic, name=name, accumulate=spec.accumulate)
 
     # -- mode --------------------------------------------------------------------------
 
@@ -294,6 +305,23 @@ class WireQuantizer(nn.Module):
         if self._mode == "calibrate":
             self.collect(x)
         return x
+
+    def dequantize(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward`, returning the FP32 values before the cast to ``x.dtype``.
+
+        In quantize mode the format's FP32 dequantized values (``fmt.dequantize``: what a
+        combine with ``accumulate="fp32"`` adds); otherwise ``x`` widened to FP32 (after
+        collecting it when calibrating).
+
+        Args:
+            x: BF16/FP16/FP32 ``[..., H]``.
+
+        Returns:
+            FP32, ``x.shape``.
+        """
+        if self._mode == "quantize":
+            return self.forward(x.float())
+        return self.forward(x).float()
 
     @torch.no_grad()
     def collect(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:

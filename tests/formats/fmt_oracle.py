@@ -169,6 +169,68 @@ def logfmt10(x: np.ndarray, amax=None) -> np.ndarray:
     return out.reshape(v.shape).astype(F32)
 
 
+def _ceil_log2(v: np.ndarray) -> np.ndarray:
+    """ceil(log2 v) of positive finite values (float64 frexp: v = m * 2^k, m in [0.5, 1))."""
+    m, k = np.frexp(np.where(v > 0, v, 1.0).astype(np.float64))
+    return np.where(m == 0.5, k - 1, k).astype(np.int64)
+
+
+def _block_amax(x: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    xb = _blocks(x, b)
+    a = np.max(np.abs(xb), axis=-1, keepdims=True)
+    finite = np.isfinite(a)
+    return xb, np.where(finite, a, F32(0)).astype(F32), finite
+
+
+def deepgemm_fp8_combine(x: np.ndarray, amax=None) -> np.ndarray:
+    """DeepGEMM DG_USE_FP8_COMBINE: e = ceil(log2(amax/448)) (>= -126; -127 and a zero
+    dequantization scale when amax/448 is 0), E4M3 of x * 2^-e."""
+    xb, a, finite = _block_amax(x, 128)
+    s = (a * recip32(448.0)).astype(F32)
+    e = np.where(s == 0, -127, np.maximum(_ceil_log2(s), -126))
+    q = e4m3(xb.astype(np.float64) * np.ldexp(1.0, -e))
+    sf = np.where(e == -127, 0.0, exact_pow2(e))
+    out = np.where(finite, q * sf, np.nan)
+    return out.astype(F32).reshape(x.shape)
+
+
+def trtllm_32e4m3xe8m0(x: np.ndarray, amax=None) -> np.ndarray:
+    """TRT-LLM host oracle: e = clip(ceil(log2(max(amax, 1e-30) / 448)), -127, 127), -127
+    for a zero block; E4M3 of x / 2^e."""
+    xb, a, finite = _block_amax(x, 32)
+    s = (np.maximum(a, F32(1e-30)) * recip32(448.0)).astype(F32)
+    e = np.where(a == 0, -127, np.clip(_ceil_log2(s), -127, 127))
+    scale = exact_pow2(e)
+    out = np.where(finite, e4m3(xb.astype(np.float64) / scale) * scale, np.nan)
+    return out.astype(F32).reshape(x.shape)
+
+
+def te_mxfp8(x: np.ndarray, amax=None) -> np.ndarray:
+    """TE float_to_e8m0: round amax/448 up to a power of two 2^-127 .. 2^127 (byte 0 for
+    0); exp2f_rcp quantizes byte 0 with 1."""
+    xb, a, finite = _block_amax(x, 32)
+    v = (a * recip32(448.0)).astype(F32)
+    byte = np.where(v == 0, 0, np.clip(np.maximum(_ceil_log2(v), -127) + 127, 0, 254))
+    recip = np.where(byte == 0, F32(1), np.ldexp(F32(1), 127 - byte).astype(F32))
+    q = e4m3((xb * recip).astype(F32))
+    out = np.where(finite, q * exact_pow2(byte - 127), np.nan)
+    return out.astype(F32).reshape(x.shape)
+
+
+def trtllm_16e2m1xbf16(x: np.ndarray, amax=None) -> np.ndarray:
+    """TRT-LLM host oracle: BF16 block amax, decode scale amax * fl(1/6), encode with its
+    reciprocal, E2M1 nearest-even (zeros +0), decode q * scale in FP32."""
+    xb, a, finite = _block_amax(x, 16)
+    ds = (a.astype(ml_dtypes.bfloat16).astype(F32) * recip32(6.0)).astype(F32)
+    with np.errstate(divide="ignore"):
+        enc = np.where(ds > 0, F32(1) / ds, F32(0)).astype(F32)
+    v = (xb * enc).astype(F32)
+    q = e2m1(v)
+    q = np.where(q == 0, 0.0, q)
+    out = np.where(finite, (q.astype(F32) * ds).astype(F32), np.nan)
+    return out.astype(F32).reshape(x.shape)
+
+
 ORACLES = {
     "bf16": bf16,
     "fp8": fp8,
@@ -180,6 +242,10 @@ ORACLES = {
     "nvfp4": nvfp4,
     "nvfp4_token": nvfp4_token,
     "logfmt10": logfmt10,
+    "deepgemm_fp8_combine": deepgemm_fp8_combine,
+    "trtllm_32e4m3xe8m0": trtllm_32e4m3xe8m0,
+    "te_mxfp8": te_mxfp8,
+    "trtllm_16e2m1xbf16": trtllm_16e2m1xbf16,
 }
 
 

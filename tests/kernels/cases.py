@@ -18,6 +18,10 @@ FORMATS = (
     "mxfp4",
     "nvfp4",
     "nvfp4_token",
+    "deepgemm_fp8_combine",
+    "trtllm_32e4m3xe8m0",
+    "te_mxfp8",
+    "trtllm_16e2m1xbf16",
 )
 NEEDS_AMAX = ("fp8", "nvfp4")
 DISTRIBUTIONS = ("normal", "heavy", "tiny", "grid")
@@ -86,17 +90,26 @@ def combine_case(
     return rows, topk_idx.to(device), None if amax is None else amax.to(device)
 
 
-def reference_combine(rows, topk_idx, num_tokens, fmt, amax, shared_slot, weights=None):
+def reference_combine(rows, topk_idx, num_tokens, fmt, amax, shared_slot, weights=None,
+                      accumulate="bf16"):
     """The torch definition: ``megamoe.resum`` with the format's reference as quantizer
-    (weighted with one FMA rounding per slot when ``weights`` is given)."""
+    (weighted with one FMA rounding per slot when ``weights`` is given; ``accumulate=
+    "fp32"`` adds the reference's FP32 values, computed from the widened rows)."""
     ref_fmt = formats.get(fmt)
+    if accumulate == "fp32":
+        def quantize(r):
+            return ref_fmt.reference(r.float(), amax)
+    else:
+        def quantize(r):
+            return ref_fmt.reference(r, amax)
     return resum(
         rows,
         topk_idx,
         num_tokens,
         shared_position=shared_slot,
         weights=weights,
-        row_quantizer=lambda r: ref_fmt.reference(r, amax),
+        row_quantizer=quantize,
+        accumulate=accumulate,
     )
 
 

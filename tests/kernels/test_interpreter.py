@@ -214,6 +214,44 @@ def test_supports_and_available():
 # -- weighted (FMA) combine: the NVFP4 kernel's unweighted rows (issue 13) -------------------
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["weighted_rows", "unweighted_rows"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_combine_fp32_accumulation_bit_exact(fmt, weighted):
+    """``accumulate="fp32"``: the FP32 dequantized rows are added unrounded, as in
+    ``resum(accumulate="fp32")``."""
+    seed = seed_of("fp32acc", fmt, weighted)
+    gen = torch.Generator().manual_seed(seed)
+    rows, idx, amax = combine_case(
+        fmt, k=3, tmax=6, num_tokens=4, hidden=256, shared_slot="last", gen=gen
+    )
+    weights = router_weights(6, 3, gen) if weighted else None
+    want = reference_combine(rows, idx, 4, fmt, amax, "last", weights, accumulate="fp32")
+    out = torch.full((4, 256), float("nan"), dtype=torch.bfloat16)
+    kernels.fused_combine(rows, idx, 4, out, fmt, amax, "last", weights=weights,
+                          accumulate="fp32", block_h=128)
+    assert not torch.isnan(out).any(), "stale NaN leaked"
+    assert_same_bits(out, want, seed=seed, what=f"fp32-accumulated combine {fmt}")
+
+
+@pytest.mark.parametrize("accumulate", ["bf16", "fp32"])
+def test_fused_combine_accumulation_modes_differ_on_fp4_with_bf16_scale(accumulate):
+    """E2M1 times a BF16-derived FP32 scale needs ~10 significant bits: the two modes give
+    different sums here, and each mode of the kernel equals that mode of the definition
+    (a kernel with the modes swapped fails)."""
+    fmt = "trtllm_16e2m1xbf16"
+    gen = torch.Generator().manual_seed(21)
+    rows, idx, amax = combine_case(
+        fmt, k=4, tmax=6, num_tokens=4, hidden=256, shared_slot=None, gen=gen
+    )
+    other = "fp32" if accumulate == "bf16" else "bf16"
+    want = reference_combine(rows, idx, 4, fmt, amax, None, accumulate=accumulate)
+    not_want = reference_combine(rows, idx, 4, fmt, amax, None, accumulate=other)
+    assert not torch.equal(want, not_want), "test data does not separate the modes"
+    out = torch.empty((4, 256), dtype=torch.bfloat16)
+    kernels.fused_combine(rows, idx, 4, out, fmt, amax, None, accumulate=accumulate)
+    assert_same_bits(out, want, seed=21, what=f"{fmt} accumulate={accumulate}")
+
+
 @pytest.mark.parametrize("shared_slot", [None, "first", "last"], ids=["noshared", "first", "last"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_combine_weighted_bit_exact(fmt, shared_slot):
@@ -287,12 +325,12 @@ def test_weighted_check_flag_and_calibration(shared_slot):
 
 def test_the_split_formats_are_the_ones_the_kernels_split():
     """The wrapper sizes programs of the split formats one 16-element block per thread; the
-    kernels split the tile for format codes >= 7. Both must name the same formats, or a
+    kernels split the tile for format codes 7 and 8. Both must name the same formats, or a
     program would hold half blocks (wrong warps) or replicate elements."""
     from moewire.kernels import _triton
     from moewire.kernels.tuning import _SPLIT
 
-    assert {f for f, c in _triton.FORMAT_CODES.items() if c >= 7} == set(_SPLIT)
+    assert {f for f, c in _triton.FORMAT_CODES.items() if c in (7, 8)} == set(_SPLIT)
     assert all(_triton.BLOCK_SIZES[f] == 16 for f in _SPLIT)
 
 

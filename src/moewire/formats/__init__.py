@@ -9,13 +9,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moewire.formats import bf16, fp8, logfmt, mx, nvfp4  # noqa: F401  (registers them)
-from moewire.formats.base import ModelOptSpelling, WireFormat, get, names, register
+from moewire.formats import bf16, combine, fp8, logfmt, mx, nvfp4  # noqa: F401  (registers them)
+from moewire.formats.base import (
+    ACCUMULATE_MODES,
+    ModelOptSpelling,
+    WireFormat,
+    get,
+    names,
+    register,
+)
 
 if TYPE_CHECKING:  # the formats import torch inside their methods: `moewire formats` runs
     import torch  # without it
 
-__all__ = ["ModelOptSpelling", "WireFormat", "fake_quant", "get", "names", "register"]
+__all__ = [
+    "ACCUMULATE_MODES",
+    "ModelOptSpelling",
+    "WireFormat",
+    "fake_quant",
+    "get",
+    "names",
+    "register",
+]
 
 
 def fake_quant(

@@ -85,6 +85,11 @@ class WireFormat:
         row_scale_bits: extra bits per row for a per-row scale (``nvfp4_token``), else 0.
         modelopt_spelling: the ModelOpt attributes that name the format, or ``None`` when
             ModelOpt has none (a cfg then names it with ``format``); see :meth:`modelopt_cfg`.
+        combine_accumulate: how the real kernel that ships this format adds the dequantized
+            combine rows (:data:`ACCUMULATE_MODES`): ``"bf16"``, each row rounded to BF16
+            before the FP32 sum (ModelOpt's fake-quant semantics, QDQ then sum), or
+            ``"fp32"``, the FP32 dequantized values summed as they are (the real FP8/FP4
+            combine kernels). A quantizer takes it as its default ``accumulate``.
     """
 
     name: str = ""
@@ -95,6 +100,7 @@ class WireFormat:
     row_local: bool = True
     row_scale_bits: int = 0
     modelopt_spelling: ModelOptSpelling | None = None
+    combine_accumulate: str = "bf16"
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         """The definition: plain torch, CPU and CUDA.
@@ -147,6 +153,24 @@ class WireFormat:
         if x.dtype == torch.float16:
             out = torch.where(torch.isfinite(x), out.clamp(-_FP16_MAX, _FP16_MAX), out)
         return out
+
+    def dequantize(self, x: torch.Tensor, amax: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The dequantized values before the final cast: FP32 ``[..., H]``.
+
+        Every format computes in FP32 and casts to ``x.dtype`` last, so this is
+        :meth:`qdq` of the widened input (the widening is exact). A combine that
+        accumulates in FP32 (``combine_accumulate = "fp32"``) adds these values.
+
+        Args:
+            x: BF16/FP16/FP32 ``[..., H]``.
+            amax: as for :meth:`qdq`.
+
+        Returns:
+            A new FP32 tensor of ``x.shape``.
+        """
+        import torch
+
+        return self.qdq(x.to(torch.float32), amax)
 
     def wire_bits(self, hidden: int) -> float:
         """Bits one row of ``hidden`` elements occupies on the wire, scales included."""
@@ -245,6 +269,9 @@ class WireFormat:
     def __repr__(self) -> str:
         return f"<WireFormat {self.name}>"
 
+
+#: The two ways a combine adds its dequantized rows (:attr:`WireFormat.combine_accumulate`).
+ACCUMULATE_MODES = ("bf16", "fp32")
 
 _REGISTRY: dict[str, WireFormat] = {}
 

@@ -30,9 +30,16 @@ from __future__ import annotations
 
 from moewire.kernels.combine import check_combine_args, fused_combine
 from moewire.kernels.fake_quant import qdq
-from moewire.kernels.launch import SHARED_POSITIONS, SUPPORTED_FORMATS, available, supports
+from moewire.kernels.launch import (
+    ACCUMULATE_MODES,
+    SHARED_POSITIONS,
+    SUPPORTED_FORMATS,
+    available,
+    supports,
+)
 
 __all__ = [
+    "ACCUMULATE_MODES",
     "SHARED_POSITIONS",
     "SUPPORTED_FORMATS",
     "available",

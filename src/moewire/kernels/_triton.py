@@ -40,6 +40,10 @@ FORMAT_CODES = {
     "mxfp4": 6,
     "nvfp4": 7,
     "nvfp4_token": 8,
+    "deepgemm_fp8_combine": 9,
+    "trtllm_32e4m3xe8m0": 10,
+    "te_mxfp8": 11,
+    "trtllm_16e2m1xbf16": 12,
 }
 # Elements per block scale (1 for formats without block scales).
 BLOCK_SIZES = {
@@ -52,6 +56,10 @@ BLOCK_SIZES = {
     "mxfp4": 32,
     "nvfp4": 16,
     "nvfp4_token": 16,
+    "deepgemm_fp8_combine": 128,
+    "trtllm_32e4m3xe8m0": 32,
+    "te_mxfp8": 32,
+    "trtllm_16e2m1xbf16": 16,
 }
 NEEDS_AMAX = frozenset({"fp8", "nvfp4"})
 # Where the fused shared row (stored at row ``k`` in every build) is added to the sum.
@@ -60,6 +68,9 @@ SHARED_CODES = {None: 0, "first": 1, "last": 2}
 # FP32 reciprocals of the constants the references divide by, each one FP32 division.
 _INV_448 = tl.constexpr(float(np.float32(1.0) / np.float32(448.0)))
 _INV_2688 = tl.constexpr(float(np.float32(1.0) / np.float32(2688.0)))
+_INV_6 = tl.constexpr(float(np.float32(1.0) / np.float32(6.0)))
+# TensorRT-LLM's floor of the block amax (torch.clamp(min=1e-30) on an FP32 tensor).
+_TRTLLM_FLOOR = tl.constexpr(float(np.float32(1e-30)))
 
 _NAN = tl.constexpr(tl.PropagateNan.ALL)
 
@@ -305,7 +316,7 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
         # A block with a NaN or an infinity is NaN: its scale is NaN (one select per block).
         scale = tl.where(finite, _pow2(e), float("nan"))
         out = tl.reshape(q * tl.broadcast_to(scale, q.shape), (BLOCK_H,))
-    else:
+    elif FMT <= 8:
         if FMT == 7:
             ref = amax + tl.zeros((1,), tl.float32)
             use_ref = ref > 0
@@ -316,6 +327,50 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
         gs = tl.where(use_ref, ref * _INV_2688, 1e-12)
         tl.static_assert(SPLIT, "NVFP4 tiles hold whole blocks per thread (SPLIT)")
         out = _nvfp4_blocks(x, tl.reshape(gs, (1, 1, 1)), ZERO_SIGN, HW_CAST)
+    elif FMT <= 11:
+        BS2: tl.constexpr = 128 if FMT == 9 else 32
+        xb = tl.reshape(x, (BLOCK_H // BS2, BS2))
+        bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
+        finite = bmax < float("inf")
+        usable = tl.where(finite, bmax, 0.0)
+        if FMT == 10:
+            usable = tl.where(usable == 0.0, 0.0, tl.maximum(usable, _TRTLLM_FLOOR))
+        v = usable * _INV_448
+        bits = v.to(tl.int32, bitcast=True)
+        biased = (bits >> 23) & 0xFF
+        inexact = ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        if FMT == 9:
+            # fast_log2_ceil; a zero block (-127) dequantizes with fast_pow2(-127) = 0.0.
+            e = biased - 127 + inexact
+            recip = _pow2(-e)
+            scale = tl.where(e == -127, 0.0, _pow2(e))
+        elif FMT == 10:
+            e = tl.minimum(tl.maximum(biased - 127 + inexact, -127), 127)
+            e = tl.where(usable == 0.0, -127, e)
+            recip = _pow2(-e)
+            scale = _pow2(e)
+        else:
+            # cvt.rp.satfinite.ue8m0: a subnormal rounds up to byte 0 or 1; exp2f_rcp(0) = 1.
+            sub = ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
+            byte = tl.where(biased == 0, sub, tl.minimum(biased + inexact, 254))
+            recip = tl.where(byte == 0, 1.0, _pow2(127 - byte))
+            scale = _pow2(byte - 127)
+        q = _e4m3(xb * recip, HW_CAST)
+        scale = tl.where(finite, scale, float("nan"))
+        out = tl.reshape(q * tl.broadcast_to(scale, q.shape), (BLOCK_H,))
+    else:
+        xb = tl.reshape(x, (BLOCK_H // 16, 16))
+        bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
+        finite = bmax < float("inf")
+        a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
+        ds = a * _INV_6
+        enc = tl.where(ds > 0.0, tl.math.div_rn(tl.full(ds.shape, 1.0, tl.float32), ds), 0.0)
+        v = xb * enc
+        mag = _e2m1_magnitude(tl.abs(v), HW_CAST, False)
+        sign_bit = tl.where(mag == 0.0, 0, v.to(tl.int32, bitcast=True) & -2147483648)
+        q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+        ds = tl.where(finite, ds, float("nan"))
+        out = tl.reshape(q * tl.broadcast_to(ds, q.shape), (BLOCK_H,))
     return out
 
 
@@ -412,7 +467,7 @@ def qdq_kernel(
     FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     """One program per (row, column chunk): ``out[r, chunk] = qdq(x[r, chunk])``."""
-    SPLIT: tl.constexpr = FMT >= 7  # the NVFP4 formats: whole blocks per thread
+    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8)  # NVFP4: whole blocks per thread
     row = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     mask = cols < H
@@ -429,11 +484,16 @@ def qdq_kernel(
 @triton.jit
 def _accumulate(x, w, amax, acc, raw, cmax, FMT: tl.constexpr,
                 WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
-                BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr):
+                BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr,
+                ACC_F32: tl.constexpr):
     """Quantize the row ``x`` and add it (``acc += q`` or, weighted, ``acc = fma(q, w,
     acc)`` with the slot's FP32 weight ``w``); the unquantized sum and the calibration max
-    beside it."""
-    q = _round_bf16(_qdq(x, amax, FMT, BLOCK_H, False, SPLIT, HW_CAST), HW_CAST)
+    beside it. ``q`` is the dequantized row rounded to BF16 (QDQ, ModelOpt's semantics),
+    or with ``ACC_F32`` the FP32 dequantized values as they are (the real FP8/FP4
+    combines)."""
+    q = _qdq(x, amax, FMT, BLOCK_H, False, SPLIT, HW_CAST)
+    if not ACC_F32:
+        q = _round_bf16(q, HW_CAST)
     if WEIGHTED:
         w = tl.broadcast_to(w, x.shape)
         acc_new = _fma(q, w, acc, HW_CAST)
@@ -453,7 +513,7 @@ def _combine_slot(
     row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax, acc, raw,
     cmax, routed, valid, lo, hi, valid_next, K: tl.constexpr, FMT: tl.constexpr,
     WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
-    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr,
+    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr, ACC_F32: tl.constexpr,
 ):
     """Routed slot ``s`` of one token (stored at row ``s``), software-pipelined: ``lo, hi``
     hold row ``s`` (loaded one slot ahead), ``valid`` its flag and ``valid_next`` slot
@@ -478,7 +538,7 @@ def _combine_slot(
         w = tl.load(w_row + s * stride_wk, mask=valid, other=0.0).to(tl.float32)
     x = _widen_raw(lo, hi, SPLIT, HW_CAST)
     acc, raw, cmax = _accumulate(x, w, amax, acc, raw, cmax, FMT, WEIGHTED, CHECK, CALIB,
-                                 BLOCK_H, SPLIT, HW_CAST)
+                                 BLOCK_H, SPLIT, HW_CAST, ACC_F32)
     routed += valid.to(tl.int32)
     return acc, raw, cmax, routed, nvalid, lo_n, hi_n, valid_nn
 
@@ -490,16 +550,18 @@ def combine_kernel(
     K: tl.constexpr, SHARED: tl.constexpr, FMT: tl.constexpr, HAS_AMAX: tl.constexpr,
     WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
     BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr, UNROLL: tl.constexpr,
+    ACC_F32: tl.constexpr,
 ):
     """One program per (token, column chunk): quantize, re-sum, check, calibrate.
 
     ``acc`` starts at +0.0 (FP32); the shared row (stored at row ``K``; SHARED: 1 added
     first, 2 added last) is added unquantized in its place (``acc + row``, which is
     ``fma(row, 1.0, acc)``); each valid routed slot (``topk_idx >= 0``) in ascending order
-    adds ``float(bf16(qdq(row)))``, times its router weight with one rounding when
-    WEIGHTED; invalid rows are never loaded (read as zeros, or skipped).
+    adds ``float(bf16(qdq(row)))`` (``ACC_F32``: the FP32 dequantized row, unrounded),
+    times its router weight with one rounding when WEIGHTED; invalid rows are never loaded
+    (read as zeros, or skipped).
     """
-    SPLIT: tl.constexpr = FMT >= 7  # the NVFP4 formats: whole blocks per thread
+    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8)  # NVFP4: whole blocks per thread
     t = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     cmask = cols < H
@@ -528,13 +590,13 @@ def combine_kernel(
             acc, raw, cmax, routed, valid, lo, hi, valid_next = _combine_slot(
                 row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
                 acc, raw, cmax, routed, valid, lo, hi, valid_next, K, FMT, WEIGHTED, CHECK,
-                CALIB, BLOCK_H, SPLIT, HW_CAST)
+                CALIB, BLOCK_H, SPLIT, HW_CAST, ACC_F32)
     else:
         for s in tl.static_range(K):
             acc, raw, cmax, routed, valid, lo, hi, valid_next = _combine_slot(
                 row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
                 acc, raw, cmax, routed, valid, lo, hi, valid_next, K, FMT, WEIGHTED, CHECK,
-                CALIB, BLOCK_H, SPLIT, HW_CAST)
+                CALIB, BLOCK_H, SPLIT, HW_CAST, ACC_F32)
     if SHARED == 2:
         shared = _load_tile(row_base + K * stride_rs, cmask, SPLIT, True, HW_CAST)
         acc += shared

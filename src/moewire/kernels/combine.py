@@ -8,6 +8,7 @@ import torch
 
 from moewire.kernels import tuning
 from moewire.kernels.launch import (
+    ACCUMULATE_MODES,
     SHARED_POSITIONS,
     _amax_tensor,
     _check_blocks,
@@ -161,6 +162,7 @@ def fused_combine(
     calib_amax: torch.Tensor | None = None,
     *,
     weights: torch.Tensor | None = None,
+    accumulate: str = "bf16",
     block_h: int | None = None,
     num_warps: int | None = None,
     unroll: bool | None = None,
@@ -169,7 +171,8 @@ def fused_combine(
 
     For each token ``t < num_tokens`` (``q`` = ``fmt_name``'s fake quant, a BF16 row;
     ``add(v, s)`` is ``acc + v``, or ``fma(v, weights[t, s], acc)`` with one FP32 rounding
-    when ``weights`` is given)::
+    when ``weights`` is given; with ``accumulate="fp32"``, ``q`` is the FP32 dequantized row,
+    not rounded to BF16)::
 
         acc = +0.0 (FP32)
         acc += float(rows[k, t])              if shared_position == "first" (unquantized)
@@ -204,6 +207,9 @@ def fused_combine(
         check_against, check_flag, calib_amax: see above.
         weights: ``None`` (rows already router-weighted), or FP32 ``[>= T, k]``, the staged
             ``topk_weights`` of a kernel that leaves unweighted rows (``nvfp4_mega_moe``).
+        accumulate: ``"bf16"`` (each quantized row rounded to BF16 before it is added,
+            ModelOpt's QDQ) or ``"fp32"`` (the FP32 dequantized values added as they are,
+            as the real FP8/FP4 combine kernels do); :data:`ACCUMULATE_MODES`.
         block_h, num_warps, unroll: tuning only (``unroll``: unroll the slot loop; default
             :func:`~moewire.kernels.tuning.unroll`).
 
@@ -211,6 +217,11 @@ def fused_combine(
         ``out``.
     """
     _check_format(fmt_name)
+    if accumulate not in ACCUMULATE_MODES:
+        raise ValueError(
+            f"moewire.kernels.fused_combine: accumulate must be one of {ACCUMULATE_MODES}, "
+            f"got {accumulate!r}"
+        )
     _check_kernel_args(
         rows, topk_idx, num_tokens, out, shared_position, check_against, check_flag,
         calib_amax, weights,
@@ -239,7 +250,7 @@ def fused_combine(
         out.stride(0), check_against.stride(0) if check else 0,
         K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_position],
         FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, WEIGHTED=weighted,
-        CHECK=check,
+        CHECK=check, ACC_F32=accumulate == "fp32",
         CALIB=calib_amax is not None, BLOCK_H=bh, HW_CAST=rows.is_cuda,
         UNROLL=tuning.unroll(fmt_name, topk_idx.shape[1], check) if unroll is None else unroll,
         num_warps=tuning.num_warps(fmt_name, bh, num_warps), enable_fp_fusion=False,

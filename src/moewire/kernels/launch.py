@@ -25,7 +25,14 @@ SUPPORTED_FORMATS = (
     "mxfp4",
     "nvfp4",
     "nvfp4_token",
+    "deepgemm_fp8_combine",
+    "trtllm_32e4m3xe8m0",
+    "te_mxfp8",
+    "trtllm_16e2m1xbf16",
 )
+# How a combine adds its dequantized rows: rounded to BF16 first (QDQ), or as FP32 values
+# (moewire.formats.ACCUMULATE_MODES; kernels import nothing above them, so it is repeated).
+ACCUMULATE_MODES = ("bf16", "fp32")
 # Where a fused shared row (stored at row ``k`` in every build) is added to the combine sum:
 # not at all, before the routed slots, or after them. The one definition; ``megamoe``
 # re-exports it.

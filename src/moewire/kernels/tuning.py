@@ -14,7 +14,9 @@ __all__ = ["block_h", "num_warps", "triton_next_pow2", "unroll"]
 _BLOCK_H = 1024
 # The slot loop unrolled (static_range) or rolled: see unroll.
 _UNROLLED = frozenset({"bf16", "mxfp8", "mxfp4"})
-_UNROLLED_UP_TO_K8 = frozenset({"fp8", "fp8_b128", "fp8_b128_ue8m0", "fp8_b32_ue8m0"})
+_UNROLLED_UP_TO_K8 = frozenset({"fp8", "fp8_b128", "fp8_b128_ue8m0", "fp8_b32_ue8m0",
+                                "deepgemm_fp8_combine", "trtllm_32e4m3xe8m0", "te_mxfp8",
+                                "trtllm_16e2m1xbf16"})
 _UNROLLED_UNCHECKED_UP_TO_K8 = frozenset({"nvfp4"})
 
 
@@ -25,7 +27,9 @@ def unroll(fmt_name: str, k: int, check: bool) -> bool:
     without). Unrolling overlaps more rows, rolling needs fewer registers:
 
     - BF16, MXFP8, MXFP4 (:data:`_UNROLLED`): unrolled on every shape, or within 3%.
-    - The FP8 formats (:data:`_UNROLLED_UP_TO_K8`): unrolled up to k = 8 (FP8 with the
+    - The FP8 formats and the real kernels' combine formats (:data:`_UNROLLED_UP_TO_K8`;
+      the latter not tuned separately, they share the FP8 block formats' shape): unrolled
+      up to k = 8 (FP8 with the
       check 279 vs 296 us at 8 x 8192 x 7168), rolled at Kimi-K3's k = 16 (FP8 block 128
       with the check 311 vs 335 us; within 1% without it).
     - NVFP4 (:data:`_UNROLLED_UNCHECKED_UP_TO_K8`): with the check it holds the expected

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from moewire.megamoe import flavours as _flavours
 
-__all__ = ["combine_rows"]
+__all__ = ["combine_rows", "holds_fp8_combine"]
+
+# sgl-deep-gemm 0.2.5's switch of its FP8 combine: its C++ sizes the buffer and its JIT
+# builds the kernel from it (`kUseFp8Combine`).
+ENV_FP8_COMBINE = "DG_USE_FP8_COMBINE"
+
+
+def holds_fp8_combine(symm_buffer: Any) -> bool:
+    """Whether the buffer's combine rows are DeepGEMM's FP8 ones: the buffer says so
+    (``use_fp8_combine``, moewire's stand-in), or, for a buffer that does not, the process
+    runs with ``DG_USE_FP8_COMBINE=1`` (what sizes sgl-deep-gemm's buffer)."""
+    flag = getattr(symm_buffer, "use_fp8_combine", None)
+    if isinstance(flag, bool):
+        return flag
+    return os.environ.get(ENV_FP8_COMBINE, "0").strip() == "1"
 
 
 def _int_field(symm_buffer: Any, field: str, where: str) -> int:
@@ -49,12 +64,21 @@ def combine_rows(
 
     Raises:
         ValueError: the build has no such kernel, the kernel fuses no shared expert but
-            ``fused_shared`` is set, or the region does not fit the buffer (the message
-            names the flavour and the sizes).
+            ``fused_shared`` is set, the region does not fit the buffer (the message
+            names the flavour and the sizes), or the buffer holds DeepGEMM's FP8 combine
+            rows (:func:`holds_fp8_combine`), which a BF16 view would misread.
     """
     flav = _flavours.get(flavour)
     layout = flav.layout(kernel)
     where = f"flavour {flav.name!r}, {kernel}"
+    if holds_fp8_combine(symm_buffer):
+        raise ValueError(
+            f"{where}: the buffer holds DeepGEMM's FP8 combine rows ({ENV_FP8_COMBINE}=1: "
+            "E4M3 bytes and a UE8M0 byte per 128 columns), not BF16 rows; the kernel already "
+            "quantizes its combine, so a combine quantizer on top would quantize twice and "
+            f"is refused. Study that combine with the deepgemm_fp8_combine recipe on a BF16 "
+            f"build (unset {ENV_FP8_COMBINE}), or disable the combine quantizer"
+        )
     if fused_shared and layout.shared_position is None:
         raise ValueError(
             f"{where}: this kernel fuses no shared expert in this build, but the module fuses "

@@ -25,7 +25,7 @@ import torch
 
 from moewire import kernels
 from moewire.megamoe import flavours as _flavours
-from moewire.megamoe.resum import resum
+from moewire.megamoe.resum import accumulate_mode, resum
 
 __all__ = ["layout_checked", "reset_layout_checks"]
 
@@ -140,7 +140,7 @@ def check_in_one_pass(name: str, quantizer: Any, state: _BufferCheck, call: Comb
     amax = quantizer.static_amax if fmt.needs_amax else None
     kernels.fused_combine(
         call.rows, call.topk_idx, call.num_tokens, out, fmt.name, amax, call.shared, y,
-        flag, weights=call.weights,
+        flag, weights=call.weights, accumulate=accumulate_mode(quantizer, None),
     )
     if _capturing(y):
         _assert_in_graph(name, state, flag[0] == 0, call.flavour)

@@ -2,7 +2,9 @@
 
 Exact order of the Mega-MoE combine (SPEC 1.1): per token, ``acc`` starts at +0.0 in FP32;
 the valid routed slots (``topk_idx >= 0``) are added in ascending slot order,
-``acc += float(row)``; a fused shared row (stored at slot ``k`` in every build) is added
+``acc += float(row)`` (``float(q(row))`` with a row quantizer: its BF16 QDQ, or its FP32
+dequantized values in ``accumulate="fp32"`` mode, as the real FP8/FP4 combines add them);
+a fused shared row (stored at slot ``k`` in every build) is added
 first or last (its kernel's ``shared_position``, ``moewire.megamoe.flavours``); then
 **one** round to BF16 (nearest even). A token with no valid row gets +0 (or its shared
 row). Invalid slots are *selected away* (``torch.where``), never multiplied by a mask:
@@ -22,7 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from moewire import kernels
+from moewire import formats, kernels
+from moewire.quantizer import WireQuantizer
 
 __all__ = ["SHARED_POSITIONS", "resum"]
 
@@ -48,6 +51,23 @@ def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
                        s).float()
 
 
+def accumulate_mode(
+    row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None, accumulate: str | None
+) -> str:
+    """The accumulation mode of a combine: ``accumulate`` if given, else the quantizer's
+    (a :class:`~moewire.quantizer.WireQuantizer` carries one; its default is its format's
+    ``combine_accumulate``), else ``"bf16"``."""
+    if accumulate is None:
+        accumulate = (
+            row_quantizer.accumulate if isinstance(row_quantizer, WireQuantizer) else "bf16"
+        )
+    if accumulate not in formats.ACCUMULATE_MODES:
+        raise ValueError(
+            f"resum: accumulate must be one of {formats.ACCUMULATE_MODES}, got {accumulate!r}"
+        )
+    return accumulate
+
+
 def _fused_combine(
     rows: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -56,6 +76,7 @@ def _fused_combine(
     weights: torch.Tensor | None,
     row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None,
     out: torch.Tensor,
+    accumulate: str,
 ) -> bool:
     """Run ``moewire.kernels.fused_combine`` when it supports this call; True if it ran.
 
@@ -76,7 +97,8 @@ def _fused_combine(
     # The kernel takes an amax for global-scale formats only (fp8, nvfp4).
     amax = row_quantizer.static_amax if fmt.needs_amax else None
     kernels.fused_combine(
-        rows, topk_idx, num_tokens, out, fmt.name, amax, shared_position, weights=weights
+        rows, topk_idx, num_tokens, out, fmt.name, amax, shared_position, weights=weights,
+        accumulate=accumulate,
     )
     return True
 
@@ -90,6 +112,7 @@ def resum(
     weights: torch.Tensor | None = None,
     row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    accumulate: str | None = None,
 ) -> torch.Tensor:
     """Re-sum the combine rows in the kernel's order, optionally fake-quantizing each row.
 
@@ -115,6 +138,14 @@ def resum(
         row_quantizer: callable BF16 ``[k, T, H]`` -> BF16 ``[k, T, H]``, or ``None``.
         out: BF16 ``[T, H]`` written in place (its address is kept), or ``None`` for a new
             tensor.
+        accumulate: what ``float(q(row))`` is. ``"bf16"``: the quantized row rounded to
+            BF16 (ModelOpt's fake quant: QDQ to BF16, then the FP32 sum). ``"fp32"``: the
+            FP32 dequantized values as they are (DeepGEMM's ``DG_USE_FP8_COMBINE``,
+            TensorRT-LLM's and TransformerEngine's quantized combines dequantize into an FP32
+            accumulator); a :class:`~moewire.quantizer.WireQuantizer` then gives them with
+            ``dequantize``, a plain callable must return FP32. ``None``: the quantizer's
+            ``accumulate`` (its format's ``combine_accumulate`` unless a recipe says
+            otherwise), ``"bf16"`` for a plain callable.
 
     Returns:
         ``out`` (or the new BF16 ``[T, H]`` tensor).
@@ -122,13 +153,26 @@ def resum(
     kernels.check_combine_args(
         "resum", rows, topk_idx, num_tokens, shared_position, out, weights
     )
+    mode = accumulate_mode(row_quantizer, accumulate)
     if out is None:
         out = torch.empty((num_tokens, rows.shape[2]), dtype=torch.bfloat16, device=rows.device)
-    if _fused_combine(rows, topk_idx, num_tokens, shared_position, weights, row_quantizer, out):
+    if _fused_combine(rows, topk_idx, num_tokens, shared_position, weights, row_quantizer, out,
+                      mode):
         return out
     k = topk_idx.shape[1]
     routed = rows[:k, :num_tokens]
-    if row_quantizer is not None:
+    if row_quantizer is not None and mode == "fp32":
+        if isinstance(row_quantizer, WireQuantizer):
+            routed = row_quantizer.dequantize(routed)
+        else:
+            routed = row_quantizer(routed)
+            if routed.dtype != torch.float32:
+                raise ValueError(
+                    "resum: accumulate='fp32' adds the FP32 dequantized rows, but "
+                    f"row_quantizer returned {routed.dtype}; return the values before the "
+                    "cast to BF16 (a WireQuantizer's dequantize), or use accumulate='bf16'"
+                )
+    elif row_quantizer is not None:
         routed = row_quantizer(routed)
     valid = (topk_idx[:num_tokens] >= 0).unsqueeze(-1)
     acc = torch.zeros((num_tokens, rows.shape[2]), dtype=torch.float32, device=rows.device)

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 from moewire.reference._numerics import (
     cast_to_fp8_ue8m0,
+    fp8_combine_decode,
+    fp8_combine_encode,
     pack_ue8m0,
     scale_groups,
     unpack_ue8m0,
@@ -337,7 +339,14 @@ def mega_moe(
             "stage valid ids (padding slots get -1)",
         )
 
-    region = buf.combine_rows()
+    fp8_combine = getattr(buf, "use_fp8_combine", False)
+    # The FP8 combine: the rows are formed in BF16 (the epilogue's `packed`), then written
+    # as FP8 bytes and scales; scratch holds the BF16 rows until then.
+    region = (
+        torch.zeros((buf.num_slots, buf.num_max_tokens_per_rank, h), dtype=torch.bfloat16,
+                    device=device)
+        if fp8_combine else buf.combine_rows()
+    )
     l1 = Experts(l1_weights, True, e_local, 2 * i, h)
     l2 = Experts(l2_weights, False, e_local, h, i)
     routed = _routed_one_rank if buf.num_ranks == 1 else _routed_expert_parallel
@@ -346,6 +355,9 @@ def mega_moe(
         stats += counts.to(torch.int32)
     valid = buf.topk_idx[:t] >= 0
     norms = buf.combine_norms()
+    if norms is not None and fp8_combine:
+        _fail(kernel, "DG_USE_FP8_COMBINE=1 with a post-combine norm buffer is not modelled "
+                      "(sgl-deep-gemm folds no FP8 scale into its norm partials); unset it")
     if norms is not None:
         _write_combine_norms(norms, region, valid, t)
 
@@ -364,21 +376,51 @@ def mega_moe(
             )
             region[k, :t].copy_(shared_rows)
 
+    if fp8_combine:
+        rows_of = _write_fp8_combine(buf, region, valid, t, shared_l1 is not None)
+    else:
+        def rows_of(s: int) -> torch.Tensor:
+            return region[s, :t].float()
+
     acc = torch.zeros((t, h), dtype=torch.float32, device=device)
     order_of_adds = list(range(k))
     if shared_l1 is not None:
         order_of_adds.insert(0 if buf.build.shared_position == "first" else k, k)
     for s in order_of_adds:
         if s == k:
-            acc += region[k, :t].float()
+            acc += rows_of(k)
         else:
             # Select, never multiply: an invalid slot's row is stale and may hold NaN.
-            row = region[s, :t].float()
-            acc += torch.where(valid[:, s : s + 1], row, torch.zeros((), device=device))
+            acc = torch.where(valid[:, s : s + 1], acc + rows_of(s), acc)
     y.copy_(acc.bfloat16())
 
     if _debug_zeroing():
         buf.buffer.zero_()
+
+
+def _write_fp8_combine(buf, region: torch.Tensor, valid: torch.Tensor, t: int, shared: bool):
+    """Store the BF16 rows of ``region`` as DeepGEMM's FP8 combine does and return the
+    reduce's reader: slot ``s`` -> FP32 ``[t, H]``, each FP8 byte times its tile's scale
+    (``fma(v, sf, acc)`` with an exact product is ``acc + v * sf``).
+
+    Only the rows the kernel writes change: the valid routed (token, slot) pairs and, with
+    a fused shared expert, row ``k`` of every token; the others keep their stale bytes.
+    """
+    q_all, sf_all = buf.combine_fp8()
+    k = buf.num_topk
+    q, sf = fp8_combine_encode(region[:, :t])
+    written = torch.ones((buf.num_slots, t, 1), dtype=torch.bool, device=region.device)
+    written[:k] = valid.T.unsqueeze(-1)
+    if not shared and buf.num_slots > k:
+        written[k:] = False
+    old_q = q_all[:, :t].view(torch.uint8)
+    q_all[:, :t].view(torch.uint8).copy_(torch.where(written, q.view(torch.uint8), old_q))
+    sf_all[:, :t].copy_(torch.where(written, sf, sf_all[:, :t]))
+
+    def rows_of(s: int) -> torch.Tensor:
+        return fp8_combine_decode(q_all[s, :t], sf_all[s, :t])
+
+    return rows_of
 
 
 def _dequantized_tokens(q: torch.Tensor, sf: torch.Tensor | None) -> torch.Tensor:

@@ -164,3 +164,38 @@ def dequantize_weight(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
         elements = pairs.flatten(-2)
     return scale_groups(elements, unpack_ue8m0(sf))
 
+
+# DeepGEMM's FP8 combine tiles a row by 128 columns, one UE8M0 byte each.
+FP8_COMBINE_GRAN = 128
+
+
+def fp8_combine_encode(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepGEMM's ``DG_USE_FP8_COMBINE`` L2 epilogue: BF16 rows to FP8 bytes and UE8M0 bytes.
+
+    Per 128-column tile (``impls/sm100_fp8_fp4_mega_moe.cuh``, sgl-deep-gemm 0.2.5): ``amax``
+    over the tile, ``e = fast_log2_ceil(amax * (1.0f / 448.0f))`` (``exponent - 127 +
+    (mantissa != 0)`` on the bits, ``common/math.cuh``), the FP8 byte of ``x * 2^-e``
+    (``__nv_fp8x4_e4m3``: round to nearest even, saturating) and the scale byte ``e + 127``.
+
+    Args:
+        rows: BF16 ``[..., H]``, H a multiple of 128.
+
+    Returns:
+        ``(q, sf)``: FP8 E4M3 ``[..., H]`` and uint8 ``[..., H / 128]``.
+    """
+    x = rows.float().reshape(*rows.shape[:-1], -1, FP8_COMBINE_GRAN)
+    s = x.abs().amax(-1, keepdim=True) * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+    bits = s.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    inv = ((127 - e) << 23).view(torch.float32)  # fast_pow2(-e)
+    q = (x * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(rows.shape)
+    return q, (e + 127).to(torch.uint8).squeeze(-1)
+
+
+def fp8_combine_decode(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """The combine reduce's FP32 values of FP8 rows: ``float(q) * fast_pow2(byte - 127)``
+    (byte 0 gives the bit pattern 0, i.e. a scale of 0.0). FP32 ``[..., H]``."""
+    scale = (sf.to(torch.int32) << 23).view(torch.float32)
+    x = q.float().reshape(*q.shape[:-1], -1, FP8_COMBINE_GRAN)
+    return (x * scale.unsqueeze(-1)).reshape(q.shape)
+

@@ -129,8 +129,10 @@ class SymmBuffer(RegionBuffer):
 
     Regions in order: ``x``, ``x_sf``, ``topk_idx``, ``topk_weights``, ``l1_acts``,
     ``l1_acts_sf``, ``l2_acts``, ``l2_acts_sf``, the combine region (BF16 ``[num_slots][Tmax]
-    [H]``, slot-major, no view), and in builds with ``norm_after_combine`` for this mma type
-    the ``combine_norm_buffer`` (FP32 ``[k][Tmax][H/128]``, no view).
+    [H]``, slot-major, no view; with ``use_fp8_combine``, FP8 ``[num_slots][Tmax][H]`` then
+    the UE8M0 bytes ``combine_sf`` ``[num_slots][Tmax][H/128]``), and in builds with
+    ``norm_after_combine`` for this mma type the ``combine_norm_buffer`` (FP32
+    ``[k][Tmax][H/128]``, no view).
 
     Attributes:
         group: the EP process group (``None`` for one rank).
@@ -155,7 +157,7 @@ class SymmBuffer(RegionBuffer):
         _moewire_regions: ``{name: (byte offset, byte size)}`` of every region.
     """
 
-    _HIDDEN = ("combine", "combine_norm_buffer")
+    _HIDDEN = ("combine", "combine_sf", "combine_norm_buffer")
 
     def __init__(
         self,
@@ -170,8 +172,10 @@ class SymmBuffer(RegionBuffer):
         activation: str,
         build: KernelBuild,
         device: torch.device,
+        use_fp8_combine: bool = False,
     ) -> None:
         self.group = group
+        self.use_fp8_combine = use_fp8_combine
         self.num_ranks, self.rank = group_size_rank(group, "get_symm_buffer_for_mega_moe")
         self.num_experts = num_experts
         self.num_experts_per_rank = num_experts // self.num_ranks
@@ -219,11 +223,33 @@ class SymmBuffer(RegionBuffer):
             ("l1_acts_sf", torch.int32, (recv, h // 128)) if fp8 else ("l1_acts_sf", None, None),
             ("l2_acts", act, (recv, i)),
             ("l2_acts_sf", torch.int32, (recv, i // 128)) if fp8 else ("l2_acts_sf", None, None),
-            ("combine", torch.bfloat16, (self.num_slots, tmax, h)),
         ]
+        if self.use_fp8_combine:
+            # layout/mega_moe.cuh (sgl-deep-gemm 0.2.5) with use_fp8_combine: H FP8 bytes per
+            # row, then combine_sf_buffer, one UE8M0 byte per 128 columns, same slot-major
+            # order, right after the rows.
+            regions += [
+                ("combine", torch.uint8, (self.num_slots, tmax, h)),
+                ("combine_sf", torch.uint8, (self.num_slots, tmax, h // 128)),
+            ]
+        else:
+            regions.append(("combine", torch.bfloat16, (self.num_slots, tmax, h)))
         if self.mma_type in self.build.norm_after_combine:
             regions.append(("combine_norm_buffer", torch.float32, (k, tmax, h // 128)))
         return regions
+
+    def combine_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """With ``use_fp8_combine``: the FP8 combine rows, float8_e4m3fn ``[num_slots, Tmax,
+        H]``, and their UE8M0 scale bytes, uint8 ``[num_slots, Tmax, H / 128]`` (views)."""
+        if not self.use_fp8_combine:
+            raise ValueError(
+                "SymmBuffer.combine_fp8: this buffer holds BF16 combine rows (it was built "
+                "without DG_USE_FP8_COMBINE=1); read them with combine_rows()"
+            )
+        tmax, h = self.num_max_tokens_per_rank, self.hidden
+        q = self.region("combine").view(torch.float8_e4m3fn).view(self.num_slots, tmax, h)
+        sf = self.region("combine_sf").view(torch.uint8).view(self.num_slots, tmax, h // 128)
+        return q, sf
 
     def combine_norms(self) -> torch.Tensor | None:
         """FP32 ``[k, Tmax, H/128]`` view of the ``combine_norm_buffer``, or None where the
@@ -239,5 +265,6 @@ class SymmBuffer(RegionBuffer):
             f"SymmBuffer(flavour={self._moewire_flavour}, rank={self.rank}/{self.num_ranks}, "
             f"experts={self.num_experts}, Tmax={self.num_max_tokens_per_rank}, "
             f"k={self.num_topk}, H={self.hidden}, I={self.intermediate_hidden}, "
-            f"shared={self.num_shared_experts}, mma={self.mma_type})"
+            f"shared={self.num_shared_experts}, mma={self.mma_type}"
+            f"{', fp8_combine' if self.use_fp8_combine else ''})"
         )

@@ -39,6 +39,7 @@ none of them imports it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -95,6 +96,8 @@ __all__ = [
 ]
 
 TOKEN_ALIGNMENT = 384
+# sgl-deep-gemm 0.2.5's switch for the FP8 combine (read by its C++ buffer sizing and JIT).
+ENV_FP8_COMBINE = "DG_USE_FP8_COMBINE"
 ACTIVATIONS = ("swiglu", "situ")
 MMA_TYPES = ("fp8xfp4", "bf16xbf16")
 # fp8xfp4 tiles K by 512 (FP4 weights, 128-byte rows); bf16 by 128.
@@ -156,7 +159,10 @@ def get_symm_buffer_for_mega_moe(
             ``None``), else CPU.
 
     Returns:
-        The :class:`SymmBuffer`, zero-filled.
+        The :class:`SymmBuffer`, zero-filled. With ``DG_USE_FP8_COMBINE=1`` in the
+        environment (read here, as sgl-deep-gemm 0.2.5 sizes its buffer from it) the combine
+        rows are FP8 with one UE8M0 byte per 128 columns (``SymmBuffer.combine_fp8``), and
+        the kernels write and reduce them as DeepGEMM's FP8 combine does.
     """
     where = "get_symm_buffer_for_mega_moe"
     num_ranks, _ = _group_size_rank(group, "get_symm_buffer_for_mega_moe")
@@ -209,6 +215,7 @@ def get_symm_buffer_for_mega_moe(
         activation,
         build,
         device,
+        use_fp8_combine=os.environ.get(ENV_FP8_COMBINE, "0").strip() == "1",
     )
 
 

@@ -21,7 +21,11 @@ from moewire.study.presets import DEFAULT_MODEL, PRESETS, ModelPreset
 NONE = "bf16"
 _NONE_ALIASES = {"bf16", "none"}
 DEFAULT_DISPATCH = ("fp8", "mxfp8", "nvfp4", "mxfp4")
-DEFAULT_COMBINE = ("fp8", "mxfp8", "nvfp4", "logfmt10")
+#: The combine column: moewire's formats, then the real kernels' combines (DeepGEMM's FP8
+#: combine, TensorRT-LLM's 32e4m3xe8m0 and 16e2m1xbf16, TransformerEngine's MXFP8), each
+#: with its kernel's FP32 accumulation (docs/formats.md).
+DEFAULT_COMBINE = ("fp8", "mxfp8", "nvfp4", "logfmt10", "deepgemm_fp8_combine",
+                   "trtllm_32e4m3xe8m0", "trtllm_16e2m1xbf16", "te_mxfp8")
 MMA_TYPES = ("fp8xfp4", "bf16xbf16", "nvfp4")
 #: The synthetic router's default hottest-expert load over the mean (DeepSeek's
 #: bias-balanced routing keeps it at a few x).

@@ -1,0 +1,127 @@
+"""Combine-format benchmark: the real kernels' combine formats and the FP32 accumulation mode
+in the fused Triton combine, beside NVFP4 (today's heaviest combine) and a copy of the same
+bytes.
+
+For each shape (``benchmarks/_bench.py``'s models at T tokens) and each case (a format and
+an accumulation mode), the fused combine (``moewire.kernels.fused_combine``, with the layout
+check, as the hooks run it) is timed by replaying a CUDA graph, next to a device copy of the
+same minimal bytes (``k*T*H*2`` rows read + ``T*H*2`` written + ``T*k*8`` of ``topk_idx``).
+Before timing, each case's output is compared bit for bit with ``megamoe.resum`` in the same
+mode on the benchmark rows.
+
+Run on the H200: ``python benchmarks/combine_formats.py --out results.json``; ``--device
+cpu`` is a smoke run (one small shape, torch definition only; its times mean nothing).
+
+JSON (``--out``): a list, one object per (shape, case), with ``model``, ``T``, ``k``, ``H``,
+``fmt``, ``accumulate``, ``bytes``, ``copy_us``, ``fused_us`` (median us per call),
+``fused_gbps``, ``frac_copy`` (``copy_us / fused_us``), ``x_nvfp4`` (``fused_us`` over the
+NVFP4 combine's on the same shape: at most 1 means at least as fast), ``exact``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import MODELS, SMOKE_MODELS, copies_for, gbps, print_table, time_graph  # noqa: E402
+
+from moewire import formats, kernels  # noqa: E402
+from moewire.megamoe.resum import resum  # noqa: E402
+
+CASES = (
+    ("nvfp4", "bf16"),
+    ("nvfp4", "fp32"),
+    ("fp8_b128_ue8m0", "bf16"),
+    ("deepgemm_fp8_combine", "fp32"),
+    ("trtllm_32e4m3xe8m0", "fp32"),
+    ("te_mxfp8", "fp32"),
+    ("trtllm_16e2m1xbf16", "fp32"),
+    ("trtllm_16e2m1xbf16", "bf16"),
+)
+TOKENS = (1024, 8192)
+COLUMNS = [
+    ("model", "model", ""), ("T", "T", ""), ("k", "k", ""), ("H", "H", ""),
+    ("fmt", "format", ""), ("accumulate", "acc", ""), ("copy_us", "copy us", ".1f"),
+    ("fused_us", "fused us", ".1f"), ("fused_gbps", "GB/s", ".0f"),
+    ("frac_copy", "of copy", ".2f"), ("x_nvfp4", "x nvfp4", ".2f"), ("exact", "exact", ""),
+]
+
+
+def _inputs(k: int, t: int, h: int, copies: int, device: str):
+    g = torch.Generator(device="cpu").manual_seed(k * 131 + t + h)
+    rows = [(torch.randn(k, t, h, generator=g) * 0.05).bfloat16().to(device)
+            for _ in range(copies)]
+    idx = torch.randint(0, 256, (t, k), generator=g).to(device)
+    return rows, idx
+
+
+def bench_shape(name: str, k: int, h: int, t: int, device: str) -> list[dict]:
+    nbytes = k * t * h * 2 + t * h * 2 + t * k * 8
+    copies = copies_for(nbytes, device)
+    rows, idx = _inputs(k, t, h, copies, device)
+    out = torch.empty((t, h), dtype=torch.bfloat16, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    src = [torch.empty(nbytes // 2, dtype=torch.uint8, device=device) for _ in range(copies)]
+    dst = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    copy_us = time_graph(lambda i: dst.copy_(src[i % copies]), 20, device=device)
+    results = []
+    for fmt_name, mode in CASES:
+        fmt = formats.get(fmt_name)
+        amax = (rows[0].float().abs().amax().reshape(1) if fmt.needs_amax else None)
+
+        def quantize(r, fmt=fmt, amax=amax, mode=mode):
+            return fmt.dequantize(r, amax) if mode == "fp32" else fmt.qdq(r, amax)
+
+        want = resum(rows[0], idx, t, row_quantizer=quantize, accumulate=mode)
+        if device == "cuda":
+            y = resum(rows[0], idx, t)  # the layout check compares the unquantized sum
+            kernels.fused_combine(rows[0], idx, t, out, fmt_name, amax, None, y, flag,
+                                  accumulate=mode)
+            exact = bool(torch.equal(out, want)) and int(flag) == 0
+
+            def call(i, fmt_name=fmt_name, amax=amax, mode=mode, y=y):
+                kernels.fused_combine(rows[i % copies], idx, t, out, fmt_name, amax, None,
+                                      y, flag, accumulate=mode)
+
+            fused_us = time_graph(call, 20, device=device)
+        else:
+            exact, fused_us = True, None
+        results.append({
+            "model": name, "T": t, "k": k, "H": h, "fmt": fmt_name, "accumulate": mode,
+            "bytes": nbytes, "copy_us": copy_us, "fused_us": fused_us,
+            "fused_gbps": gbps(nbytes, fused_us),
+            "frac_copy": copy_us / fused_us if fused_us else None, "exact": exact,
+        })
+    base = next(r["fused_us"] for r in results if r["fmt"] == "nvfp4" and
+                r["accumulate"] == "bf16")
+    for r in results:
+        r["x_nvfp4"] = r["fused_us"] / base if base and r["fused_us"] else None
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument("--tokens", type=int, nargs="*", default=None)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = parser.parse_args()
+    cpu = args.device == "cpu"
+    models = SMOKE_MODELS if cpu else MODELS
+    tokens = tuple(args.tokens) if args.tokens else ((16,) if cpu else TOKENS)
+    results = []
+    for name, (_, k, h) in models.items():
+        for t in tokens:
+            results.extend(bench_shape(name, k, h, t, args.device))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    print_table(results, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()

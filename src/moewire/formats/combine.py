@@ -1,0 +1,265 @@
+"""The combine wire formats that real Mega-MoE kernels ship, each as its source computes it.
+
+- ``deepgemm_fp8_combine``: DeepGEMM's in-kernel FP8 combine (``DG_USE_FP8_COMBINE=1``),
+  read from sgl-deep-gemm 0.2.5 and 0.2.3.post2 (PyPI wheels),
+  ``deep_gemm/include/deep_gemm/impls/sm100_fp8_fp4_mega_moe.cuh`` (the L2 epilogue's
+  ``kUseFp8Combine`` branch and the combine reduce) and ``common/math.cuh``
+  (``fast_log2_ceil``, ``fast_pow2``); the buffer layout in ``layout/mega_moe.cuh``.
+- ``trtllm_32e4m3xe8m0`` and ``trtllm_16e2m1xbf16``: TensorRT-LLM's CuteDSL Mega-MoE
+  (``MEGAMOE_COMBINE_FORMAT``; the legal values ``bf16``, ``32e4m3xe8m0``, ``16e2m1xbf16`` in
+  ``tensorrt_llm/_torch/modules/fused_moe/mega_moe/mega_moe_cute_dsl.py``), whose device
+  encoder is not in the sources moewire could read; the math is the kernel package's own
+  host oracle, ``combine_roundtrip_to_fp32`` ("quantize then dequantize each block exactly
+  as the device combine encoder + topk_reduce do") with ``mxfp8_quantize_per_block_32``
+  (``common/host_utils.py``) and ``_pack_f32_to_fp4`` (``moe_nvfp4_swapab/runner_common.py``).
+- ``te_mxfp8``: TransformerEngine's cuDNN MoE-EP with ``NVTE_MEGAMOE_MXFP8_COMBINE=1``
+  (``transformer_engine/pytorch/ops/fused/moe_ep.py`` only selects ``"mxfp8"`` for
+  ``cudnn.moe_ep.MoeEp``, whose kernel source is not public); the math is TE's own MXFP8
+  quantizer rule, ``float_to_e8m0`` (``cvt.rp.satfinite.ue8m0x2.f32`` on Blackwell, and its
+  bit-level fallback) and ``exp2f_rcp`` in ``transformer_engine/common/util/ptx.cuh``.
+
+Each of these kernels dequantizes every row into FP32, sums the rows in FP32 and rounds the
+sum to BF16 once: ``combine_accumulate = "fp32"`` (``moewire.megamoe.resum``).
+
+Every format here maps a block holding NaN or ±inf to all NaN: the sources leave that case
+open (DeepGEMM's amax is a ``cute::max`` shuffle whose NaN result depends on lane order, the
+host oracles' integer cast of a NaN exponent is undefined), and a healthy model's combine
+rows are finite.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+from moewire.formats._numerics import (
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_magnitude,
+    e4m3,
+    mul_recip,
+    pow2,
+    split_blocks,
+)
+from moewire.formats.base import WireFormat, register
+
+# TensorRT-LLM's host oracle clamps the block amax to this before the scale (FP32 value).
+_TRTLLM_AMAX_FLOOR = 1e-30
+
+
+def _exponent_fields(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Biased exponent and mantissa-is-nonzero of FP32 ``v >= 0`` (int32 each)."""
+    import torch
+
+    bits = v.view(torch.int32)
+    return (bits >> 23) & 0xFF, ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def _nan_where_nonfinite(out: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return torch.where(torch.isfinite(block_amax), out, torch.full_like(out, float("nan")))
+
+
+class _CombineFormat(WireFormat):
+    """Shared facts of the real-kernel combine formats: row-local, no amax, no ModelOpt
+    spelling (a cfg names them with ``format``), FP32 accumulation in the kernel."""
+
+    needs_amax = False
+    row_local = True
+    combine_accumulate = "fp32"
+
+
+class DeepGEMMFP8Combine(_CombineFormat):
+    """``deepgemm_fp8_combine``: DeepGEMM's ``DG_USE_FP8_COMBINE=1`` wire, E4M3 with one UE8M0
+    scale per (token, slot, 128 columns).
+
+    Math per block ``b`` of 128 columns, FP32 (``fl`` = one FP32 rounding)::
+
+        amax = max|x_b|                               # no floor (a zero block has amax 0)
+        s    = fl(amax * fl(1/448))                   # `local_amax * (1.0f / 448.0f)`
+        e    = E(s) - 127 + (M(s) != 0)               # fast_log2_ceil: E, M the exponent
+                                                      # and mantissa fields of s
+        q    = e4m3(fl(x_b * 2^-e))                   # __nv_fp8x4_e4m3: RNE, satfinite
+        sf   = 0 if e == -127 else 2^e                # fast_pow2(byte - 127); byte = e + 127
+        out  = q * sf                                 # exact (a power of two)
+
+    ``e`` is ``ceil(log2 s)`` for a normal ``s``; a subnormal ``s`` gets ``-126`` and
+    ``s = 0`` (a zero block, or an FP32 amax below ``2^-140``) gets ``-127``, whose
+    dequantization scale ``fast_pow2(-127)`` is the bit pattern 0, i.e. ``0.0``: such a
+    block comes out as zeros. ``fl(x_b * 2^-e)`` never exceeds 448, so the saturation
+    never fires on finite input.
+
+    How it differs from ``fp8_b128_ue8m0`` (DeepGEMM's host cast ``per_token_cast_to_fp8``):
+    that one floors the block amax at ``1e-4`` first, so a block with ``amax < 1e-4``
+    gets a coarser scale there (``2^-22``) and loses its small values; above the floor the
+    two agree (``tests/formats/test_combine_formats.py`` shows both cases).
+
+    The combine reduce reads the FP8 bytes and the scale byte, and accumulates
+    ``acc = fma(float(q), sf, acc)`` in FP32 in ascending slot order, then rounds to BF16
+    once (``__float22bfloat162_rn``); ``fma`` with an exact product is one addition.
+    """
+
+    name = "deepgemm_fp8_combine"
+    element_bits = 8
+    block_size = 128
+    scale_bits = 8
+
+    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
+        xb = split_blocks(x, self.block_size)
+        block_amax = xb.abs().amax(dim=-1, keepdim=True)
+        finite = torch.isfinite(block_amax)
+        s = mul_recip(torch.where(finite, block_amax, torch.zeros_like(block_amax)), E4M3_MAX)
+        biased, inexact = _exponent_fields(s)
+        e = biased - 127 + inexact
+        q = e4m3(xb * pow2(-e))
+        sf = torch.where(e == -127, torch.zeros_like(s), pow2(e))
+        out = _nan_where_nonfinite(q * sf, block_amax)
+        return out.reshape(x.shape).to(x.dtype)
+
+
+class TRTLLMMXFP8Combine(_CombineFormat):
+    """``trtllm_32e4m3xe8m0``: TensorRT-LLM's ``MEGAMOE_COMBINE_FORMAT=32e4m3xe8m0``, E4M3
+    with one E8M0 scale per 32 columns, the scale rounded up.
+
+    Math per block ``b`` of 32 columns, FP32 (the host oracle's
+    ``mxfp8_quantize_per_block_32``)::
+
+        amax = max|x_b|
+        s    = fl(max(amax, fl(1e-30)) * fl(1/448))  # torch.clamp(min=1e-30) * Fp8E4M3RcpLimit
+        e    = clamp(ceil(log2 s), -127, 127)        # exact, from the bits of s
+        e    = -127 if amax == 0                     # E8M0 byte 0
+        q    = e4m3(x_b / 2^e)                       # exact division, RNE
+        out  = q * 2^e
+
+    The oracle writes ``ceil(torch.log2(s))``; moewire takes the exact ``ceil(log2 s)``
+    from the exponent bits (as the device's UE8M0 conversion does). The two differ only
+    where ``torch.log2`` rounds a value just above a power of two down onto it.
+
+    How it differs from moewire's ``mxfp8`` (the OCP rule ``2^(floor(log2 amax) - 8)``):
+    the ceiling never lets the block maximum exceed 448, while OCP's floor lets it
+    saturate, and the two scales differ by one binade for most blocks; from ``te_mxfp8``
+    only for a block amax below ``1e-30`` (the floor here, none there). The top-k sum runs
+    in the op, after the kernel, in FP32 (TopkReduce "form A"; quantized combine formats
+    refuse the in-kernel "form B" reduce), with one BF16 rounding.
+    """
+
+    name = "trtllm_32e4m3xe8m0"
+    element_bits = 8
+    block_size = 32
+    scale_bits = 8
+
+    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
+        xb = split_blocks(x, self.block_size)
+        block_amax = xb.abs().amax(dim=-1, keepdim=True)
+        finite = torch.isfinite(block_amax)
+        usable = torch.where(finite, block_amax, torch.zeros_like(block_amax))
+        floor = torch.tensor(_TRTLLM_AMAX_FLOOR, dtype=torch.float32)
+        s = mul_recip(torch.maximum(usable, floor.to(usable.device)), E4M3_MAX)
+        biased, inexact = _exponent_fields(s)
+        e = (biased - 127 + inexact).clamp(-127, 127)
+        e = torch.where(usable == 0, torch.full_like(e, -127), e)
+        q = e4m3(xb * pow2(-e))
+        out = _nan_where_nonfinite(q * pow2(e), block_amax)
+        return out.reshape(x.shape).to(x.dtype)
+
+
+class TEMXFP8Combine(_CombineFormat):
+    """``te_mxfp8``: TransformerEngine's MXFP8 rule (``NVTE_MEGAMOE_MXFP8_COMBINE=1``), E4M3
+    with one E8M0 scale per 32 columns, rounded up.
+
+    Math per block ``b`` of 32 columns, FP32 (``float_to_e8m0``, ``exp2f_rcp``)::
+
+        amax = max|x_b|
+        v    = fl(amax * fl(1/448))                  # amax * max_norm_rcp
+        byte = 0                if v == 0            # cvt.rp.satfinite.ue8m0x2.f32:
+             = 0 or 1           if v is subnormal    #   round up to a power of two,
+                                                     #   0 up to 2^-127, 1 above
+             = min(E(v) + (M(v) != 0), 254) else     #   saturating at 2^127
+        r    = 1 if byte == 0 else 2^(127 - byte)    # exp2f_rcp
+        q    = e4m3(fl(x_b * r))
+        out  = q * 2^(byte - 127)
+
+    A block with ``byte = 0`` (``amax <= 448 * 2^-127``) is quantized with ``r = 1``, so all
+    of its values round to zero. Everywhere else this is ``trtllm_32e4m3xe8m0``'s math;
+    they differ only for blocks with ``amax < 1e-30`` (tests show one).
+    """
+
+    name = "te_mxfp8"
+    element_bits = 8
+    block_size = 32
+    scale_bits = 8
+
+    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
+        xb = split_blocks(x, self.block_size)
+        block_amax = xb.abs().amax(dim=-1, keepdim=True)
+        finite = torch.isfinite(block_amax)
+        v = mul_recip(torch.where(finite, block_amax, torch.zeros_like(block_amax)), E4M3_MAX)
+        biased, inexact = _exponent_fields(v)
+        mantissa = v.view(torch.int32) & 0x7FFFFF
+        subnormal_byte = (mantissa > 0x400000).to(torch.int32)
+        byte = torch.where(biased == 0, subnormal_byte, (biased + inexact).clamp(max=254))
+        recip = torch.where(byte == 0, torch.ones_like(v), pow2(127 - byte))
+        q = e4m3(xb * recip)
+        out = _nan_where_nonfinite(q * pow2(byte - 127), block_amax)
+        return out.reshape(x.shape).to(x.dtype)
+
+
+class TRTLLMFP4Combine(_CombineFormat):
+    """``trtllm_16e2m1xbf16``: TensorRT-LLM's ``MEGAMOE_COMBINE_FORMAT=16e2m1xbf16``, E2M1
+    with one BF16 value per 16 columns (the block amax; the scale is derived from it).
+
+    Math per block ``b`` of 16 columns, FP32 (the host oracle ``combine_roundtrip_to_fp32``)::
+
+        a    = bf16(max|x_b|)                        # stored as BF16 (exact for BF16 rows)
+        ds   = fl(a * fl(1/6))                       # decode scale, * Nvfp4E2M1RcpLimit
+        enc  = fl(1 / ds) if ds > 0 else 0           # the encoder's reciprocal
+        q    = e2m1(fl(x_b * enc))                   # nearest, ties to even, saturating
+                                                     # at 6; a zero result is +0.0
+        out  = fl(q * ds)                            # "plain unpack * stored_scale"
+
+    ``q * ds`` needs up to 26 significant bits, so the dequantized value is an FP32 number
+    that BF16 cannot hold: the kernel's FP32 accumulation and a QDQ-to-BF16 sum differ
+    here (``moewire.megamoe.resum``'s two accumulation modes).
+
+    Not modelled: the device encoder takes ``enc`` with ``rcp.approx.ftz.f32``, which may
+    differ from the correctly rounded reciprocal by one ulp (an element within an ulp of
+    an E2M1 rounding midpoint can then round the other way), and flushes a subnormal
+    ``ds`` (``a < 6 * 2^-126``) to zero. The oracle's nearest-value table lists the
+    even-mantissa values and +0 first, which is what makes its ties go to even and its
+    zeros positive.
+    """
+
+    name = "trtllm_16e2m1xbf16"
+    element_bits = 4
+    block_size = 16
+    scale_bits = 16
+
+    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
+        xb = split_blocks(x, self.block_size)
+        block_amax = xb.abs().amax(dim=-1, keepdim=True)
+        finite = torch.isfinite(block_amax)
+        a = torch.where(finite, block_amax, torch.zeros_like(block_amax))
+        ds = mul_recip(a.to(torch.bfloat16).to(torch.float32), E2M1_MAX)
+        enc = torch.where(ds > 0, torch.reciprocal(ds), torch.zeros_like(ds))
+        v = xb * enc
+        mag = e2m1_magnitude(v.abs().clamp(max=E2M1_MAX))
+        q = torch.where(mag == 0, torch.zeros_like(mag), torch.copysign(mag, v))
+        out = _nan_where_nonfinite(q * ds, block_amax)
+        return out.reshape(x.shape).to(x.dtype)
+
+
+register(DeepGEMMFP8Combine)
+register(TRTLLMMXFP8Combine)
+register(TEMXFP8Combine)
+register(TRTLLMFP4Combine)
