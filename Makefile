@@ -13,7 +13,8 @@ $(BIN)/python:
 	$(BIN)/pip install -q "$(TORCH)"
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e ".[test]"
+	# The transformers extra: tests/transformers and tests/eval run in `make test`.
+	$(BIN)/pip install -q -e ".[test,transformers]"
 	touch $@
 
 test: $(VENV)/.installed
