@@ -45,8 +45,15 @@ def checkpoint(family: str, path: Path, seed: int = 0, **shape: int) -> Path:
     """A random BF16 checkpoint of ``family`` in ``path`` (weights from ``seed``)."""
     import transformers as tf
 
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config(family, **shape))
+    with torch.random.fork_rng():  # the suite's global RNG stays as it was
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(config(family, **shape))
+        _randomize(model)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _randomize(model) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             # Routers: visible preferences; the rest stays at the model's init.
@@ -54,5 +61,3 @@ def checkpoint(family: str, path: Path, seed: int = 0, **shape: int) -> Path:
                 p.normal_(0.0, 0.5)
             elif "experts" in name:
                 p.normal_(0.0, p.shape[-1] ** -0.5)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path

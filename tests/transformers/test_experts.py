@@ -20,12 +20,13 @@ def _experts(family: str, implementation: str = "moewire"):
 
     cfg = _tiny.config(family)
     cfg._experts_implementation = implementation
-    torch.manual_seed(1)
-    model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    experts = model.model.layers[0].mlp.experts
-    with torch.no_grad():
-        experts.gate_up_proj.normal_(0.0, experts.gate_up_proj.shape[-1] ** -0.5)
-        experts.down_proj.normal_(0.0, experts.down_proj.shape[-1] ** -0.5)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+        experts = model.model.layers[0].mlp.experts
+        with torch.no_grad():
+            experts.gate_up_proj.normal_(0.0, experts.gate_up_proj.shape[-1] ** -0.5)
+            experts.down_proj.normal_(0.0, experts.down_proj.shape[-1] ** -0.5)
     return cfg, experts
 
 
@@ -92,10 +93,10 @@ def test_swiglu_limit_becomes_the_activation_clamp():
                               num_experts_per_tok=2, swiglu_limit=0.05)
     cfg._experts_implementation = "moewire"
     experts = tf.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4Experts(cfg)
-    torch.manual_seed(2)
+    gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        experts.gate_up_proj.normal_(0.0, 128**-0.5)
-        experts.down_proj.normal_(0.0, 128**-0.5)
+        for weights in (experts.gate_up_proj, experts.down_proj):
+            weights.copy_(torch.randn(weights.shape, generator=gen) / 128**0.5)
     experts.to(torch.bfloat16)
     x, idx, w = _routing(torch.Generator().manual_seed(3))
     with torch.no_grad():

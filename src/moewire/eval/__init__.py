@@ -4,6 +4,7 @@ on a local transformers MoE checkpoint (:func:`evaluate`)."""
 from moewire.eval.runner import (
     EvalError,
     PairResult,
+    choose_layers,
     evaluate,
     mixed_recipe_yaml,
     pair_entries,
@@ -11,5 +12,5 @@ from moewire.eval.runner import (
     table,
 )
 
-__all__ = ["EvalError", "PairResult", "evaluate", "mixed_recipe_yaml", "pair_entries",
-           "parse_pair", "table"]
+__all__ = ["EvalError", "PairResult", "choose_layers", "evaluate", "mixed_recipe_yaml",
+           "pair_entries", "parse_pair", "table"]

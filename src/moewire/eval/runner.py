@@ -6,7 +6,7 @@ runs the same token windows and is compared with the same model on a BF16 wire (
 ``bf16:bf16`` pair through the same Mega-MoE contract, exact: KL 0 bit for bit):
 
 - perplexity ``exp(mean_t -log p(x_{t+1}))``;
-- ``KL_t = sum_v p0_t(v) (log p0_t(v) - log p_t(v))`` (FP32), its mean and 99th
+- ``KL_t = sum_v p0_t(v) (log p0_t(v) - log p_t(v))`` (float64), its mean and 99th
   percentile over positions;
 - top-1 agreement ``mean_t [argmax p_t == argmax p0_t]``;
 - per layer, the relative L2 ``||y - y0|| / ||y0||`` of the experts' output;
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EvalError", "PairResult", "evaluate", "mixed_recipe_yaml", "pair_entries",
-           "parse_pair", "table"]
+__all__ = ["EvalError", "PairResult", "choose_layers", "evaluate", "mixed_recipe_yaml",
+           "pair_entries", "parse_pair", "table"]
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 BASELINE = ("bf16", "bf16")
@@ -123,12 +123,13 @@ def _check_dir(path: Path) -> dict[str, Any]:
     if not config_file.is_file():
         raise EvalError(f"checkpoint: {path} has no config.json; pass a transformers checkpoint")
     config = json.loads(config_file.read_text())
-    from moewire.integrations.transformers import _BY_MODEL_TYPE
+    from moewire.integrations.transformers import ARCHITECTURES
 
+    known = {a.model_type: a for a in ARCHITECTURES}
     model_type = config.get("model_type")
     text_config = config.get("text_config") or {}
     is_moe = any(k in config or k in text_config for k in _MOE_KEYS)
-    if model_type not in _BY_MODEL_TYPE:
+    if model_type not in known:
         if not is_moe:
             raise EvalError(
                 f"checkpoint: {path} is a {model_type!r} model without routed experts (none "
@@ -136,10 +137,10 @@ def _check_dir(path: Path) -> dict[str, Any]:
             )
         raise EvalError(
             f"checkpoint: {path}: unknown architecture {model_type!r}; moewire knows the "
-            f"experts of {', '.join(sorted(_BY_MODEL_TYPE))}"
+            f"experts of {', '.join(sorted(known))}"
         )
-    if _BY_MODEL_TYPE[model_type].refused:
-        raise EvalError(f"checkpoint: {path}: {_BY_MODEL_TYPE[model_type].refused}")
+    if known[model_type].refused:
+        raise EvalError(f"checkpoint: {path}: {known[model_type].refused}")
     return config
 
 
@@ -162,13 +163,13 @@ def _available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _estimate_bytes(path: Path, config: dict, tokens: int, dtype_bytes: int = 2) -> int:
+def _estimate_bytes(path: Path, config: dict, tokens: int) -> int:
     """Weights (the checkpoint's files), the experts' Mega-MoE copy (at most the weights
     again), the baseline and one pair's FP32 logits, and the activations of one window."""
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
     hidden = int(config.get("hidden_size") or 0)
-    return 2 * weights + 3 * tokens * vocab * 4 + 16 * tokens * hidden * dtype_bytes
+    return 2 * weights + 3 * tokens * vocab * 4 + 16 * tokens * hidden * 2
 
 
 class _Outputs:
@@ -202,11 +203,19 @@ def _forward(model: nn.Module, windows: list[torch.Tensor], modules) -> tuple[An
 
 
 def _metrics(logits: torch.Tensor, base: torch.Tensor, targets: torch.Tensor):
-    logp, logp0 = torch.log_softmax(logits, -1), torch.log_softmax(base, -1)
-    kl = (logp0.exp() * (logp0 - logp)).sum(-1).clamp(min=0.0)
-    nll = -logp.gather(-1, targets.unsqueeze(-1)).mean()
-    agree = (logits.argmax(-1) == base.argmax(-1)).float().mean()
-    return math.exp(nll.item()), kl.mean().item(), torch.quantile(kl, 0.99).item(), agree.item()
+    """``(perplexity, mean KL, p99 KL, top-1 agreement)``; float64, 256 positions at a time
+    (a small KL is a difference of nearly equal log-probabilities)."""
+    kls, nlls = [], []
+    for start in range(0, logits.shape[0], 256):
+        rows = slice(start, start + 256)
+        logp = logits[rows].double().log_softmax(-1)
+        logp0 = base[rows].double().log_softmax(-1)
+        kls.append((logp0.exp() * (logp0 - logp)).sum(-1).clamp(min=0.0))
+        nlls.append(-logp.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1))
+    kl, nll = torch.cat(kls), torch.cat(nlls)
+    agree = (logits.argmax(-1) == base.argmax(-1)).double().mean()
+    return math.exp(nll.mean().item()), kl.mean().item(), torch.quantile(kl, 0.99).item(), \
+        agree.item()
 
 
 def evaluate(
@@ -293,7 +302,8 @@ def evaluate(
         nbytes = (format_bits(dispatch, hidden) + format_bits(combine, hidden)) / 8
         return nbytes, comm_time(link, traffic, dispatch, combine, hidden).comm_us
 
-    def run(name: str, recipe: Any, dispatch: str, combine: str, base=None) -> PairResult:
+    def run(name: str, recipe: Any, dispatch: str, combine: str,
+            base: tuple | None = None) -> tuple[PairResult, tuple]:
         started = time.perf_counter()
         moewire.quantize(model, recipe, lambda m: _forward(m, inputs[:1], []))
         try:
@@ -357,6 +367,23 @@ def evaluate(
     return report
 
 
+def choose_layers(sensitivity: dict[int, float], budget: float) -> list[int]:
+    """The layers that take the low-precision pair: from the least sensitive up (ties by
+    layer index), while their KLs sum within ``budget``; sorted.
+
+    Args:
+        sensitivity: layer index -> mean KL with only that layer quantized.
+        budget: the mean-KL budget.
+    """
+    chosen, total = [], 0.0
+    for n in sorted(sensitivity, key=lambda layer: (sensitivity[layer], layer)):
+        if total + sensitivity[n] > budget:
+            break
+        chosen.append(n)
+        total += sensitivity[n]
+    return sorted(chosen)
+
+
 def _per_layer(model, modules, pair, run, base, budget, verdict, out_dir, log) -> dict[str, Any]:
     import re
 
@@ -368,12 +395,7 @@ def _per_layer(model, modules, pair, run, base, budget, verdict, out_dir, log) -
                              *pair, base)[0].kl_mean
     result: dict[str, Any] = {"pair": list(pair), "kl_by_layer": sensitivity}
     if budget is not None:
-        chosen, total = [], 0.0
-        for n in sorted(sensitivity, key=sensitivity.get):
-            if total + sensitivity[n] > budget:
-                break
-            chosen.append(n)
-            total += sensitivity[n]
+        chosen = choose_layers(sensitivity, budget)
         high = tuple(verdict.split(":")) if verdict else BASELINE
         yaml_text = mixed_recipe_yaml(pair, sorted(chosen), high,
                                       f"{pair[0]}:{pair[1]} on layers {sorted(chosen)}, "
