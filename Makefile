@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q "$(TORCH)"
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	# The transformers extra: tests/transformers and tests/eval run in `make test`.
+	# The transformers extra: tests/hf_transformers and tests/eval run in `make test`.
 	$(BIN)/pip install -q -e ".[test,transformers]"
 	touch $@
 

@@ -1,5 +1,5 @@
 """eval tests: skipped without transformers; they reuse the tiny checkpoints of
-tests/transformers and leave transformers' registries as they found them."""
+tests/hf_transformers and leave transformers' registries as they found them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).parents[1] / "transformers"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "hf_transformers"))
 
 
 @pytest.fixture(autouse=True)

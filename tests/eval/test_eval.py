@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import math
 
-import _tiny
 import pytest
-import torch
+
+pytest.importorskip("transformers.integrations.moe")
+
+import _tiny  # noqa: E402
+import torch  # noqa: E402
 
 import moewire
 from moewire.cli import main
@@ -50,8 +53,9 @@ def test_eval_runs_each_family_with_an_exact_baseline(family, checkpoint, tmp_pa
 
 def test_metrics_match_an_independent_computation(checkpoint):
     """Perplexity and KL recomputed in float64 from the two models' logits."""
-    import moewire.integrations.transformers as mt
     import transformers as tf
+
+    import moewire.integrations.transformers as mt
 
     path = checkpoint("qwen3_moe")
     report = evaluate(path, [("nvfp4", "nvfp4")], text=TEXT, max_tokens=32, seq_len=32,
@@ -126,8 +130,9 @@ def test_mixed_recipe_selects_exactly_the_layers_it_names():
 
 
 def test_mixed_recipe_file_quantizes_the_named_layers(checkpoint, tmp_path):
-    import moewire.integrations.transformers as mt
     import transformers as tf
+
+    import moewire.integrations.transformers as mt
 
     path = tmp_path / "mixed.yaml"
     path.write_text(mixed_recipe_yaml(("nvfp4", "nvfp4"), [1], ("fp8", "fp8"), "test"))

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 
 

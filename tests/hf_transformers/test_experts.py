@@ -4,9 +4,12 @@ serving names."""
 
 from __future__ import annotations
 
-import _tiny
 import pytest
-import torch
+
+pytest.importorskip("transformers.integrations.moe")
+
+import _tiny  # noqa: E402
+import torch  # noqa: E402
 
 import moewire
 from moewire.integrations.vllm_sites import SITES
