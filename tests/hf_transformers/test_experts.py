@@ -294,3 +294,22 @@ def test_prepare_refuses_a_model_without_moewire_experts(checkpoints, moewire_re
                                                    experts_implementation="eager")
     with pytest.raises(ValueError, match="no experts module running"):
         moewire_registered.prepare(model)
+
+
+@pytest.mark.parametrize(
+    ("mma_type", "message"),
+    [
+        ("fp8xfp4", r"model.layers.0.mlp.experts: the fp8xfp4 build cannot take these experts "
+                    r"\(.*multiple of 512"),
+        ("fp4xfp4", r"model.layers.0.mlp.experts: mma_type must be one of"),
+    ],
+    ids=["fp8xfp4-hidden-128", "unknown-mma"],
+)
+def test_prepare_refuses_a_build_the_shapes_do_not_fit(mma_type, message, checkpoints,
+                                                       moewire_registered):
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(checkpoints("qwen3_moe"),
+                                                   experts_implementation="moewire")
+    with pytest.raises(ValueError, match=message):
+        moewire_registered.prepare(model, mma_type)

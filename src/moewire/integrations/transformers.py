@@ -332,11 +332,17 @@ def _build_state(module: nn.Module, mma_type: str, max_num_tokens: int) -> _Mega
     l1, l2 = _kernel_layout(module)
     num_experts, two_i, hidden = l1.shape
     top_k = int(module.config.num_experts_per_tok)
+    try:
+        buffer = deep_gemm.get_symm_buffer_for_mega_moe(
+            None, num_experts, max_num_tokens, top_k, hidden, two_i // 2, mma_type=mma_type,
+            device=l1.device,
+        )
+    except ValueError as exc:
+        raise ValueError(
+            f"{_where(module)}: the {mma_type} build cannot take these experts ({exc}); use "
+            "another mma_type"
+        ) from exc
     l1_k, l2_k = _weights_for(mma_type, l1, l2)
-    buffer = deep_gemm.get_symm_buffer_for_mega_moe(
-        None, num_experts, max_num_tokens, top_k, hidden, two_i // 2, mma_type=mma_type,
-        device=l1.device,
-    )
     clamp = getattr(module, arch.clamp_attr) if arch.clamp_attr else None
     return _MegaState(mma_type, l1_k, l2_k, None if clamp is None else float(clamp), buffer,
                       num_experts, top_k)
