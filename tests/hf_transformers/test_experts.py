@@ -254,15 +254,23 @@ def _flagged(flag: str, value):
     return experts
 
 
+def _fp8_weights():
+    _, experts = _experts("qwen3_moe")
+    experts.gate_up_proj = torch.nn.Parameter(
+        experts.gate_up_proj.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    return experts
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
+        (_fp8_weights, "weights are torch.float8_e4m3fn; the stand-in builds take"),
         (lambda: _flagged("has_bias", True), "has_bias=True: the Mega-MoE kernel has no expert"),
         (lambda: _flagged("has_gate", False), "has_gate=False"),
         (lambda: _flagged("has_post_expert_norm", True), "has_post_expert_norm=True"),
         (lambda: _experts("gpt_oss")[1], "gpt-oss's experts have biases"),
     ],
-    ids=["bias", "no-gate", "post-norm", "gpt-oss"],
+    ids=["fp8-weights", "bias", "no-gate", "post-norm", "gpt-oss"],
 )
 def test_layouts_the_kernel_cannot_express_are_refused(make, message):
     experts = make()

@@ -249,8 +249,6 @@ class _MegaState:
     l2: Any
     clamp: float | None
     buffer: Any
-    num_experts: int
-    top_k: int
 
 
 def _model_type(model: nn.Module) -> str:
@@ -329,6 +327,11 @@ def _build_state(module: nn.Module, mma_type: str, max_num_tokens: int) -> _Mega
     _check_layout(module, arch)
     if mma_type not in MMA_TYPES:
         raise ValueError(f"{_where(module)}: mma_type must be one of {MMA_TYPES}, got {mma_type!r}")
+    if module.gate_up_proj.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise ValueError(
+            f"{_where(module)}: weights are {module.gate_up_proj.dtype}; the stand-in builds "
+            "take BF16/FP16/FP32 weights (dequantize the checkpoint first)"
+        )
     l1, l2 = _kernel_layout(module)
     num_experts, two_i, hidden = l1.shape
     top_k = int(module.config.num_experts_per_tok)
@@ -344,19 +347,12 @@ def _build_state(module: nn.Module, mma_type: str, max_num_tokens: int) -> _Mega
         ) from exc
     l1_k, l2_k = _weights_for(mma_type, l1, l2)
     clamp = getattr(module, arch.clamp_attr) if arch.clamp_attr else None
-    return _MegaState(mma_type, l1_k, l2_k, None if clamp is None else float(clamp), buffer,
-                      num_experts, top_k)
+    return _MegaState(mma_type, l1_k, l2_k, None if clamp is None else float(clamp), buffer)
 
 
 def _state(module: nn.Module) -> _MegaState:
     state = module.__dict__.get("_moewire_mega")
     if state is None:
-        weights = module.gate_up_proj
-        if weights.dtype not in (torch.bfloat16, torch.float32, torch.float16):
-            raise ValueError(
-                f"{_where(module)}: weights are {weights.dtype}; the stand-in builds take "
-                "BF16/FP16/FP32 weights (dequantize the checkpoint first)"
-            )
         state = _build_state(module, "bf16xbf16", DEFAULT_MAX_TOKENS)
         module.__dict__["_moewire_mega"] = state
     return state
