@@ -150,7 +150,8 @@ def _tokens(path: Path, text: str, vocab: int) -> torch.Tensor:
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
-        return torch.tensor(AutoTokenizer.from_pretrained(path)(text)["input_ids"])
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return torch.tensor(tokenizer(text)["input_ids"])
     return torch.tensor(list(text.encode())) % vocab
 
 
@@ -259,9 +260,10 @@ def evaluate(
             that does not fit in memory.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
     import moewire
     import moewire.integrations.transformers as mt
-    import transformers
     from moewire.study.comm import INTERCONNECTS, comm_time, uniform_traffic
 
     path = Path(checkpoint)
@@ -288,7 +290,8 @@ def evaluate(
         )
     mt.register()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, experts_implementation=mt.IMPLEMENTATION, dtype=torch.bfloat16
+        path, experts_implementation=mt.IMPLEMENTATION, dtype=torch.bfloat16,
+        local_files_only=True,
     ).to(dev)
     model.eval()
     mt.prepare(model, mma_type, max_num_tokens=seq_len)
@@ -332,13 +335,7 @@ def evaluate(
         results.append(run(f"{dispatch}:{combine}", {"quant_cfg": pair_entries(dispatch, combine)},
                            dispatch, combine, base)[0])
     for recipe in recipes:
-        moewire.quantize(model, recipe)
-        formats_used = [(n, q) for n, _, q in moewire.megamoe.api.quantizers(model)]
-        moewire.unquantize(model)
-        d = next((q.fmt.name for n, q in formats_used
-                  if n.endswith("dispatch_quantizer") and q.mode != "disabled"), "bf16")
-        c = next((q.fmt.name for n, q in formats_used
-                  if n.endswith("combine_quantizer") and q.mode != "disabled"), "bf16")
+        d, c = _recipe_pair(recipe, modules[0][0])
         results.append(run(str(recipe), recipe, d, c, base)[0])
     report: dict[str, Any] = {
         "checkpoint": str(path), "model_type": config.get("model_type"), "tokens": tokens,
@@ -382,6 +379,22 @@ def choose_layers(sensitivity: dict[int, float], budget: float) -> list[int]:
         chosen.append(n)
         total += sensitivity[n]
     return sorted(chosen)
+
+
+def _recipe_pair(recipe: str, module_name: str) -> tuple[str, str]:
+    """The dispatch and combine formats a recipe gives ``module_name``'s quantizers (BF16
+    where it gives none): what the bytes and the wire time of a recipe are counted from."""
+    from moewire import recipes
+    from moewire.config import parse_cfg
+
+    loaded = recipes.load(recipe)
+
+    def fmt(kind: str) -> str:
+        cfg = loaded.match(f"{module_name}.{kind}_quantizer")
+        spec = None if cfg is None else parse_cfg(cfg)
+        return spec.fmt if spec is not None and spec.enable else "bf16"
+
+    return fmt("dispatch"), fmt("combine")
 
 
 def _per_layer(model, modules, pair, run, base, budget, verdict, out_dir, log) -> dict[str, Any]:
