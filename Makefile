@@ -12,8 +12,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 
+# The transformers extra: tests/hf_transformers and tests/eval run in `make test`.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,transformers]"
 	touch $@
 
 test: $(VENV)/.installed

@@ -243,6 +243,59 @@ def _run_study(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "eval",
+        help="perplexity, KL and top-1 agreement of wire format pairs on a local MoE checkpoint",
+        description=(
+            "Run a local transformers MoE checkpoint (offline) through the Mega-MoE contract "
+            "(experts_implementation='moewire') and compare each dispatch:combine pair with "
+            "the same model on a BF16 wire."
+        ),
+    )
+    p.add_argument("checkpoint", help="local checkpoint directory (config.json, safetensors)")
+    p.add_argument("--pairs", nargs="*", default=["fp8:fp8", "fp8:nvfp4", "nvfp4:nvfp4"],
+                   help="DISPATCH:COMBINE format pairs (default fp8:fp8 fp8:nvfp4 nvfp4:nvfp4)")
+    p.add_argument("--recipe", action="append", default=[],
+                   help="a recipe name or YAML path to measure as well (repeatable)")
+    p.add_argument("--text", type=Path, default=None,
+                   help="text file to evaluate on (default: the embedded calibration text)")
+    p.add_argument("--max-tokens", type=_int_at_least(2), default=1024,
+                   help="tokens evaluated (default 1024)")
+    p.add_argument("--seq-len", type=_int_at_least(2), default=128,
+                   help="tokens per window (default 128)")
+    p.add_argument("--mma", choices=("bf16xbf16", "fp8xfp4"), default="bf16xbf16",
+                   help="the stand-in kernel build (default bf16xbf16: the weights stay BF16)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--budget", type=_float_at_least(0.0), default=None,
+                   help="mean-KL budget: name the cheapest pair within it")
+    p.add_argument("--per-layer", metavar="DISPATCH:COMBINE", default=None,
+                   help="quantize one layer at a time with this pair; with --budget, write "
+                        "mixed_recipe.yaml")
+    p.add_argument("--out", type=Path, default=Path("moewire-eval"),
+                   help="output directory (default ./moewire-eval)")
+    return p
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from moewire.eval import evaluate, parse_pair, table
+
+    pairs = [parse_pair(text) for text in args.pairs]
+    per_layer = parse_pair(args.per_layer) if args.per_layer else None
+    text = args.text.read_text() if args.text is not None else None
+    report = evaluate(
+        args.checkpoint, pairs, recipes=args.recipe, text=text, max_tokens=args.max_tokens,
+        seq_len=args.seq_len, mma_type=args.mma, device=args.device, budget=args.budget,
+        per_layer=per_layer, out_dir=args.out,
+    )
+    print(table(report))
+    if "budget" in report:
+        verdict = report["budget"]["verdict"]
+        print(f"budget KL {args.budget:g}: " + (verdict or "no pair within budget"))
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'kl.png'}")
+    return 0
+
+
 def _run_formats(args: argparse.Namespace) -> int:
     from moewire import formats
 
@@ -284,8 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moewire",
         description="Simulate low-precision MoE dispatch/combine in fused Mega-MoE kernels.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{study,formats}")
+    sub = parser.add_subparsers(dest="command", metavar="{study,formats,eval}")
     _study_parser(sub)
+    _eval_parser(sub)
     fp = sub.add_parser("formats", help="print the wire-format table")
     fp.add_argument("--hidden", type=_int_at_least(1), default=4096,
                     help="hidden size for the bits-per-element column (default 4096)")
@@ -307,6 +361,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "formats":
             return _run_formats(args)
+        if args.command == "eval":
+            from moewire.eval import EvalError
+
+            try:
+                return _run_eval(args)
+            except EvalError as exc:
+                print(f"moewire eval: error: {exc}", file=sys.stderr)
+                return 2
         return _run_study(args)
     except StudyArgumentError as exc:
         print(f"moewire {args.command}: error: {exc}", file=sys.stderr)

@@ -24,6 +24,7 @@ __all__ = [
     "register_experts_class",
     "registered_classes",
     "stage_fn_names",
+    "unregister_experts_class",
 ]
 
 
@@ -105,6 +106,12 @@ def register_experts_class(cls: type, adapter: ExpertsAdapter) -> None:
             "the original experts class"
         )
     _ADAPTERS[cls] = adapter
+
+
+def unregister_experts_class(cls: type) -> None:
+    """Remove ``cls``'s own adapter (a no-op when it has none): an integration that
+    registers classes on demand undoes it with this."""
+    _ADAPTERS.pop(cls, None)
 
 
 def adapter_for(module: nn.Module) -> ExpertsAdapter | None:

@@ -1,0 +1,500 @@
+"""moewire as a transformers experts implementation: ``experts_implementation="moewire"``.
+
+transformers 5.23.0 (``transformers/integrations/moe.py``) gives every modern MoE model one
+experts contract, ``Experts.forward(hidden_states [T, H], top_k_index [T, k],
+top_k_weights [T, k]) -> [T, H]``, and a registry of implementations
+(``ExpertsInterface``) that ``use_experts_implementation`` dispatches to from
+``config._experts_implementation``. This module registers ``"moewire"`` there. Its forward
+runs the experts through the Mega-MoE contract of the stand-in DeepGEMM kernel
+(``moewire.reference.deep_gemm``), the way vLLM's ``DeepGemmMegaMoEExperts`` does:
+
+1. stage the tokens, ids and router weights into the layer's symmetric buffer
+   (``stage_mega_moe_inputs``: BF16 tokens for ``bf16xbf16``, UE8M0-per-32 FP8 for
+   ``fp8xfp4``), in chunks of at most the buffer's capacity;
+2. call the kernel through the ``deep_gemm`` namespace (``bf16_mega_moe`` or
+   ``fp8_fp4_mega_moe``): ``y = sum_k w_k * L2(act(L1(x)))`` with the router weight applied
+   to L1's activation, BF16 rows summed in FP32 (``moewire.reference.deep_gemm``);
+3. return ``y`` in ``hidden_states``' dtype.
+
+Both globals are read at call time, so :func:`moewire.quantize` interposes on them as on
+vLLM's forward: each experts module, once converted, has ``dispatch_quantizer`` and
+``combine_quantizer`` named ``model.layers.N.mlp.experts.{dispatch,combine}_quantizer``.
+
+What the model keeps: its router (``top_k_weights`` arrive scaled by
+``routed_scaling_factor``, which transformers' routers apply, e.g. DeepSeek-V3's
+``DeepseekV3TopkRouter.forward``), its shared expert (added by the MoE block after the
+experts, on unquantized tokens, as vLLM's unfused shared expert) and its SwiGLU limit
+(DeepSeek-V4's ``swiglu_limit`` becomes the kernel's ``activation_clamp``).
+
+Weight layouts come from the flags ``use_experts_implementation`` sets on each instance
+(``is_concatenated``, ``is_transposed``, ``has_bias``, ``has_gate``,
+``has_post_expert_norm``; read in transformers 5.23.0 ``integrations/moe.py``); the kernel
+reads L1 ``[E, 2I, H]`` with rows ``[gate | up]`` and L2 ``[E, H, I]``. A layout or an
+activation the kernel cannot express (biases, gpt-oss's ``(up + 1) * gate *
+sigmoid(alpha * gate)``, a custom ``_apply_gate``, a non-SiLU activation) is refused.
+
+Builds (``mma_type``): ``"bf16xbf16"`` (the default: BF16 weights stay as they are and only
+the wire changes; FP32 weights are rounded to BF16) or ``"fp8xfp4"`` (opt-in: weights
+quantized to FP4 E2M1 with UE8M0 scales per 32, tokens staged in FP8).
+
+Usage::
+
+    import moewire.integrations.transformers as mt
+    mt.register()
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moewire")
+    mt.prepare(model)                    # build the Mega-MoE state of every experts module
+    moewire.quantize(model, "moe_fp8", forward_loop)
+
+Scale names map to the serving engines' module names with :func:`serving_name` (see
+``docs/eval.md``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moewire.megamoe.api import save_scales
+from moewire.megamoe.flavours import detect
+from moewire.megamoe.registry import (
+    ExpertsAdapter,
+    register_experts_class,
+    unregister_experts_class,
+)
+from moewire.megamoe.scales_file import read_scales, write_scales
+from moewire.reference import deep_gemm
+from moewire.reference._numerics import quantize_fp4_ue8m0
+from moewire.reference.experts import stage_mega_moe_inputs
+
+__all__ = [
+    "ARCHITECTURES",
+    "IMPLEMENTATION",
+    "MMA_TYPES",
+    "Architecture",
+    "architecture_of",
+    "experts_modules",
+    "prepare",
+    "register",
+    "save_serving_scales",
+    "serving_name",
+    "unregister",
+]
+
+IMPLEMENTATION = "moewire"
+MMA_TYPES = ("bf16xbf16", "fp8xfp4")
+_KERNELS = {"bf16xbf16": "bf16_mega_moe", "fp8xfp4": "fp8_fp4_mega_moe"}
+#: Tokens per kernel call unless ``prepare`` is told otherwise (the buffer's capacity).
+DEFAULT_MAX_TOKENS = 2048
+_SILU = ("silu", "swish")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One transformers MoE family: its experts class and the serving engines' names.
+
+    Attributes:
+        model_type: ``config.model_type`` (``"deepseek_v3"``).
+        module: the transformers module that defines the experts class.
+        experts_class: the class decorated with ``use_experts_implementation``.
+        clamp_attr: the experts' attribute holding a SwiGLU limit (``gate <= c``,
+            ``|up| <= c``), passed as ``activation_clamp``; ``None``: no limit.
+        vllm: vLLM's module path of the layer's experts, ``{n}`` the layer index, or
+            ``None`` where vLLM has no Mega-MoE experts for the family.
+        vllm_site: ``(module, class)`` of vLLM's Mega-MoE experts for the family (an entry
+            of ``moewire.integrations.vllm_sites.SITES``), or ``None``.
+        sglang: SGLang's module path of the layer's experts, or ``None``.
+        refused: why the kernel cannot run this family's experts, or ``None``.
+        read_from: the sources the entry was read from.
+    """
+
+    model_type: str
+    module: str
+    experts_class: str
+    clamp_attr: str | None = None
+    vllm: str | None = None
+    vllm_site: tuple[str, str] | None = None
+    sglang: str | None = None
+    refused: str | None = None
+    read_from: str = ""
+
+
+_TF = "transformers.models"
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture(
+        "deepseek_v3", f"{_TF}.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Experts",
+        # vLLM's DeepseekV2MoE holds `experts` under `mlp`; SGLang 0.5.23
+        # sglang/srt/models/deepseek_v2.py: model.layers.N.mlp.experts.
+        vllm="model.layers.{n}.mlp.experts", sglang="model.layers.{n}.mlp.experts",
+        read_from="transformers 5.23.0 modeling_deepseek_v3.py; SGLang 0.5.23 deepseek_v2.py",
+    ),
+    Architecture(
+        "deepseek_v4", f"{_TF}.deepseek_v4.modeling_deepseek_v4", "DeepseekV4Experts",
+        clamp_attr="limit",
+        # vLLM's DeepSeek-V4 decoder layer calls its MoE `ffn`
+        # (vllm/models/deepseek_v4/nvidia/model.py, DeepseekV4MegaMoEExperts).
+        vllm="model.layers.{n}.ffn.experts",
+        vllm_site=("vllm.models.deepseek_v4.nvidia.model", "DeepseekV4MegaMoEExperts"),
+        sglang="model.layers.{n}.mlp.experts",
+        read_from="transformers 5.23.0 modeling_deepseek_v4.py (DeepseekV4Experts._apply_gate)",
+    ),
+    Architecture(
+        "qwen3_moe", f"{_TF}.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts",
+        vllm="model.layers.{n}.mlp.experts", sglang="model.layers.{n}.mlp.experts",
+        read_from="transformers 5.23.0 modeling_qwen3_moe.py",
+    ),
+    Architecture(
+        "mixtral", f"{_TF}.mixtral.modeling_mixtral", "MixtralExperts",
+        # vLLM's and SGLang's Mixtral keep the MoE block as `block_sparse_moe`.
+        vllm="model.layers.{n}.block_sparse_moe.experts",
+        sglang="model.layers.{n}.block_sparse_moe.experts",
+        read_from="transformers 5.23.0 modeling_mixtral.py",
+    ),
+    Architecture(
+        "gpt_oss", f"{_TF}.gpt_oss.modeling_gpt_oss", "GptOssExperts",
+        vllm="model.layers.{n}.mlp.experts",
+        vllm_site=("vllm.model_executor.layers.fused_moe.experts.deep_gemm_mega_moe",
+                   "DeepGemmMegaExperts"),
+        sglang="model.layers.{n}.mlp.experts",
+        refused=(
+            "gpt-oss's experts have biases (has_bias=True) and the activation "
+            "(up + 1) * gate * sigmoid(alpha * gate) with interleaved gate/up rows, which the "
+            "stand-in Mega-MoE kernel does not model (it has SwiGLU without bias)"
+        ),
+        read_from="transformers 5.23.0 modeling_gpt_oss.py (GptOssExperts._apply_gate)",
+    ),
+)
+
+_BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES}
+_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts(\.(?:dispatch|combine)_quantizer)?$")
+
+
+def architecture_of(model_type: str) -> Architecture:
+    """The :class:`Architecture` of ``config.model_type``.
+
+    Raises:
+        ValueError: the family is not in :data:`ARCHITECTURES` (the message lists them).
+    """
+    arch = _BY_MODEL_TYPE.get(model_type)
+    if arch is None:
+        raise ValueError(
+            f"moewire.integrations.transformers: unknown architecture {model_type!r}; moewire "
+            f"knows the experts layouts of {', '.join(sorted(_BY_MODEL_TYPE))} (read from "
+            "transformers 5.23.0); add an Architecture entry after reading the family's "
+            "experts class"
+        )
+    return arch
+
+
+def serving_name(name: str, model_type: str, host: str) -> str:
+    """The serving engine's name for a transformers experts module or quantizer name.
+
+    ``serving_name("model.layers.3.mlp.experts.combine_quantizer", "deepseek_v4", "vllm")``
+    is ``"model.layers.3.ffn.experts.combine_quantizer"``.
+
+    Args:
+        name: ``model.layers.N.mlp.experts`` with an optional ``.dispatch_quantizer`` /
+            ``.combine_quantizer``.
+        model_type: the transformers ``config.model_type``.
+        host: ``"vllm"`` or ``"sglang"``.
+
+    Raises:
+        ValueError: an unknown host, architecture or name shape, or a family the host has
+            no path for.
+    """
+    if host not in ("vllm", "sglang"):
+        raise ValueError(f"serving_name: host must be 'vllm' or 'sglang', got {host!r}")
+    arch = architecture_of(model_type)
+    match = _NAME.match(name)
+    if match is None:
+        raise ValueError(
+            f"serving_name: {name!r} is not a transformers experts name "
+            "(model.layers.N.mlp.experts[.dispatch_quantizer|.combine_quantizer])"
+        )
+    template = getattr(arch, host)
+    if template is None:
+        raise ValueError(f"serving_name: {host} has no experts path for {model_type}")
+    return template.format(n=match.group(1)) + (match.group(2) or "")
+
+
+def save_serving_scales(model: nn.Module, path: str | Path, host: str) -> Path:
+    """:func:`moewire.save_scales` with every name mapped to ``host``'s (:func:`serving_name`),
+    so the file loads into the engine's experts modules.
+
+    Returns:
+        ``path``.
+    """
+    path = Path(path)
+    model_type = _model_type(model)
+    save_scales(model, path)
+    scales = read_scales(path)
+    return write_scales(path, {serving_name(n, model_type, host): s for n, s in scales.items()})
+
+
+# ---------------------------------------------------------------------------- the state
+
+
+@dataclass
+class _MegaState:
+    """The Mega-MoE form of one experts module: kernel weights and its buffer."""
+
+    mma_type: str
+    l1: Any
+    l2: Any
+    clamp: float | None
+    buffer: Any
+
+
+def _model_type(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str):
+        raise ValueError(
+            f"{type(model).__name__} has no config.model_type; pass a transformers model"
+        )
+    return model_type
+
+
+def _where(module: nn.Module) -> str:
+    return module.__dict__.get("_moewire_tf_name") or type(module).__name__
+
+
+def _arch_of_module(module: nn.Module) -> Architecture | None:
+    for arch in ARCHITECTURES:
+        for klass in type(module).__mro__:
+            if klass.__name__ == arch.experts_class and klass.__module__ == arch.module:
+                return arch
+    return None
+
+
+def _check_layout(module: nn.Module, arch: Architecture | None) -> None:
+    where = _where(module)
+    if arch is None:
+        raise ValueError(
+            f"{where}: {type(module).__qualname__} is an experts class moewire has not read; "
+            f"use one of {', '.join(a.experts_class for a in ARCHITECTURES if not a.refused)} "
+            "or add an Architecture entry"
+        )
+    if arch.refused:
+        raise ValueError(f"{where}: {arch.refused}; use experts_implementation='eager'")
+    for flag, bad, why in (
+        ("has_bias", True, "expert biases"),
+        ("has_gate", False, "experts without a gate (no SwiGLU)"),
+        ("has_post_expert_norm", True, "a norm after each expert"),
+    ):
+        if getattr(module, flag, not bad) == bad:
+            raise ValueError(
+                f"{where}: {flag}={bad}: the Mega-MoE kernel has no {why}; use "
+                "experts_implementation='eager'"
+            )
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    if act not in _SILU:
+        raise ValueError(
+            f"{where}: hidden_act={act!r}; the Mega-MoE kernel's activation is SwiGLU (silu); "
+            "use experts_implementation='eager'"
+        )
+
+
+def _kernel_layout(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """L1 ``[E, 2I, H]`` rows ``[gate | up]`` and L2 ``[E, H, I]`` from the module's flags.
+
+    ``is_transposed``: ``gate_up_proj`` is ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]``;
+    ``is_concatenated=False``: gate and up rows interleave (``gate0, up0, gate1, ...``).
+    """
+    l1, l2 = module.gate_up_proj.detach(), module.down_proj.detach()
+    if module.is_transposed:
+        l1, l2 = l1.transpose(1, 2), l2.transpose(1, 2)
+    if not module.is_concatenated:
+        l1 = torch.cat([l1[:, 0::2], l1[:, 1::2]], dim=1)
+    return l1, l2
+
+
+def _weights_for(mma_type: str, l1: torch.Tensor, l2: torch.Tensor) -> tuple[Any, Any]:
+    if mma_type == "bf16xbf16":
+        return deep_gemm.transform_weights_for_mega_moe(l1.bfloat16(), l2.bfloat16())
+    return deep_gemm.transform_weights_for_mega_moe(quantize_fp4_ue8m0(l1),
+                                                    quantize_fp4_ue8m0(l2))
+
+
+def _build_state(module: nn.Module, mma_type: str, max_num_tokens: int) -> _MegaState:
+    arch = _arch_of_module(module)
+    _check_layout(module, arch)
+    if mma_type not in MMA_TYPES:
+        raise ValueError(f"{_where(module)}: mma_type must be one of {MMA_TYPES}, got {mma_type!r}")
+    if module.gate_up_proj.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise ValueError(
+            f"{_where(module)}: weights are {module.gate_up_proj.dtype}; the stand-in builds "
+            "take BF16/FP16/FP32 weights (dequantize the checkpoint first)"
+        )
+    l1, l2 = _kernel_layout(module)
+    num_experts, two_i, hidden = l1.shape
+    top_k = int(module.config.num_experts_per_tok)
+    try:
+        buffer = deep_gemm.get_symm_buffer_for_mega_moe(
+            None, num_experts, max_num_tokens, top_k, hidden, two_i // 2, mma_type=mma_type,
+            device=l1.device,
+        )
+    except ValueError as exc:
+        raise ValueError(
+            f"{_where(module)}: the {mma_type} build cannot take these experts ({exc}); use "
+            "another mma_type"
+        ) from exc
+    l1_k, l2_k = _weights_for(mma_type, l1, l2)
+    clamp = getattr(module, arch.clamp_attr) if arch.clamp_attr else None
+    return _MegaState(mma_type, l1_k, l2_k, None if clamp is None else float(clamp), buffer)
+
+
+def _state(module: nn.Module) -> _MegaState:
+    state = module.__dict__.get("_moewire_mega")
+    if state is None:
+        state = _build_state(module, "bf16xbf16", DEFAULT_MAX_TOKENS)
+        module.__dict__["_moewire_mega"] = state
+    return state
+
+
+def moewire_experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The ``"moewire"`` experts implementation (the module docstring says the steps).
+
+    Args:
+        self: the transformers experts module.
+        hidden_states: ``[T, H]`` floating.
+        top_k_index: integer ``[T, k]`` expert ids.
+        top_k_weights: floating ``[T, k]`` router weights (``routed_scaling_factor`` in).
+
+    Returns:
+        ``[T, H]`` in ``hidden_states``' dtype (the kernel's BF16 ``y``).
+    """
+    state = _state(self)
+    buffer = state.buffer
+    capacity = buffer.num_max_tokens_per_rank
+    kernel = _KERNELS[state.mma_type]
+    outputs = []
+    for start in range(0, hidden_states.shape[0], capacity):
+        tokens = hidden_states[start : start + capacity]
+        stage_mega_moe_inputs(
+            tokens.bfloat16(), top_k_index[start : start + capacity],
+            top_k_weights[start : start + capacity].float(), buffer,
+        )
+        y = torch.empty(tokens.shape, dtype=torch.bfloat16, device=tokens.device)
+        getattr(deep_gemm, kernel)(y, state.l1, state.l2, buffer,
+                                   activation_clamp=state.clamp)
+        outputs.append(y)
+    if not outputs:
+        return torch.zeros_like(hidden_states)
+    return torch.cat(outputs).to(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------------------- registration
+
+
+def _uses_moewire(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return getattr(config, "_experts_implementation", None) == IMPLEMENTATION
+
+
+def _adapter(arch: Architecture) -> ExpertsAdapter:
+    import transformers
+
+    return ExpertsAdapter(
+        name=f"transformers-{arch.model_type}",
+        forward_module=__name__,
+        stage_fn="stage_mega_moe_inputs",
+        stage_hidden_arg=0,
+        kernel_ns="deep_gemm",
+        get_symm_buffer=lambda m: _state(m).buffer,
+        flavour=lambda m: detect(deep_gemm, _where(m)).name,
+        fused_shared=lambda m: False,
+        ep_group=lambda m: None,
+        runtime=lambda: f"transformers {transformers.__version__}",
+        applies=_uses_moewire,
+    )
+
+
+def _experts_classes() -> Iterator[tuple[Architecture, type]]:
+    import importlib
+
+    for arch in ARCHITECTURES:
+        if arch.refused:
+            continue
+        try:
+            module = importlib.import_module(arch.module)
+        except ImportError:
+            continue
+        cls = getattr(module, arch.experts_class, None)
+        if isinstance(cls, type):
+            yield arch, cls
+
+
+def register() -> None:
+    """Register ``"moewire"`` in transformers' ``ExpertsInterface`` and an experts adapter
+    for every family in :data:`ARCHITECTURES` (idempotent; :func:`unregister` undoes it)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, moewire_experts_forward)
+    for arch, cls in _experts_classes():
+        register_experts_class(cls, _adapter(arch))
+
+
+def unregister() -> None:
+    """Undo :func:`register`."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface._global_mapping.pop(IMPLEMENTATION, None)
+    for _, cls in _experts_classes():
+        unregister_experts_class(cls)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every experts module of ``model`` that runs ``"moewire"``."""
+    return [(n, m) for n, m in model.named_modules()
+            if _uses_moewire(m) and hasattr(m, "gate_up_proj")]
+
+
+def prepare(
+    model: nn.Module,
+    mma_type: str | None = None,
+    *,
+    max_num_tokens: int = DEFAULT_MAX_TOKENS,
+) -> nn.Module:
+    """Build the Mega-MoE state (kernel weights, buffer) of every ``"moewire"`` experts module.
+
+    Call it after ``from_pretrained(..., experts_implementation="moewire")`` and before
+    :func:`moewire.quantize`. A module without a state builds the default one on its first
+    forward.
+
+    Args:
+        model: a transformers model loaded with ``experts_implementation="moewire"``.
+        mma_type: ``"bf16xbf16"`` (default) or ``"fp8xfp4"``.
+        max_num_tokens: tokens per kernel call (a longer batch is split).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: no experts module runs ``"moewire"``; a module's layout or activation is
+            one the kernel cannot express (the message names the module).
+    """
+    modules = experts_modules(model)
+    if not modules:
+        raise ValueError(
+            f"prepare: {type(model).__name__} has no experts module running "
+            f"experts_implementation={IMPLEMENTATION!r}; load it with from_pretrained(path, "
+            f"experts_implementation={IMPLEMENTATION!r}) after register()"
+        )
+    for name, module in modules:
+        module.__dict__["_moewire_tf_name"] = name
+        module.__dict__["_moewire_mega"] = _build_state(
+            module, mma_type or "bf16xbf16", max_num_tokens
+        )
+    return model

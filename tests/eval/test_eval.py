@@ -1,0 +1,211 @@
+"""``moewire eval`` on tiny random checkpoints of each family: the exact baseline, the
+metrics against an independent computation, the budget verdict, the per-layer mixed recipe
+and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("transformers.integrations.moe")
+
+import _tiny  # noqa: E402
+import torch  # noqa: E402
+
+import moewire
+from moewire.cli import main
+from moewire.eval import EvalError, choose_layers, evaluate, mixed_recipe_yaml
+
+FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
+TEXT = "The quick brown fox jumps over the lazy dog. " * 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = _tiny.checkpoint(family, tmp_path_factory.mktemp(family))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eval_runs_each_family_with_an_exact_baseline(family, checkpoint, tmp_path):
+    report = evaluate(checkpoint(family), [("fp8", "nvfp4")], text=TEXT, max_tokens=64,
+                      seq_len=32, device="cpu", out_dir=tmp_path, log=lambda s: None)
+    base, pair = report["pairs"]
+    assert base["name"] == "bf16:bf16"
+    # The BF16 wire through the same contract is the reference itself: bit for bit.
+    assert base["kl_mean"] == 0.0 and base["kl_p99"] == 0.0 and base["top1_agreement"] == 1.0
+    assert all(v == 0.0 for v in base["layer_rel_l2"].values())
+    assert pair["kl_mean"] > 0.0 and 0.0 < pair["top1_agreement"] <= 1.0
+    assert set(pair["layer_rel_l2"]) == {"model.layers.0.mlp.experts",
+                                         "model.layers.1.mlp.experts"}
+    assert pair["bytes_per_token"] < base["bytes_per_token"] and pair["wire_us"] < base["wire_us"]
+    assert json.loads((tmp_path / "results.json").read_text())["pairs"][1]["name"] == "fp8:nvfp4"
+    assert (tmp_path / "kl.png").stat().st_size > 0
+
+
+def test_metrics_match_an_independent_computation(checkpoint):
+    """Perplexity and KL recomputed in float64 from the two models' logits."""
+    import transformers as tf
+
+    import moewire.integrations.transformers as mt
+
+    path = checkpoint("qwen3_moe")
+    report = evaluate(path, [("nvfp4", "nvfp4")], text=TEXT, max_tokens=32, seq_len=32,
+                      device="cpu", log=lambda s: None)
+    ids = torch.tensor(list(TEXT.encode()))[:33] % _tiny.VOCAB
+    mt.register()
+    model = mt.prepare(tf.AutoModelForCausalLM.from_pretrained(
+        path, experts_implementation="moewire", dtype=torch.bfloat16), max_num_tokens=32)
+    with torch.no_grad():
+        base = model(ids[None, :-1]).logits[0].double()
+        moewire.quantize(model, {"quant_cfg": [
+            {"quantizer_name": "*_quantizer", "cfg": {"format": "nvfp4"}}]},
+            lambda m: m(ids[None, :-1]))
+        quant = model(ids[None, :-1]).logits[0].double()
+    logp, logp0 = quant.log_softmax(-1), base.log_softmax(-1)
+    kl = (logp0.exp() * (logp0 - logp)).sum(-1)
+    ppl = math.exp(-logp.gather(-1, ids[1:, None]).mean().item())
+    got = report["pairs"][1]
+    # KL(p0 || p) and KL(p || p0) differ by about 1e-4 relative here: the test tells them apart.
+    assert got["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-9)
+    assert got["perplexity"] == pytest.approx(ppl, rel=1e-12)
+
+
+def test_budget_verdict_and_mixed_recipe(checkpoint, tmp_path):
+    report = evaluate(checkpoint("qwen3_moe"), [("fp8", "fp8"), ("nvfp4", "nvfp4")],
+                      text=TEXT, max_tokens=64, seq_len=32, device="cpu", budget=1e-2,
+                      per_layer=("nvfp4", "nvfp4"), out_dir=tmp_path, log=lambda s: None)
+    by_name = {p["name"]: p for p in report["pairs"]}
+    within = [n for n, p in by_name.items() if n != "bf16:bf16" and p["kl_mean"] <= 1e-2]
+    cheapest = min(within, key=lambda n: by_name[n]["bytes_per_token"]) if within else None
+    assert report["budget"]["verdict"] == cheapest
+    per_layer = report["per_layer"]
+    assert set(per_layer["kl_by_layer"]) == {0, 1}
+    assert sum(per_layer["kl_by_layer"][n] for n in per_layer["layers"]) <= 1e-2
+    recipe = moewire.recipes.load(per_layer["recipe"])
+    assert recipe.entries
+
+
+@pytest.mark.parametrize(
+    ("sensitivity", "budget", "expected"),
+    [
+        ({0: 3e-3, 1: 1e-3, 2: 2e-3}, 3e-3, [1, 2]),       # 1e-3 + 2e-3 fits exactly
+        ({0: 3e-3, 1: 1e-3, 2: 2e-3}, 2.9e-3, [1]),        # the next one would pass it
+        ({0: 1e-3, 1: 1e-3, 2: 1e-3}, 2e-3, [0, 1]),       # ties: lower layer first
+        ({0: 5e-3, 1: 6e-3}, 1e-3, []),                     # none fits
+        ({3: 1e-4, 7: 5e-2, 5: 1e-4}, 1.0, [3, 5, 7]),     # all fit
+    ],
+    ids=["exact-fit", "next-passes", "ties", "none", "all"],
+)
+def test_choose_layers(sensitivity, budget, expected):
+    assert choose_layers(sensitivity, budget) == expected
+
+
+def test_mixed_recipe_selects_exactly_the_layers_it_names():
+    """The YAML loads as a recipe; the 4-bit pair reaches the layers named, in transformers',
+    vLLM's (DeepSeek-V4 ``ffn``, Mixtral ``block_sparse_moe``) and SGLang's names, and no
+    other layer (layer 1 is not layer 10..19)."""
+    import yaml
+
+    text = mixed_recipe_yaml(("nvfp4", "nvfp4"), [1, 3], ("fp8", "fp8"), "test")
+    path_entries = yaml.safe_load(text)["quant_cfg"]
+    recipe = moewire.recipes.Recipe.from_entries(path_entries, modelopt=True)
+    from moewire.config import parse_cfg
+
+    for prefix in ("model.layers.{n}.mlp.experts", "model.layers.{n}.ffn.experts",
+                   "model.layers.{n}.block_sparse_moe.experts"):
+        for n in (0, 1, 2, 3, 10, 13, 31):
+            for kind in ("dispatch", "combine"):
+                cfg = recipe.match(f"{prefix.format(n=n)}.{kind}_quantizer")
+                want = "nvfp4" if n in (1, 3) else "fp8"
+                assert parse_cfg(cfg).fmt == want, (prefix, n, kind)
+
+
+def test_mixed_recipe_file_quantizes_the_named_layers(checkpoint, tmp_path):
+    import transformers as tf
+
+    import moewire.integrations.transformers as mt
+
+    path = tmp_path / "mixed.yaml"
+    path.write_text(mixed_recipe_yaml(("nvfp4", "nvfp4"), [1], ("fp8", "fp8"), "test"))
+    mt.register()
+    model = mt.prepare(tf.AutoModelForCausalLM.from_pretrained(
+        checkpoint("mixtral"), experts_implementation="moewire"))
+    moewire.quantize(model, str(path), lambda m: m(torch.arange(16)[None]))
+    fmts = {n: q.fmt.name for n, _, q in moewire.megamoe.api.quantizers(model)}
+    assert fmts == {
+        "model.layers.0.mlp.experts.dispatch_quantizer": "fp8",
+        "model.layers.0.mlp.experts.combine_quantizer": "fp8",
+        "model.layers.1.mlp.experts.dispatch_quantizer": "nvfp4",
+        "model.layers.1.mlp.experts.combine_quantizer": "nvfp4",
+    }
+
+
+def _llama(tmp_path):
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _olmoe(tmp_path):
+    import transformers as tf
+
+    cfg = tf.OlmoeConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         num_experts=4, num_experts_per_tok=2)
+    cfg.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: tmp / "absent", "is not a directory"),
+        (_llama, "'llama' model without routed experts"),
+        (_olmoe, "unknown architecture 'olmoe'"),
+        (lambda tmp: _tiny.checkpoint("gpt_oss", tmp), "gpt-oss's experts have biases"),
+    ],
+    ids=["missing-directory", "non-moe", "unknown-architecture", "gpt-oss"],
+)
+def test_refusals(make, message, tmp_path, capsys):
+    path = make(tmp_path)
+    with pytest.raises(EvalError, match=message):
+        evaluate(path, text=TEXT, device="cpu", log=lambda s: None)
+    assert main(["eval", str(path), "--device", "cpu"]) == 2
+    assert message.split("'")[0] in capsys.readouterr().err
+
+
+def test_refuses_what_does_not_fit_in_memory(checkpoint, monkeypatch):
+    from moewire.eval import runner
+
+    monkeypatch.setattr(runner, "_available_bytes", lambda device: 1024)
+    with pytest.raises(EvalError, match="memory: about .* GiB needed"):
+        evaluate(checkpoint("mixtral"), text=TEXT, device="cpu", log=lambda s: None)
+
+
+def test_cli_eval_prints_the_table(checkpoint, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    code = main(["eval", str(checkpoint("mixtral")), "--pairs", "fp8:fp8", "--text", str(text),
+                 "--recipe", "moe_dispatch_mxfp4",
+                 "--max-tokens", "32", "--seq-len", "32", "--device", "cpu", "--budget", "1",
+                 "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "bf16:bf16" in out and "fp8:fp8" in out and "moe_dispatch_mxfp4" in out
+    # Both within budget; fp8:fp8 moves 256 bytes per token, MXFP4 dispatch + BF16 combine 324.
+    assert "budget KL 1: fp8:fp8" in out
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(p["dispatch"], p["combine"]) for p in report["pairs"]] == [
+        ("bf16", "bf16"), ("fp8", "fp8"), ("mxfp4", "bf16")]
