@@ -133,7 +133,9 @@ def test_a_build_summing_descending_fails_the_check(monkeypatch):
 # Where each build adds a fused shared row (SPEC 1 table, 1.3), written here independently
 # of moewire's flavour table; every registered flavour must be listed.
 SPEC_SHARED = {"deepgemm-main": None, "vllm-0.32": "last", "vllm-0.33": "first",
-               "deepgemm-sm90": None, "deepgemm-sm90-fork": None, "deepgemm-2.8": "first"}
+               "deepgemm-sm90": None, "deepgemm-sm90-fork": None, "deepgemm-2.8": "first",
+               # sgl-deep-gemm: impls/sm100_fp8_fp4_mega_moe.cuh of each wheel.
+               "sgl-deep-gemm-0.2.3": "last", "sgl-deep-gemm-0.2.5": "first"}
 # The builds the stand-in kernel imitates (DeepGEMM 2.8.0's is recognised, not imitated).
 FUSING = [name for name, position in SPEC_SHARED.items()
           if position is not None and name in KERNEL_BUILDS]
