@@ -257,7 +257,8 @@ _FP4_FP4_REFUSED = (
     "calls it)"
 )
 
-#: Every build moewire knows, in detection order (the first whose facts match wins).
+#: Every build moewire knows. Their facts are exclusive: a module matches one entry at most
+#: (``flavours.detect`` refuses a module that two entries match).
 BUILDS: tuple[Build, ...] = (
     Build(
         "deepgemm-sm90-fork",
@@ -274,7 +275,8 @@ BUILDS: tuple[Build, ...] = (
     Build(
         "deepgemm-sm90",
         {"fp8_mega_moe": _AFTER_L2, "fp8_fp4_mega_moe": _AFTER_L2},
-        Recognition(("get_symm_buffer_for_sm90_mega_moe",)),
+        Recognition(("get_symm_buffer_for_sm90_mega_moe",), absent=("fp8_mega_moe_sm90",),
+                    lacks_parameter=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
         "DeepGEMM PR #323 (SM90 port): no fused shared expert, DLPack views",
         read="DeepGEMM refs/pull/323/head (8ddf7f9); measured on an H200 "
         "(benchmarks/results/real-kernel)",
@@ -290,6 +292,7 @@ BUILDS: tuple[Build, ...] = (
             "nvfp4_mega_moe": KernelLayout("after_l2_scales", "last", weighted=True),
         },
         Recognition(("get_symm_buffer_for_mega_moe", "fp4_fp4_mega_moe"),
+                    absent=("get_symm_buffer_for_sm90_mega_moe",),
                     takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
         "DeepGEMM bundled in vLLM 0.33/0.34: fused shared expert added first",
         read="vllm/third_party/deep_gemm of the vLLM 0.33.0 and 0.34.0 wheels (2.8.1): "
@@ -303,7 +306,8 @@ BUILDS: tuple[Build, ...] = (
             "fp8_fp4_mega_moe": KernelLayout("last_region", "last"),
             "bf16_mega_moe": KernelLayout("last_region", "last"),
         },
-        Recognition(("get_symm_buffer_for_mega_moe",), absent=("fp4_fp4_mega_moe",),
+        Recognition(("get_symm_buffer_for_mega_moe",),
+                    absent=("fp4_fp4_mega_moe", "get_symm_buffer_for_sm90_mega_moe"),
                     takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
         "DeepGEMM bundled in vLLM 0.32: fused shared expert added last",
         read="vllm/third_party/deep_gemm of vLLM 0.32.0 (2.8.0)",
