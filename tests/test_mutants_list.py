@@ -52,6 +52,7 @@ def test_every_critical_spot_has_a_mutant():
         "build choice",
         "hook order",
         "time model",
+        "suspected spots",
     } <= spots
 
 
