@@ -120,8 +120,8 @@ def test_measure_traffic_refuses_uneven_splits(experts, ranks, tokens, match):
     "changes, experts, message",
     [
         ({"tokens": 16}, 17, "the time estimate's default EP size 8 does not split 17 experts "
-         "(experts and tokens sit on ranks in equal blocks); no EP size above 1 splits both, "
-         "or use --experts 16 or 24"),
+         "(experts and tokens sit on ranks in equal blocks); no EP size above 1 splits both; "
+         "use --experts 16 or 24"),
         ({"tokens": 12}, 16, "does not split --tokens 12 (experts and tokens sit on ranks in "
          "equal blocks); pass --ep-size 2 or 4 (the nearest sizes that split both), or use "
          "--tokens 16"),

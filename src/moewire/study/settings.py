@@ -310,7 +310,7 @@ def ep_size(cfg: StudyConfig, num_experts: int) -> int:
             if num_experts % d == 0 and cfg.tokens % d == 0 and (top is None or d <= top)]
     nearest = sorted(fits, key=lambda d: (abs(d - n), d))[:2]
     sizes = (f"pass --ep-size {' or '.join(map(str, sorted(nearest)))} (the nearest sizes that "
-             "split both)" if nearest else "no EP size above 1 splits both")
+             "split both), or use" if nearest else "no EP size above 1 splits both; use")
     causes, fixes = [], []
     if num_experts % n:
         causes.append(f"{num_experts} experts")
@@ -322,8 +322,8 @@ def ep_size(cfg: StudyConfig, num_experts: int) -> int:
         fixes.append(f"--tokens {(cfg.tokens // n + 1) * n}")
     raise StudyArgumentError(
         "--ep-size", f"the time estimate's default EP size {n} does not split "
-        f"{' and '.join(causes)} (experts and tokens sit on ranks in equal blocks); {sizes}, "
-        f"or use {' with '.join(fixes)}"
+        f"{' and '.join(causes)} (experts and tokens sit on ranks in equal blocks); {sizes} "
+        f"{' with '.join(fixes)}"
     )
 
 
