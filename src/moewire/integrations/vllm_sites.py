@@ -61,7 +61,6 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -390,13 +389,58 @@ def _source(module_name: str) -> str | None:
         return None
 
 
+class _Reach:
+    """What a module's source does, read from its syntax tree (comments, strings and
+    definitions are no calls): the names it calls, bare (``fn(...)``) and as attributes
+    (``obj.fn(...)``), and the modules it imports with ``import``."""
+
+    def __init__(self, source: str) -> None:
+        self.bare: set[str] = set()
+        self.attributes: set[str] = set()
+        self.imports: set[str] = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call):
+                if isinstance(node.func, ast.Name):
+                    self.bare.add(node.func.id)
+                elif isinstance(node.func, ast.Attribute):
+                    self.attributes.add(node.func.attr)
+            elif isinstance(node, ast.Import):
+                self.imports.update(alias.name for alias in node.names)
+
+    def calls(self, call: str) -> bool:
+        """Whether the source calls ``call``: ``"name("`` bare or as an attribute,
+        ``".name("`` as an attribute only."""
+        name = call.strip(".(")
+        return name in self.attributes or (not call.startswith(".") and name in self.bare)
+
+    def reaches(self, access: str) -> bool:
+        """Whether the source reaches DeepGEMM through ``access``: calls
+        :data:`KERNEL_ACCESS`, or imports ``deep_gemm`` (:data:`IMPORT_ACCESS`)."""
+        if access == IMPORT_ACCESS:
+            module = IMPORT_ACCESS.split()[1]
+            return any(m == module or m.startswith(module + ".") for m in self.imports)
+        return self.calls(f"{access}(")
+
+
+def _reach(module_name: str) -> _Reach | None:
+    source = _source(module_name)
+    if source is None:
+        return None
+    try:
+        return _Reach(source)
+    except SyntaxError:
+        return None
+
+
 def recognise(cls: Any, site: ExpertsSite) -> str | None:
     """Why ``cls`` lacks the structure moewire hooks at ``site``, or None if it has it.
 
     The structure: an ``nn.Module`` class (any class for a ``holder`` site) whose module has
     and calls each staging global, or calls the staging cast; makes every call of
     ``site.calls``; and reaches DeepGEMM as ``site.kernel_access`` says (in its own source
-    or one of ``site.access_modules``'). Versions play no part.
+    or one of ``site.access_modules``'). Calls and imports are read from the module's syntax
+    tree: a function that is only defined, or named in a comment or a string, is not called.
+    Versions play no part.
     """
     if not isinstance(cls, type) or (site.holder is None and not issubclass(cls, nn.Module)):
         return f"{site.path} is not an nn.Module class"
@@ -404,17 +448,17 @@ def recognise(cls: Any, site: ExpertsSite) -> str | None:
     for fn in site.stage_fns:
         if not callable(getattr(module, fn, None)):
             return f"{cls.__module__} has no staging function {fn}"
-    source = _source(cls.__module__)
-    if source is None:
+    reach = _reach(cls.__module__)
+    if reach is None:
         return f"the source of {cls.__module__} cannot be read"
     wanted = [f"{fn}(" for fn in site.stage_fns[:1]] + (
         [f".{site.stage_cast}("] if site.stage_cast else []
     ) + list(site.calls)
     for call in wanted:
-        if not re.search(rf"(?<!def ){re.escape(call)}", source):
+        if not reach.calls(call):
             return f"{cls.__module__} never calls {call.lstrip('.')}...)"
-    sources = [source, *(s for s in map(_source, site.access_modules) if s)]
-    if not any(site.kernel_access in s for s in sources):
+    reaches = [reach, *(r for r in map(_reach, site.access_modules) if r)]
+    if not any(r.reaches(site.kernel_access) for r in reaches):
         return f"{cls.__module__} does not reach DeepGEMM through {site.kernel_access}" + (
             "()" if site.kernel_access == KERNEL_ACCESS else ""
         )
