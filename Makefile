@@ -16,9 +16,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
+# In a random order (pytest-randomly prints "Using --randomly-seed=N" first: rerun that
+# order with `$(BIN)/python -m pytest -p randomly --randomly-seed=N`; SEED=N here does it).
+SEED ?=
 test: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -p randomly $(if $(SEED),--randomly-seed=$(SEED))
 
 # The edit-test loop (under 2 minutes on 2 cores): the CPU suites of the formats, the
 # quantizer, recipes, the megamoe API, the robustness suite and the study's fast checks;
