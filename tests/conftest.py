@@ -19,6 +19,7 @@ import importlib.util
 import sys
 import types
 import weakref
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,17 @@ def pytest_collection_finish(session):
     if any("modelopt" in path.read_text(errors="replace") for path in files if path.is_file()):
         with contextlib.suppress(ImportError):
             importlib.import_module("modelopt.torch.quantization")
+
+
+@pytest.fixture(autouse=True)
+def _torch_seeded(request: pytest.FixtureRequest) -> None:
+    """torch's global generator seeded from the test's id (and ``--randomly-seed`` when
+    pytest-randomly runs, which reseeds ``random`` and numpy the same way but not torch),
+    so a test draws the same numbers in any order."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    if request.config.pluginmanager.has_plugin("randomly"):
+        seed += request.config.getoption("randomly_seed")
+    torch.manual_seed(seed % 2**32)
 
 
 # -- ModelOpt's registry -----------------------------------------------------------------
@@ -250,20 +262,25 @@ def leaks(
     found += [f"DeepGEMM module still hooked: {name}" for name in _hooked_modules()]
     for label, saved in before["registries"].items():
         found += [f"{label}: {line}" for line in _diff(saved, after["registries"][label])]
-    for key in sorted(set(before["modelopt"]) | set(after["modelopt"])):
+    for key in sorted(after["modelopt"]):
+        saved, now = before["modelopt"].get(key), after["modelopt"][key]
         if key == "QuantModuleRegistry":
-            saved = before["modelopt"].get(key, {}).get("_key_registry", {})
-            now = after["modelopt"][key]["_key_registry"]
-            lines = _diff(saved, now)
-        else:
-            lines = _diff(before["modelopt"].get(key, type(after["modelopt"][key])()),
-                          after["modelopt"].get(key, type(before["modelopt"][key])()))
+            saved, now = (saved or {}).get("_key_registry", {}), now["_key_registry"]
+        saved = type(now)() if saved is None else saved
+        lines = _diff(_moewire_part(saved), _moewire_part(now))
         found += [f"ModelOpt {key}: {line}" for line in lines]
     found += [
         f"context variable {name} still set: {_describe(value)}"
         for name, value in after["active"].items() if value is not None
     ]
     return found
+
+
+def _moewire_part(entries: dict | set) -> dict | set:
+    """The entries moewire put in one of ModelOpt's containers."""
+    if isinstance(entries, dict):
+        return {k: v for k, v in entries.items() if _is_moewire_entry(k, v)}
+    return {p for p in entries if getattr(p, "__module__", "").startswith("moewire")}
 
 
 def _restore(before: dict[str, Any]) -> None:
