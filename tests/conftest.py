@@ -8,7 +8,11 @@ flavours and refused kernels, combine base rules, wire formats, the vLLM bridge'
 the stand-in's forward contexts, and what moewire registered with ModelOpt). A difference
 fails the test at teardown with what it left, then the state is put back so that the next
 test starts clean. A test that converts, patches or registers something undoes it, or runs
-under a fixture that does (:func:`modelopt_registered` for ModelOpt's registry).
+under a fixture that does: :func:`patches_undone` (autouse in the directories whose tests
+drop quantized models), :func:`modelopt_registered`, :func:`registries_restored`.
+
+The suite runs in a random order (pytest-randomly, ``make test``); torch's generator is
+seeded per test (:func:`_torch_seeded`) as pytest-randomly seeds ``random`` and numpy.
 """
 
 from __future__ import annotations
@@ -147,15 +151,22 @@ def modelopt_registered() -> Iterator[list[type]]:
 
 
 @pytest.fixture
-def patches_undone() -> Iterator[None]:
-    """After the test, moewire's patches undone once its quantized models are gone.
+def patches_undone(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After the test, its quantized models unconverted and moewire's patches undone.
 
     ``moewire.unquantize`` undoes every patch when it unconverts the last converted module;
-    a test that drops its quantized model instead leaves the patches in place. This puts
-    them back, as that last unquantize would have, when no converted module is alive any
-    more; one still alive (held past the test) is left for the leak check to report.
+    a test that drops its quantized model instead leaves the patches in place. This
+    unconverts what the test's fixtures hold (pytest holds their values until the test is
+    over) and puts the patches back, as that last unquantize would have, when no converted
+    module is alive any more; one still alive (held past the test) is left for the leak
+    check to report.
     """
     yield
+    for value in request.node.funcargs.values():
+        for module in value.modules() if isinstance(value, torch.nn.Module) else ():
+            if convert_module.is_converted(module):
+                with contextlib.suppress(TypeError):  # ModelOpt's conversion: not ours
+                    convert_module.unconvert(module)
     if convert_module._CONVERTED:
         gc.collect()
     if not convert_module._CONVERTED:
@@ -296,6 +307,11 @@ def _restore(before: dict[str, Any]) -> None:
     active.REACHED.set(None)
 
 
+# Tiers that run elsewhere (vLLM's own venv, the H200) and register vLLM's classes once
+# per process, as vLLM's plugin loader does: not checked.
+_UNCHECKED_MARKERS = ("vllm", "real_kernel")
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves converted modules, patches or registry entries behind.
@@ -303,6 +319,9 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     Autouse and requested first, so it is torn down last: after the test's own fixtures
     (``monkeypatch`` included) have undone what they set.
     """
+    if any(request.node.get_closest_marker(m) for m in _UNCHECKED_MARKERS):
+        yield
+        return
     before, converted_before = _snapshot(), _converted()
     yield
     found = leaks(before, _snapshot(), converted_before)

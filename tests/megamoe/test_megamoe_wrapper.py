@@ -10,7 +10,7 @@ from mm_helpers import SHAPES, Layer, Model, batch, make_experts, region
 from torch import nn
 
 from moewire.megamoe import hooks, layout_check, quant_experts
-from moewire.megamoe.convert import convert, is_converted, unconvert
+from moewire.megamoe.convert import convert
 from moewire.megamoe.layout_check import layout_checked
 from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
 from moewire.quantizer import WireQuantizer
@@ -28,18 +28,9 @@ def fresh_checks():
 
 
 @pytest.fixture(scope="module")
-def _fp8_layer():
+def fp8_model():
     # fp8xfp4 weights take seconds to build: one layer for the whole module.
     return Model(n=1, mma="fp8xfp4")
-
-
-@pytest.fixture
-def fp8_model(_fp8_layer):
-    """The module's fp8xfp4 model, unconverted again after the test."""
-    yield _fp8_layer
-    for module in _fp8_layer.modules():
-        if is_converted(module):
-            unconvert(module)
 
 
 def converted(model: nn.Module) -> nn.Module:
