@@ -59,8 +59,9 @@ class StudyConfig:
         kernel: ``reference`` (the stand-in kernel) or ``deepgemm-sm90`` (DeepGEMM's real
             SM90 Mega-MoE kernel on a Hopper GPU, :mod:`moewire.study.real_kernel`).
         interconnect: the time estimate's profile (:data:`moewire.study.comm.INTERCONNECTS`).
-        ep_size: the EP size of the time estimate; ``None``: 8 (one NVLink node), or the
-            largest divisor of the expert and token counts below 8.
+        ep_size: the EP size of the time estimate; ``None``: :func:`default_ep_size` (8,
+            one NVLink node; 16 on ``rdma-cx7``), or the largest divisor of the expert and
+            token counts below it.
         ep_tokens: tokens per rank of the time estimate; ``None``: ``tokens / ranks``.
         link_gbps, link_latency_us: override the profile's bandwidth (GB/s per GPU, every
             EP size, both directions) and latency (us).
@@ -181,7 +182,7 @@ def validate(cfg: StudyConfig) -> StudyConfig:
     if cfg.device not in ("cpu", "cuda"):
         raise StudyArgumentError("--device", f"must be cpu or cuda, got {cfg.device!r}")
     check_kernel_flags(cfg)
-    _check_comm_flags(cfg)
+    check_comm_flags(cfg)
     import torch
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -231,7 +232,8 @@ def check_kernel_flags(cfg: StudyConfig) -> None:
                                  "--device cuda")
 
 
-def _check_comm_flags(cfg: StudyConfig) -> None:
+def check_comm_flags(cfg: StudyConfig) -> None:
+    """The time-estimate flags (interconnect, link overrides, EP size and tokens)."""
     from moewire.study.comm import INTERCONNECTS
 
     if cfg.interconnect not in INTERCONNECTS:
@@ -254,6 +256,13 @@ def _check_comm_flags(cfg: StudyConfig) -> None:
     if cfg.ep_size is None:
         return
     _positive(cfg.ep_size, "--ep-size")
+    if cfg.ranks > 1 and cfg.ep_size != cfg.ranks:
+        raise StudyArgumentError(
+            "--ep-size", f"--ranks {cfg.ranks} and --ep-size {cfg.ep_size} disagree: --ranks "
+            "splits the error sweep's routing over simulated ranks (it changes no error, only "
+            "the reported share of copies that leave their rank), --ep-size is the EP group "
+            "of the time estimate; pass the same number to both, or drop --ranks"
+        )
     top = INTERCONNECTS[cfg.interconnect].max_ep_size
     if top is not None and cfg.ep_size > top:
         raise StudyArgumentError(
@@ -267,10 +276,10 @@ def _check_comm_flags(cfg: StudyConfig) -> None:
             f"{cfg.ep_size}"
         )
     if cfg.weights is None:
-        _check_ep_experts(cfg.ep_size, cfg.experts or cfg.preset.num_experts)
+        check_ep_experts(cfg.ep_size, cfg.experts or cfg.preset.num_experts)
 
 
-def _check_ep_experts(ep_size: int, num_experts: int) -> None:
+def check_ep_experts(ep_size: int, num_experts: int) -> None:
     if num_experts % ep_size:
         raise StudyArgumentError(
             "--ep-size", f"{num_experts} experts do not split over {ep_size} ranks; use an "
@@ -278,14 +287,22 @@ def _check_ep_experts(ep_size: int, num_experts: int) -> None:
         )
 
 
+def default_ep_size(interconnect: str) -> int:
+    """The EP size the estimate starts from: one NVLink node
+    (:data:`moewire.study.comm.DEFAULT_EP_SIZE`), or the smallest EP size an interconnect
+    has figures for when that is larger (``rdma-cx7``: DeepEP's low-latency RDMA rows
+    start at EP 16)."""
+    from moewire.study.comm import DEFAULT_EP_SIZE, INTERCONNECTS
+
+    return max(DEFAULT_EP_SIZE, min(INTERCONNECTS[interconnect].dispatch_gbps))
+
+
 def ep_size(cfg: StudyConfig, num_experts: int) -> int:
     """The time estimate's EP size: ``--ep-size``, else the largest divisor of both the
-    expert count and ``--tokens`` up to :data:`moewire.study.comm.DEFAULT_EP_SIZE`."""
-    from moewire.study.comm import DEFAULT_EP_SIZE
-
+    expert count and ``--tokens`` up to :func:`default_ep_size`."""
     if cfg.ep_size is not None:
         return cfg.ep_size
-    return max(n for n in range(1, DEFAULT_EP_SIZE + 1)
+    return max(n for n in range(1, default_ep_size(cfg.interconnect) + 1)
                if num_experts % n == 0 and cfg.tokens % n == 0)
 
 
@@ -349,7 +366,7 @@ def check_layer_shapes(
         )
     _check_imbalance(cfg, num_experts, top_k)
     if cfg.ep_size is not None:
-        _check_ep_experts(cfg.ep_size, num_experts)
+        check_ep_experts(cfg.ep_size, num_experts)
     if num_experts % cfg.ranks:
         raise StudyArgumentError(
             "--ranks", f"{num_experts} experts do not split evenly over {cfg.ranks} ranks; "
