@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from moewire.study.errors import StudyArgumentError
-from moewire.study.settings import StudyConfig, check_comm_flags, check_ep_experts, ep_size
+from moewire.study.settings import (
+    SCHEMA,
+    StudyConfig,
+    check_comm_flags,
+    check_ep_experts,
+    ep_size,
+)
 
 #: The flags ``--from`` may change (the time estimate's): StudyConfig field names.
 TIME_FIELDS = ("interconnect", "ep_size", "ep_tokens", "link_gbps", "link_latency_us")
@@ -36,8 +42,6 @@ def read_results(path: str | Path) -> dict:
         StudyArgumentError: (``--from``) the file is missing, not JSON, not a study's
             results, or lacks the stored routing (written by an older moewire).
     """
-    from moewire.study.runner import SCHEMA
-
     path = Path(path)
     if not path.is_file():
         raise StudyArgumentError(

@@ -46,10 +46,8 @@ from moewire.study.layer import (
     run_pair,
 )
 from moewire.study.metrics import error_metrics
-from moewire.study.settings import StudyConfig, ep_size, validate
+from moewire.study.settings import SCHEMA, StudyConfig, ep_size, validate
 from moewire.study.wire import remote_fraction, wire_cost
-
-SCHEMA = "moewire.study/2"
 
 
 @dataclass

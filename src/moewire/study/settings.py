@@ -17,6 +17,8 @@ from pathlib import Path
 from moewire.study.errors import StudyArgumentError
 from moewire.study.presets import DEFAULT_MODEL, PRESETS, ModelPreset
 
+#: The ``schema`` of the results.json a study writes (and ``--from`` reads).
+SCHEMA = "moewire.study/2"
 #: The name of "no quantizer" on either axis (the baseline row and column).
 NONE = "bf16"
 _NONE_ALIASES = {"bf16", "none"}
