@@ -2,6 +2,9 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
+# `make demo` gets its own venv with the package and its runtime dependencies only (no
+# test extras: no Triton, no ModelOpt).
+DEMO_VENV ?= .venv-demo
 # The CPU build of torch lies on disk on the project machines; pinning it keeps pip
 # from pulling a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
@@ -30,8 +33,14 @@ test-fast: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q -x -m "not slow and not vllm and not gpu and not modelopt" $(FAST)
 
-demo: $(VENV)/.installed
-	$(BIN)/moewire study
+$(DEMO_VENV)/.installed: pyproject.toml
+	test -x $(DEMO_VENV)/bin/python || $(PY) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/pip install -q "$(TORCH)"
+	$(DEMO_VENV)/bin/pip install -q -e .
+	touch $@
+
+demo: $(DEMO_VENV)/.installed
+	$(DEMO_VENV)/bin/moewire study --budget 0.05
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
@@ -61,4 +70,4 @@ test-triton-next:
 	.venv-triton-next/bin/python -m pytest -q tests/kernels
 
 clean:
-	rm -rf $(VENV) moewire-study .pytest_cache
+	rm -rf $(VENV) $(DEMO_VENV) moewire-study .pytest_cache

@@ -230,7 +230,7 @@ MALFORMED = [
         "layers.0.experts.dispatch_quantizer"].update(format=8)), "not a format name"),
     ("json-shape-str", _json_edit(lambda d: d["quantizers"][
         "layers.0.experts.dispatch_quantizer"].update(shape="[]")), "not a list of sizes"),
-    ("json-version-2", _json_edit(lambda d: d.update(moewire_scales=2)), "version is 2"),
+    ("json-version-3", _json_edit(lambda d: d.update(moewire_scales=3)), "version is 3"),
     ("json-version-true", _json_edit(lambda d: d.update(moewire_scales=True)),
      "version is True"),
     ("json-top-list", _raw(".json", b"[1, 2]"), "no 'moewire_scales' key"),
@@ -242,7 +242,7 @@ MALFORMED = [
      "not a readable safetensors file"),
     ("safetensors-header-only", _truncated(".safetensors", lambda n: 8),
      "not a readable safetensors file"),
-    ("safetensors-as-bin", _safetensors_as_bin, r"not JSON \(.*\); a safetensors file needs"),
+    ("safetensors-as-bin", _safetensors_as_bin, r"has the suffix '\.bin'.*rename it"),
     ("safetensors-no-metadata", _safetensors_meta(lambda m: {"other": "x"}),
      "no 'moewire_scales' metadata"),
     ("safetensors-metadata-not-json", _safetensors_meta(lambda m: {"moewire_scales": "{"}),
