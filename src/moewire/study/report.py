@@ -375,7 +375,7 @@ _ALIGN_Y = {1: "bottom", -1: "top", 0: "center"}
 def place_labels(fig, ax, points: list[tuple[float, float, str]], front: set[str]) -> None:
     """Label every ``(x, y, tag)`` point of ``ax`` without two labels (or a label and a
     marker) overlapping: each label tries offsets at growing distances in 8 directions
-    and takes the first free one inside the axes (a far label gets a leader line); front
+    and takes the first free one inside the axes, with a leader line to its point; front
     labels are bold. Call after the figure's layout is final (display coordinates)."""
     renderer = fig.canvas.get_renderer()
     area = ax.get_window_extent(renderer)
@@ -418,12 +418,13 @@ def place_labels(fig, ax, points: list[tuple[float, float, str]], front: set[str
                 break
         _, radius, dx, dy, box = best
         ann.remove()
-        far = radius > _LABEL_RADII[0]
+        # Every label gets a leader line to its own point: in a cluster, nearness alone
+        # would let a reader take a label for its neighbour's.
         ax.annotate(tag, (x, y), textcoords="offset points", xytext=(dx * radius, dy * radius),
                     ha=_ALIGN_X[dx], va=_ALIGN_Y[dy], fontsize=7, zorder=5,
                     fontweight="bold" if tag in front else "normal",
-                    arrowprops=dict(arrowstyle="-", lw=0.5, color="0.5", shrinkA=0,
-                                    shrinkB=3) if far else None)
+                    arrowprops=dict(arrowstyle="-", lw=0.6, color="0.45", shrinkA=0,
+                                    shrinkB=2))
         taken.append(box)
 
 
