@@ -45,7 +45,7 @@ demo: $(DEMO_VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
 
-# Curated mutation check (issue 19, README "Development"): each mutant of a critical spot
+# Curated mutation check (README "Development"): each mutant of a critical spot
 # (scripts/mutants.toml) is applied in a scratch copy and must fail its tests.
 mutants: $(VENV)/.installed
 	$(BIN)/python scripts/mutants.py
@@ -61,7 +61,7 @@ test-vllm:
 	.venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
 
 # The kernel tests under the newest Triton 3.x as well as the pinned 3.6 of the H200
-# (issue 15): a small venv of their own; .ci/run calls it.
+# (a small venv of their own); .ci/run calls it.
 TRITON_NEXT ?= triton==3.9.0
 test-triton-next:
 	test -x .venv-triton-next/bin/python || $(PY) -m venv .venv-triton-next

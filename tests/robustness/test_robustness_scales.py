@@ -1,5 +1,5 @@
 """Scales files: every malformed, truncated, corrupted or foreign file is a ValueError that
-names the file, and a refused load leaves the model exactly as it was (issue 17)."""
+names the file, and a refused load leaves the model exactly as it was."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _safetensors_parts(path):
         return {n: f.get_tensor(n) for n in f.keys()}, dict(f.metadata())  # noqa: SIM118
 
 
-# -- issue 17, item 1: a file that does not cover every quantizer that needs an amax ----------
+# -- a file that does not cover every quantizer that needs an amax ----------
 
 
 def test_safetensors_missing_a_tensor_with_metadata_intact_is_refused(saved, tmp_path):
@@ -97,7 +97,7 @@ def _partly_calibrated():
     ids=["never-calibrated", "one-quantizer-lost-its-amax"],
 )
 def test_save_scales_refuses_a_model_without_the_amax_it_needs(tmp_path, suffix, build, named):
-    """Issue 28: scales of a model never calibrated used to be written without a word and
+    """Scales of a model never calibrated used to be written without a word and
     fail only when a server loaded them. Break: drop the check in save_scales: a file is
     written and no error raised."""
     path = tmp_path / f"s{suffix}"
@@ -133,7 +133,7 @@ def test_extra_names_are_refused_unless_asked_for(saved, suffix):
     assert loaded == ["layers.0.experts.dispatch_quantizer", "layers.0.experts.combine_quantizer"]
 
 
-# -- issue 17, item 6: an amax of any dtype but FP32 is refused ---------------------------------
+# -- an amax of any dtype but FP32 is refused ---------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 17): fast help, checks before any work, memory plan,
+"""A new user's first hour: fast help, checks before any work, memory plan,
 an 80-column table, realistic synthetic routing."""
 
 import json

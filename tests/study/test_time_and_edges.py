@@ -1,4 +1,4 @@
-"""Issue 28: the time estimate end to end, and the rough edges a new user met (the exact
+"""The time estimate end to end, and the rough edges a new user met (the exact
 pair drawn at an invented error, a progress counter that labelled the pair about to start,
 flag conflicts refused only after the build began), each with a test."""
 
