@@ -2,6 +2,9 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
+# `make demo` gets its own venv with the package and its runtime dependencies only (no
+# test extras: no Triton, no ModelOpt).
+DEMO_VENV ?= .venv-demo
 # The CPU build of torch lies on disk on the project machines; pinning it keeps pip
 # from pulling a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
@@ -34,13 +37,19 @@ test-fast: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q -x -m "not slow and not vllm and not gpu and not modelopt" $(FAST)
 
-demo: $(VENV)/.installed
-	$(BIN)/moewire study
+$(DEMO_VENV)/.installed: pyproject.toml
+	test -x $(DEMO_VENV)/bin/python || $(PY) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/pip install -q "$(TORCH)"
+	$(DEMO_VENV)/bin/pip install -q -e .
+	touch $@
+
+demo: $(DEMO_VENV)/.installed
+	$(DEMO_VENV)/bin/moewire study --budget 0.05
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
 
-# Curated mutation check (issue 19, README "Development"): each mutant of a critical spot
+# Curated mutation check (README "Development"): each mutant of a critical spot
 # (scripts/mutants.toml) is applied in a scratch copy and must fail its tests.
 mutants: $(VENV)/.installed
 	$(BIN)/python scripts/mutants.py
@@ -77,7 +86,7 @@ test-sglang:
 		-o addopts= -p no:cacheprovider tests/sglang
 
 # The kernel tests under the newest Triton 3.x as well as the pinned 3.6 of the H200
-# (issue 15): a small venv of their own; .ci/run calls it.
+# (a small venv of their own); .ci/run calls it.
 TRITON_NEXT ?= triton==3.9.0
 test-triton-next:
 	test -x .venv-triton-next/bin/python || $(PY) -m venv .venv-triton-next
@@ -86,4 +95,4 @@ test-triton-next:
 	.venv-triton-next/bin/python -m pytest -q tests/kernels
 
 clean:
-	rm -rf $(VENV) moewire-study .pytest_cache
+	rm -rf $(VENV) $(DEMO_VENV) moewire-study .pytest_cache

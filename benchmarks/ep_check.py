@@ -1,4 +1,4 @@
-"""Expert parallelism on GPUs (issue 9): the stand-in and moewire's quantizers over NCCL.
+"""Expert parallelism on GPUs: the stand-in and moewire's quantizers over NCCL.
 
 Run one process per GPU::
 

@@ -4,7 +4,7 @@ Each revision is a file holding ``moewire.kernels._triton`` as it was at some co
 (``git show REV:src/moewire/kernels/_triton.py > /tmp/REV.py``) or the current one
 (``current``). For every format and revision it times the revision's default tuning and,
 for ``current`` (every revision with ``--grid-all``), the tuning grid (block_h, num_warps,
-loop): ``combine_kernel`` with the layout check at one shape (default the issue's 8 x 8192
+loop): ``combine_kernel`` with the layout check at one shape (default the tuning target 8 x 8192
 x 7168: rows random normal x 0.05 in BF16, every slot valid, static amax = max |rows|),
 by CUDA-graph replay as ``benchmarks/combine.py`` does, beside a copy of the same
 bytes. Before timing, each variant's output is compared bit for bit with the first

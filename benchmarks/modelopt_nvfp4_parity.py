@@ -1,9 +1,9 @@
 """Where moewire's NVFP4 and ModelOpt 0.47's CUDA NVFP4 fake quant differ, and why (H200).
 
 ModelOpt's NVFP4 fake quant runs only on CUDA, as a Triton kernel. moewire's ``nvfp4``
-(SPEC section 4) divides with correct rounding and writes ``sign(x) * q * bs``. This
+(``moewire.formats``) divides with correct rounding and writes ``sign(x) * q * bs``. This
 script counts, on random data, the elements whose values differ, those whose bits differ,
-and how many of the latter are zeros of opposite sign. It also runs SPEC's math in torch
+and how many of the latter are zeros of opposite sign. It also runs that math in torch
 with its two divisions done by a one-line Triton kernel (``a / b``, Triton's default, not
 correctly rounded) to see whether the division alone would change any value.
 
@@ -56,7 +56,7 @@ def e2m1(a: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_with(div, x: torch.Tensor, amax: float) -> torch.Tensor:
-    """SPEC 4's NVFP4 with ``div`` for its two tensor divisions (FP32 math)."""
+    """moewire's NVFP4 definition with ``div`` for its two tensor divisions (FP32 math)."""
     xf = x.float().reshape(-1, 16)
     gs = torch.tensor(amax, device=x.device) * (1.0 / 2688.0)
     bmax = xf.abs().amax(dim=1, keepdim=True)

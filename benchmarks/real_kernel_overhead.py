@@ -48,7 +48,7 @@ import moewire  # noqa: E402
 from moewire import formats  # noqa: E402
 from moewire.integrations import deepgemm_sm90 as sm90  # noqa: E402
 
-SHAPE = dict(experts=256, top_k=6, hidden=4096, inter=2048)  # V4-Flash (SPEC 1.4)
+SHAPE = dict(experts=256, top_k=6, hidden=4096, inter=2048)  # V4-Flash (config.json)
 TOKENS = (128, 1024, 4096, 8192)
 DISPATCHES = ("fp8", "nvfp4", "mxfp8")
 COMBINES = ("bf16", "fp8", "nvfp4", "mxfp8")

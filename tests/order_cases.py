@@ -1,4 +1,4 @@
-"""Combine rows whose FP32 summation order survives the BF16 rounding (issue 19).
+"""Combine rows whose FP32 summation order survives the BF16 rounding.
 
 Random rows (``randn * 3``) give the same BF16 sum in any order, so a test on them cannot
 tell ascending from descending slots, the shared row first from last, or one rounding from
@@ -144,13 +144,13 @@ def wrong_variants(position: str | None) -> dict[str, dict]:
 
 def stored_rows(routed: torch.Tensor, shared: torch.Tensor, position: str | None) -> torch.Tensor:
     """The combine region ``[K (+1), Tmax, H]``: routed slot s at row s, a fused shared
-    row at row K whatever its place in the sum (every build, SPEC 1.2)."""
+    row at row K whatever its place in the sum (every build, DeepGEMM `layout/mega_moe.cuh`)."""
     if position is None:
         return routed.clone()
     return torch.cat([routed, shared[None]]).contiguous()
 
 
-# A token for the weighted (FMA) combine of the NVFP4 kernel (SPEC 1.5): rows -B and B with
+# A token for the weighted (FMA) combine of vLLM 0.34.0's `nvfp4_mega_moe`: rows -B and B with
 # weight W. B * W = P + 2^-24 exactly, and fl(B * W) = P (a tie to even), so
 # fma(B, W, fma(-B, W, 0)) = fma(B, W, -P) = 2^-24, while a rounded product then an add
 # gives 0, and the descending order gives -2^-24.

@@ -1,7 +1,7 @@
-"""Data where one FP32 rounding shows: the weighted combine's FMA (issue 30).
+"""Data where one FP32 rounding shows: the weighted combine's FMA.
 
 The NVFP4 Mega-MoE combine is ``acc = fma(float(row), w, acc)`` with ONE FP32 rounding per
-slot, then one BF16 rounding (SPEC 1.5). moewire emulates the FMA in torch
+slot, then one BF16 rounding (vLLM 0.34.0's `nvfp4_mega_moe`). moewire emulates the FMA in torch
 (``moewire.megamoe.resum._fma_f32``, ``moewire.reference._nvfp4_numerics.fma_f32``) and in
 the Triton interpreter (``moewire.kernels._triton._fma``): the float64 product is exact, the
 float64 sum is made round-to-odd from its exact error (TwoSum), then rounded to FP32. On

@@ -1,4 +1,4 @@
-"""The real-kernel overhead benchmark's accounting (benchmarks/real_kernel_overhead.py, issue 29).
+"""The real-kernel overhead benchmark's accounting (benchmarks/real_kernel_overhead.py).
 
 The benchmark itself needs a Hopper GPU and DeepGEMM's SM90 kernel; what it concludes rests
 on three pure pieces checked here: every mode is timed once per trial in a rotating order

@@ -1,4 +1,4 @@
-"""The benchmarks' compile peer (benchmarks/_peers.py) computes resum's bits (issue 15).
+"""The benchmarks' compile peer (benchmarks/_peers.py) computes resum's bits.
 
 The peer is timed against the fused kernel, so it must be the same arithmetic: the QDQ
 of the format's reference, then resum's FP32 sum (from +0, slots ascending, the shared

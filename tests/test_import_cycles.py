@@ -1,4 +1,4 @@
-"""No import cycle anywhere in ``src/moewire`` (issue 27; STYLE.md: "No import cycles,
+"""No import cycle anywhere in ``src/moewire`` (the project's style guide: "No import cycles,
 also not inside a package: a shared type gets its own module below both users").
 
 Read with ``ast`` from the sources, imports inside functions included (a lazy import is a
@@ -62,7 +62,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_the_cycle_finder_finds_the_old_vllm_cycle():
-    """The shape before issue 27: vllm.py imported ``_parallel`` from vllm_worker.py
+    """An earlier shape: vllm.py imported ``_parallel`` from vllm_worker.py
     (inside a method), which imports vllm.py."""
     old = {
         "moewire.integrations.vllm": {"moewire.integrations.vllm_worker"},

@@ -604,7 +604,7 @@ def test_repr_inside_a_model():
     assert "(combine_quantizer): WireQuantizer(mxfp8)" in repr(model)
 
 
-# -- issue 17: refused loads change nothing; bad arguments are named ----------------------------
+# -- refused loads change nothing; bad arguments are named ----------------------------
 
 
 @pytest.mark.parametrize("has_amax", [True, False], ids=["with-amax", "without-amax"])

@@ -306,7 +306,7 @@ def test_from_entries_validates(entries, match):
         recipes.Recipe.from_entries(entries)
 
 
-# -- issue 17: unreadable files, enable-only entries, ModelOpt cfg dicts ------------------------
+# -- unreadable files, enable-only entries, ModelOpt cfg dicts ------------------------
 
 
 @pytest.mark.parametrize(

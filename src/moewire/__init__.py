@@ -6,6 +6,7 @@ Public API (short and stable):
 - ``WireQuantizer``: a quantizer module with calibration state (amax, enable, modes).
 - ``quantize(model, recipe, forward_loop=None)``: attach and calibrate dispatch/combine
   quantizers on every Mega-MoE experts module of a model.
+- ``calibrate(model, forward_loop)``: calibrate a quantized model again (new batches).
 - ``unquantize(model)``: undo ``quantize`` (original classes back, every patch undone).
 - ``save_scales`` / ``load_scales`` / ``summary``.
 - ``formats``, ``recipes``, ``reference`` (the stand-in DeepGEMM Mega-MoE kernel).
@@ -21,6 +22,7 @@ _LAZY = {
     "fake_quant": ("moewire.formats", "fake_quant"),
     "WireQuantizer": ("moewire.quantizer", "WireQuantizer"),
     "quantize": ("moewire.megamoe.api", "quantize"),
+    "calibrate": ("moewire.megamoe.api", "calibrate"),
     "save_scales": ("moewire.megamoe.api", "save_scales"),
     "load_scales": ("moewire.megamoe.api", "load_scales"),
     "summary": ("moewire.megamoe.api", "summary"),

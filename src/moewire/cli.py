@@ -43,6 +43,22 @@ def _float_at_least(minimum: float):
     return parse
 
 
+def _float_above(minimum: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number > {minimum:g}, got {text!r}"
+                                             ) from None
+        if not value > minimum or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number > {minimum:g}, got "
+                                             f"{text}")
+        return value
+
+    parse.__name__ = f"number > {minimum:g}"
+    return parse
+
+
 def _study_parser(sub) -> argparse.ArgumentParser:
     from moewire.study.comm import DEFAULT_EP_SIZE, INTERCONNECTS
     from moewire.study.presets import PRESETS
@@ -75,7 +91,10 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_int_at_least(1), default=d.tokens,
                    help=f"tokens per batch over all ranks (default {d.tokens})")
     p.add_argument("--ranks", type=_int_at_least(1), default=d.ranks,
-                   help="simulated expert-parallel ranks (default 1; see docs/study.md)")
+                   help="expert-parallel ranks the error sweep simulates in one process "
+                   "(default 1); it changes no error, only the reported share of copies that "
+                   "leave their rank. The time estimate's EP group is --ep-size; when both "
+                   "are given they must agree (docs/study.md)")
     p.add_argument("--dispatch", default=None,
                    help="comma-separated dispatch formats (default "
                    + ",".join(DEFAULT_DISPATCH) + "); bf16 is always included")
@@ -109,22 +128,48 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     t = p.add_argument_group(
         "time estimate", "dispatch and combine time per format on an interconnect, from "
         "published DeepEP figures (docs/study.md, 'Reading the time estimate')")
-    t.add_argument("--interconnect", choices=list(INTERCONNECTS), default=d.interconnect,
+    t.add_argument("--interconnect", choices=list(INTERCONNECTS), default=None,
                    help=f"interconnect profile (default {d.interconnect}): "
                    + "; ".join(f"{k}: {v.description}" for k, v in INTERCONNECTS.items()))
     t.add_argument("--ep-size", type=_int_at_least(1), default=None, metavar="N",
-                   help=f"expert-parallel ranks of the estimate (default {DEFAULT_EP_SIZE}, or "
-                   "the largest divisor of the expert and token counts below it)")
+                   help=f"expert-parallel ranks of the time estimate (default {DEFAULT_EP_SIZE}; "
+                   "rdma-cx7: 16, where its figures start; or the largest divisor of the "
+                   "expert and token counts below it). Not --ranks, which the error sweep "
+                   "simulates")
     t.add_argument("--ep-tokens", type=_int_at_least(1), default=None, metavar="T",
                    help="tokens each rank dispatches per step (default --tokens / --ranks)")
-    t.add_argument("--link-gbps", type=_float_at_least(0.0), default=None, metavar="GB/s",
-                   help="override the profile's bandwidth per GPU (GB/s, every EP size)")
+    t.add_argument("--link-gbps", type=_float_above(0.0), default=None, metavar="GB/s",
+                   help="override the profile's bandwidth per GPU (GB/s > 0, every EP size)")
     t.add_argument("--link-latency-us", type=_float_at_least(0.0), default=None, metavar="US",
                    help="override the profile's latency per dispatch or combine (us)")
+    t.add_argument("--from", dest="from_json", default=None, metavar="results.json",
+                   help="re-apply the time estimate (the flags of this group) to a finished "
+                   "sweep's results.json, without running the sweep again (the error does not "
+                   "depend on them); writes into --out if given, else beside the file")
+    v = p.add_argument_group(
+        "verdict", "the cheapest pair within an error budget, by estimated time and by bytes, "
+        "printed under the table (docs/study.md, 'The verdict')")
+    budget = v.add_mutually_exclusive_group()
+    budget.add_argument("--budget", type=_float_above(0.0), default=None, metavar="REL_L2",
+                        help="largest acceptable relative L2 error of the layer output, "
+                        "e.g. 0.01")
+    budget.add_argument("--budget-sqnr", type=_float_above(0.0), default=None,
+                        metavar="DB", help="smallest acceptable SQNR (dB), e.g. 40")
     p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
-    p.add_argument("--out", default=d.out, metavar="DIR",
-                   help=f"output directory (default ./{d.out}/)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help=f"output directory (default ./{d.out}/; with --from, the file's)")
+    p.set_defaults(_sweep_defaults={dest: p.get_default(dest) for dest in _SWEEP_FLAGS})
     return p
+
+
+#: The flags of the error sweep (argparse dest -> flag), which --from cannot change.
+_SWEEP_FLAGS = {
+    "model": "--model", "experts": "--experts", "tokens": "--tokens", "ranks": "--ranks",
+    "dispatch": "--dispatch", "combine": "--combine", "calib_batches": "--calib-batches",
+    "eval_batches": "--eval-batches", "weights": "--weights", "layer": "--layer",
+    "activations": "--activations", "mma": "--mma", "kernel": "--kernel",
+    "device": "--device", "router_imbalance": "--router-imbalance", "seed": "--seed",
+}
 
 
 def _config_from_args(args: argparse.Namespace):
@@ -134,9 +179,10 @@ def _config_from_args(args: argparse.Namespace):
         model=args.model, experts=args.experts, tokens=args.tokens, ranks=args.ranks,
         calib_batches=args.calib_batches, eval_batches=args.eval_batches,
         weights=args.weights, layer=args.layer, activations=args.activations,
-        mma=args.mma, device=args.device, seed=args.seed, out=args.out,
+        mma=args.mma, device=args.device, seed=args.seed, out=args.out or StudyConfig.out,
         router_imbalance=args.router_imbalance,
-        kernel=args.kernel, interconnect=args.interconnect, ep_size=args.ep_size,
+        kernel=args.kernel, interconnect=args.interconnect or StudyConfig.interconnect,
+        ep_size=args.ep_size,
         ep_tokens=args.ep_tokens, link_gbps=args.link_gbps,
         link_latency_us=args.link_latency_us,
     )
@@ -195,6 +241,69 @@ def _missing_study_modules() -> list[str]:
             if importlib.util.find_spec(module) is None]
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning during a study as one clean line (no category, no source line)."""
+    print(f"moewire study: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _budget(args: argparse.Namespace):
+    from moewire.study.verdict import Budget
+
+    if args.budget is not None:
+        return Budget("rel_l2", args.budget)
+    if args.budget_sqnr is not None:
+        return Budget("sqnr_db", args.budget_sqnr)
+    return None
+
+
+def _sweep(args: argparse.Namespace, tty: bool) -> tuple[dict, Path]:
+    """Run the error sweep; returns the document and the output directory."""
+    import warnings
+
+    from moewire.study.runner import preflight, run_study
+    from moewire.study.settings import check_out_dir
+
+    cfg = preflight(_config_from_args(args))
+    out = check_out_dir(cfg.out)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        if not tty:
+            return run_study(cfg, _line_hooks()), out
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
+
+        bar = RichProgress("[progress.description]{task.description}", BarColumn(),
+                           MofNCompleteColumn(), TimeElapsedColumn(), console=Console(),
+                           transient=True)
+        with bar:
+            return run_study(cfg, _rich_hooks(bar)), out
+
+
+def _retimed(args: argparse.Namespace) -> tuple[dict, Path]:
+    """``--from``: the finished sweep with the time estimate re-applied."""
+    from moewire.study.errors import StudyArgumentError
+    from moewire.study.retime import read_results, retime
+    from moewire.study.settings import check_out_dir
+
+    changed = [flag for dest, flag in _SWEEP_FLAGS.items()
+               if getattr(args, dest) != args._sweep_defaults[dest]]
+    if changed:
+        raise StudyArgumentError(
+            "--from", f"{', '.join(changed)} change{'s' if len(changed) == 1 else ''} the "
+            "error sweep, which --from does not "
+            "run again (it re-applies only the time estimate); drop them, or run the sweep "
+            "without --from"
+        )
+    doc = read_results(args.from_json)
+    changes = {"ep_size": args.ep_size, "ep_tokens": args.ep_tokens,
+               "link_gbps": args.link_gbps, "link_latency_us": args.link_latency_us}
+    if args.interconnect is not None:
+        changes["interconnect"] = args.interconnect
+    doc = retime(doc, **changes)
+    return doc, check_out_dir(args.out or Path(args.from_json).parent)
+
+
 def _run_study(args: argparse.Namespace) -> int:
     missing = _missing_study_modules()
     if missing:
@@ -202,43 +311,33 @@ def _run_study(args: argparse.Namespace) -> int:
               f"run: {sys.executable} -m pip install {' '.join(missing)}", file=sys.stderr)
         return 1
     from moewire.study import report
-    from moewire.study.runner import preflight, run_study
-    from moewire.study.settings import check_out_dir
+    from moewire.study.verdict import judge, verdict_lines
 
-    cfg = preflight(_config_from_args(args))
-    check_out_dir(cfg.out)
     tty = sys.stdout.isatty()
+    doc, out = _retimed(args) if args.from_json is not None else _sweep(args, tty)
+    judge(doc, _budget(args))
+    paths = report.write_all(doc, out)
+    width = 100
     if tty:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
-        from rich.progress import Progress as RichProgress
 
         console = Console()
-        bar = RichProgress("[progress.description]{task.description}", BarColumn(),
-                           MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                           transient=True)
-        with bar:
-            doc = run_study(cfg, _rich_hooks(bar))
-    else:
-        doc = run_study(cfg, _line_hooks())
-
-    paths = report.write_all(doc, Path(cfg.out))
-    if tty:
+        width = console.width
         console.print(report.headline(doc))
-        console.print(report.rich_table(doc, width=console.width))
+        console.print(report.rich_table(doc, width=width))
     else:
         print(report.headline(doc))
         print(report.plain_table(doc))
-    routing = doc["routing"]
+    for line in verdict_lines(doc):
+        print(line)
+    routing, ranks = doc["routing"], doc["settings"]["ranks"]
     target = routing.get("target_max_over_mean")
     target_text = "" if target is None else f" (router set to {target:g}x expected)"
-    print(
-        f"routing: hottest expert gets {routing['expert_load_max_over_mean']:.2f}x the mean "
-        f"load{target_text}; {100 * routing['remote_fraction']:.1f}% of copies leave their "
-        f"rank at --ranks {cfg.ranks} (the time estimate splits the same routing over its "
-        "own EP size)"
-    )
-    print(report.time_note(doc, console.width if tty else 100))
+    ranks_text = ("" if ranks == 1 else f"; {100 * routing['remote_fraction']:.1f}% of copies "
+                  f"leave their rank at --ranks {ranks}")
+    print(f"routing: hottest expert gets {routing['expert_load_max_over_mean']:.2f}x the mean "
+          f"load{target_text}{ranks_text}")
+    print(report.time_note(doc, width))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 

@@ -1,4 +1,4 @@
-"""The NVFP4 quotient without a per-element division (issue 15), against FP32 division.
+"""The NVFP4 quotient without a per-element division, against FP32 division.
 
 ``_triton._div_by_block`` computes ``fl(a / b)`` from one reciprocal per block and two
 FMAs (Markstein's correction); ``_triton._fma`` is one FP32 rounding on the GPU and,

@@ -211,7 +211,7 @@ def test_supports_and_available():
     assert kernels.available() is False  # no CUDA here
 
 
-# -- weighted (FMA) combine: the NVFP4 kernel's unweighted rows (issue 13) -------------------
+# -- weighted (FMA) combine: the NVFP4 kernel's unweighted rows -------------------
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["weighted_rows", "unweighted_rows"])

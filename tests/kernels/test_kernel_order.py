@@ -1,4 +1,4 @@
-"""The fused Triton combine at its DEFAULT block size, on rows where order shows (issue 19).
+"""The fused Triton combine at its DEFAULT block size, on rows where order shows.
 
 Under Triton's interpreter on CPU (CI), compiled on CUDA where there is a GPU, against the
 independent NumPy oracle of ``tests/order_cases.py``: routed slots ascending, the shared row

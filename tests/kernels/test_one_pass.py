@@ -1,4 +1,4 @@
-"""The wrapper's one-pass combine (issue 15): while a buffer is unchecked, the fused
+"""The wrapper's one-pass combine: while a buffer is unchecked, the fused
 kernel quantizes, re-sums and runs the layout check in one pass over the rows.
 
 On CUDA the wrapper takes this path by itself (``layout_check.one_pass``). Here, without a GPU,
@@ -123,7 +123,7 @@ def test_one_pass_sees_a_corrupted_row(one_pass, monkeypatch):
 
 def test_one_pass_keeps_the_blind_spot_closed(one_pass, monkeypatch):
     """All-valid batches do not prove which stored row is the shared one; a token with the
-    shared row only does (issue 12's repro, through the one-pass path)."""
+    shared row only does (through the one-pass path)."""
     experts = _layer(fused=1)
     buf = experts.get_symm_buffer()
     x, w, ids = batch(T, HIDDEN, seed=31, masked=0.0)

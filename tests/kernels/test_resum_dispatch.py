@@ -1,4 +1,4 @@
-"""``resum``'s dispatch to the fused Triton kernel, exercised on CPU (issue 19).
+"""``resum``'s dispatch to the fused Triton kernel, exercised on CPU.
 
 ``resum`` takes the kernel path only for CUDA rows, so CI (no GPU) never ran it. Here the
 rows are a CPU tensor labelled CUDA (a tensor subclass whose ``is_cuda`` is True) and

@@ -1,4 +1,4 @@
-"""The fused Triton kernel's weighted sums round once per slot (issue 30).
+"""The fused Triton kernel's weighted sums round once per slot.
 
 The kernel weights the NVFP4 kernel's unweighted rows with ``_triton._fma``: ``tl.fma`` on
 the GPU, and under Triton's interpreter (whose ``fma`` rounds twice) an emulation from

@@ -1,4 +1,5 @@
-"""Independent NumPy / ml_dtypes oracles for the megamoe tests (SPEC 1.1 and 4).
+"""Independent NumPy / ml_dtypes oracles for the megamoe tests (DeepGEMM's combine order,
+ModelOpt 0.47's formats).
 
 Nothing here imports moewire's formats, quantizer or megamoe code.
 """
@@ -66,7 +67,7 @@ def e4m3(a: np.ndarray) -> np.ndarray:
 
 
 def fp8_tensor(x: np.ndarray, amax: float) -> np.ndarray:
-    """ModelOpt per-tensor FP8 (SPEC 4): ``s = 448 * fl(1/safe)``, two FP32 roundings."""
+    """ModelOpt per-tensor FP8 (ModelOpt 0.47): ``s = 448 * fl(1/safe)``, two FP32 roundings."""
     amax = F32(amax)
     safe = amax if amax > F32(2.0**-24) else F32(1.0)
     s = F32(F32(448.0) * F32(F32(1.0) / safe))
@@ -75,7 +76,7 @@ def fp8_tensor(x: np.ndarray, amax: float) -> np.ndarray:
 
 
 def _e2m1(a: np.ndarray) -> np.ndarray:
-    """E2M1 magnitude rounding with SPEC 4's thresholds (ties as listed)."""
+    """E2M1 magnitude rounding with ModelOpt 0.47's thresholds (ties as listed)."""
     out = np.full(a.shape, 6.0, dtype=F32)
     for upper, value, inclusive in [
         (5.0, 4.0, True),
@@ -92,7 +93,7 @@ def _e2m1(a: np.ndarray) -> np.ndarray:
 
 
 def nvfp4(x: np.ndarray, amax: float) -> np.ndarray:
-    """ModelOpt NVFP4 (SPEC 4) along the last dim, blocks of 16; BF16 out."""
+    """ModelOpt NVFP4 (ModelOpt 0.47) along the last dim, blocks of 16; BF16 out."""
     x = np.asarray(x, dtype=F32)
     amax = F32(amax)
     gs = F32(amax * (F32(1) / F32(6 * 448))) if amax > 0 else F32(1e-12)  # CUDA's a * fl(1/c)

@@ -1,7 +1,8 @@
-"""The weighted combine's single FP32 rounding per slot, in the torch paths (issue 30).
+"""The weighted combine's single FP32 rounding per slot, in the torch paths.
 
 The NVFP4 Mega-MoE combine is ``acc = fma(float(row), w, acc)``, one FP32 rounding per
-slot, then one BF16 rounding (SPEC 1.5). Two torch functions emulate the FMA: the re-sum's
+slot, then one BF16 rounding (vLLM 0.34.0's `nvfp4_mega_moe`).
+Two torch functions emulate the FMA: the re-sum's
 ``moewire.megamoe.resum._fma_f32`` and the NVFP4 reference kernel's
 ``moewire.reference._nvfp4_numerics.fma_f32`` (float64 product and sum, then round-to-odd
 from the exact error, then FP32). Here they meet crafted cases (``tests/rounding_cases.py``)

@@ -1,4 +1,4 @@
-"""The layout check's state lives as long as the buffer object it describes (issue 27).
+"""The layout check's state lives as long as the buffer object it describes.
 
 A check keyed by an address would let a new buffer that lands where a checked one was
 count as checked already: a silent pass of the layout check. Here a pool allocator (what a
@@ -64,7 +64,7 @@ def _corrupting(real):
 
 
 def test_a_new_buffer_at_a_freed_buffers_address_is_checked_again(pooled, monkeypatch):
-    """Break: key the check by ``(device, buffer.data_ptr())`` (as before issue 27): the
+    """Break: key the check by ``(device, buffer.data_ptr())`` (as an earlier version did): the
     second buffer counts as checked and the corrupted rows pass silently."""
     x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=70)
     model, experts = _quantized_layer()

@@ -26,7 +26,7 @@ def torch_bits(t: torch.Tensor) -> np.ndarray:
 
 
 # (flavour, kernel) -> whether the region has a tail after it (vLLM 0.33's bf16
-# combine_norm_buffer), read from SPEC 1.2 independently of moewire's table.
+# combine_norm_buffer), read from DeepGEMM `layout/mega_moe.cuh` independently of moewire's table.
 TAILED = {("vllm-0.33", "bf16_mega_moe")}
 CASES = [
     ("deepgemm-main", "fp8_fp4_mega_moe", False),
@@ -107,7 +107,7 @@ def test_tail_rule_is_wrong_where_a_norm_buffer_follows():
 
 @pytest.mark.parametrize("kernel", ["fp8_fp4_mega_moe", "fp8_mega_moe"])
 def test_base_rule_works_on_views_that_share_no_storage(kernel):
-    # Issue 14: the SM90 build's views are DLPack tensors; the base is found by data_ptr().
+    # The SM90 build's views are DLPack tensors; the base is found by data_ptr().
     buf, expected, base = make_buffer(False, seed=5, dlpack=True)
     assert buf.l2_acts_sf.untyped_storage().data_ptr() != buf.buffer.untyped_storage().data_ptr()
     rows = combine_rows(buf, "deepgemm-sm90", kernel)
@@ -119,7 +119,7 @@ def test_flavour_registry():
     assert flavours.names() == [
         "deepgemm-2.8", "deepgemm-main", "deepgemm-sm90", "deepgemm-sm90-fork",
         "sgl-deep-gemm-0.2.3", "sgl-deep-gemm-0.2.5", "vllm-0.32", "vllm-0.33"]
-    # SPEC 1.3: stored at slot k everywhere; added last by 0.32's build, first by 0.33's.
+    # Stored at slot k everywhere; added last by vLLM 0.32's bundled build, first by 0.33's.
     for kernel in ("fp8_fp4_mega_moe", "bf16_mega_moe"):
         assert flavours.get("vllm-0.32").layout(kernel).shared_position == "last"
         assert flavours.get("vllm-0.33").layout(kernel).shared_position == "first"
@@ -461,7 +461,7 @@ def test_resum_refusals(kwargs, exc, match):
     ids=["package-first", "submodule-first", "from-submodule-first", "layout-check-first"],
 )
 def test_package_resum_is_the_function_in_every_import_order(program):
-    # Issue 14: importing the submodule used to leave the package attribute pointing at it.
+    # Importing the submodule used to leave the package attribute pointing at it.
     import os
     import subprocess
     import sys

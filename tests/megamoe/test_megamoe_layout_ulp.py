@@ -130,24 +130,25 @@ def test_a_build_summing_descending_fails_the_check(monkeypatch):
         run_variant(monkeypatch, experts, summing_build("descending", None), seed=23)
 
 
-# Where each build adds a fused shared row (SPEC 1 table, 1.3), written here independently
+# Where each build adds a fused shared row (DeepGEMM main, vLLM 0.32-0.34's bundled copies),
+# written here independently
 # of moewire's flavour table; every registered flavour must be listed.
-SPEC_SHARED = {"deepgemm-main": None, "vllm-0.32": "last", "vllm-0.33": "first",
-               "deepgemm-sm90": None, "deepgemm-sm90-fork": None, "deepgemm-2.8": "first",
-               # sgl-deep-gemm: impls/sm100_fp8_fp4_mega_moe.cuh of each wheel.
-               "sgl-deep-gemm-0.2.3": "last", "sgl-deep-gemm-0.2.5": "first"}
+SHARED_POSITION = {"deepgemm-main": None, "vllm-0.32": "last", "vllm-0.33": "first",
+                   "deepgemm-sm90": None, "deepgemm-sm90-fork": None, "deepgemm-2.8": "first",
+                   # sgl-deep-gemm: impls/sm100_fp8_fp4_mega_moe.cuh of each wheel.
+                   "sgl-deep-gemm-0.2.3": "last", "sgl-deep-gemm-0.2.5": "first"}
 # The builds the stand-in kernel imitates (DeepGEMM 2.8.0's is recognised, not imitated).
-FUSING = [name for name, position in SPEC_SHARED.items()
+FUSING = [name for name, position in SHARED_POSITION.items()
           if position is not None and name in KERNEL_BUILDS]
 
 
 def test_every_flavour_is_listed_here():
-    assert sorted(SPEC_SHARED) == flavours.names()
+    assert sorted(SHARED_POSITION) == flavours.names()
 
 
 @pytest.mark.parametrize("flavour", FUSING)
 def test_a_build_adding_the_shared_row_at_the_other_end_fails_the_check(monkeypatch, flavour):
-    other = "first" if SPEC_SHARED[flavour] == "last" else "last"
+    other = "first" if SHARED_POSITION[flavour] == "last" else "last"
     with deep_gemm.use_flavour(flavour):
         experts = experts_with_combine(fused=1)
         with pytest.raises(RuntimeError, match=ONE_TOKEN):
@@ -156,12 +157,12 @@ def test_a_build_adding_the_shared_row_at_the_other_end_fails_the_check(monkeypa
 
 # The fork's stand-in is a module of its own (moewire.reference.sm90_fork), run through the
 # wrapper by tests/real_kernel/test_vllm_main_sm90_cpu.py.
-@pytest.mark.parametrize("flavour", sorted(set(SPEC_SHARED) & set(deep_gemm.KERNEL_BUILDS)))
+@pytest.mark.parametrize("flavour", sorted(set(SHARED_POSITION) & set(deep_gemm.KERNEL_BUILDS)))
 def test_every_flavour_through_the_wrapper(monkeypatch, flavour):
-    """Positive: each build, summing in its SPEC order on rows where the order shows, passes
+    """Positive: each build, summing in its build's order on rows where the order shows, passes
     the layout check, and the quantized re-sum equals the oracle in that order (and not
     in any other order)."""
-    position = SPEC_SHARED[flavour]
+    position = SHARED_POSITION[flavour]
     fused = int(position is not None)
     kernel = deep_gemm.KERNEL_BUILDS[flavour].kernels[-1]
     mma = deep_gemm.MMA_OF_KERNEL[kernel]
@@ -185,7 +186,7 @@ def test_every_flavour_through_the_wrapper(monkeypatch, flavour):
     k, t = buf.num_topk, y.shape[0]
     args = (oracles.mxfp8(rows[:k]), rows[k] if fused else None, ids.numpy(), t)
     want = order_cases.oracle(*args, position)
-    assert_same_bits(y, want, seed=seed, what=f"{flavour}: y vs the oracle in SPEC order")
+    assert_same_bits(y, want, seed=seed, what=f"{flavour}: y vs the oracle in its build's order")
     assert float(y[0, 3]) == C and float(y[0, 5]) == (C if position == "last" else 0.0)
     for name, wrong in order_cases.wrong_variants(position).items():
         if name in ("round-each-add", "float64-acc"):  # tests/megamoe/test_megamoe_order.py
@@ -197,6 +198,6 @@ def test_every_flavour_through_the_wrapper(monkeypatch, flavour):
 @pytest.mark.parametrize("fused", [0, 1], ids=["routed", "fused-shared"])
 def test_control_build_in_the_kernel_order_passes(monkeypatch, fused):
     experts = experts_with_combine(fused=fused)  # the stand-in's default build: vllm-0.33
-    variant = summing_build("ascending", SPEC_SHARED["vllm-0.33"] if fused else None)
+    variant = summing_build("ascending", SHARED_POSITION["vllm-0.33"] if fused else None)
     run_variant(monkeypatch, experts, variant, seed=25)
     assert layout_checked(experts.get_symm_buffer())

@@ -1,7 +1,7 @@
 """The torch re-sum in the kernel's order, on rows where every other order gives other bits.
 
 Routed slots ascending, the shared row first or last, an FP32 accumulator from +0.0 and
-one BF16 rounding (SPEC 1.1): each wrong variant changes at least one crafted token (the
+one BF16 rounding (DeepGEMM's combine): each wrong variant changes at least one crafted token (the
 test asserts that of its own data), so a mutation of any of them fails here.
 """
 

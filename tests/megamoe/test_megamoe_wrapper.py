@@ -596,7 +596,7 @@ def _shared_stored_first(real):
 
 
 def test_all_valid_batches_do_not_prove_which_row_is_shared(monkeypatch):
-    # The repro of issue 12 (item 5): the wrong storage slot passes the sum check when every
+    # The wrong storage slot passes the sum check when every
     # slot is valid and no token is padding, so such batches must not mark the buffer.
     experts = combine_on(converted(Model(n=1, fused=1)))
     monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _shared_stored_first(deep_gemm.bf16_mega_moe))
@@ -706,7 +706,7 @@ def test_a_local_deep_gemm_import_is_hooked_on_the_module_object():
 
 
 class _DeepGemmMegaExpertsShape(MegaMoEExperts):
-    """Shaped like vLLM main's ``DeepGemmMegaExperts.apply`` (SPEC 2): the deep_gemm module
+    """Shaped like vLLM main's ``DeepGemmMegaExperts.apply``: the deep_gemm module
     looked up inside the forward, tokens cast with ``deep_gemm.utils.per_token_cast_to_fp8``
     and copied into ``buf.x[:T]``, the kernel called through the module.
 

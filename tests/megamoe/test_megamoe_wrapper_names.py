@@ -1,4 +1,4 @@
-"""``moewire.megamoe.wrapper`` keeps the names it had before the split (issue 27): code that
+"""``moewire.megamoe.wrapper`` keeps the names it had before the split: code that
 imports them, and a model pickled before the split (its pickle names
 ``moewire.megamoe.wrapper._rebuild_quant``), keep working."""
 

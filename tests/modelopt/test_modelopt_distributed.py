@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 x[pad] = 50.0  # padding tokens must not reach the dispatch amax
                 with forward_context(is_padding=pad):
                     m(x, w.float(), ids)
-                # Oracle from the raw buffer (SPEC 1.2: upstream/vllm base, slot-major rows).
+                # Oracle from the raw buffer (layout/mega_moe.cuh: base, slot-major rows).
                 tmax = buf.num_max_tokens_per_rank
                 flat = buf.buffer
                 rows = flat[flat.numel() - K * tmax * H * 2:].view(torch.bfloat16)

@@ -97,11 +97,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-# -- oracles from the raw buffer (SPEC 1.2), independent of moewire.megamoe ----------------
+# -- oracles from the raw buffer (DeepGEMM layout/mega_moe.cuh), independent of moewire.megamoe -
 
 
 def _valid_rows(experts: MegaMoEExperts, tokens: int) -> torch.Tensor:
-    """FP32 [n, H]: the combine rows of valid slots, read at SPEC 1.2's upstream offset."""
+    """FP32 [n, H]: the combine rows of valid slots, read at DeepGEMM's upstream offset."""
     buf = experts.get_symm_buffer()
     tmax, k, h = buf.num_max_tokens_per_rank, buf.num_topk, buf.hidden
     flat = buf.buffer
@@ -210,7 +210,7 @@ def test_modelopt_math_on_request_gives_the_same_fp8_bits():
 
 def test_int8_combine_runs_tensor_quantizer_math_on_each_valid_row():
     """A format moewire lacks (INT8 per tensor) goes through ModelOpt's own math: y equals
-    the kernel-order sum of TensorQuantizer(row) over the valid rows (SPEC 1.1)."""
+    the kernel-order sum of TensorQuantizer(row) over the valid rows (DeepGEMM's combine order)."""
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
     from modelopt.torch.quantization.nn import TensorQuantizer
 

@@ -188,7 +188,7 @@ def test_calibrating_collects_max_and_passes_values_through():
 
 
 def test_calibrating_on_no_rows_gives_amax_zero():
-    """An idle EP rank ends calibration with amax 0, not without one (SPEC section 3)."""
+    """An idle EP rank ends calibration with amax 0, not without one (ModelOpt PR #2767)."""
     q = _wtq(NVFP4)
     x = _x(7)
     with q.calibrating():

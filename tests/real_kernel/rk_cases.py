@@ -115,7 +115,8 @@ def batch(shape: Shape, tag: str, *, padding_only: bool = False):
 
 
 def rows_of(symm_buffer, num_tokens: int) -> torch.Tensor:
-    """The combine rows by the tail rule (SPEC 1.2), independently of moewire's flavours."""
+    """The combine rows by the tail rule (layout/mega_moe.cuh), independently of moewire's
+    flavours."""
     k, tmax, h = symm_buffer.num_topk, symm_buffer.num_max_tokens_per_rank, symm_buffer.hidden
     nbytes = k * tmax * h * 2
     flat = symm_buffer.buffer
@@ -123,7 +124,7 @@ def rows_of(symm_buffer, num_tokens: int) -> torch.Tensor:
 
 
 def oracle(rows, topk_ids, fmt=None, amax=None, descending=False) -> torch.Tensor:
-    """SPEC 1.1: per token, FP32 from +0.0 over the valid slots in order (each row through
+    """DeepGEMM's combine: per token, FP32 from +0.0 over the valid slots in order (each row through
     ``fmt``'s torch reference first), one BF16 rounding."""
     k, t, h = rows.shape
     rows = rows if fmt is None else formats.fake_quant(rows, fmt, amax)

@@ -1,7 +1,8 @@
 """moewire on DeepGEMM's real SM90 Mega-MoE kernels (PR #323), on a Hopper GPU.
 
 Each test compares a call's combine rows with the same call's ``y``: the SM90
-``fp8_fp4_mega_moe`` is not deterministic across calls (SPEC 1.1), ``fp8_mega_moe`` is.
+``fp8_fp4_mega_moe`` is not deterministic across calls (measured on an H200), ``fp8_mega_moe``
+is.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def test_order_is_ascending_on_crafted_rows(kernel, ep_group):
 @pytest.mark.parametrize("kernel", rk.KERNELS, ids=KERNEL_IDS)
 def test_every_combine_format_bit_exact_on_the_real_rows(kernel, shape, ep_group):
     """Each row-local combine format through moewire (the fused Triton kernel on CUDA)
-    equals the torch reference (format QDQ + SPEC 1.1 re-sum) of the same call's rows."""
+    equals the torch reference (format QDQ + the kernel-order re-sum) of the same call's rows."""
     assert kernels.available()
     module = rk.experts(kernel, shape, ep_group)
     x, w, ids, _ = rk.batch(shape, "formats")

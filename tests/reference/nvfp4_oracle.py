@@ -164,7 +164,8 @@ def _shared_tokens(case) -> np.ndarray:
 
 
 def combine_base(buf) -> int:
-    """SPEC 1.5: the combine region starts where the ``l2_acts_sf`` view ends."""
+    """The combine region starts where the ``l2_acts_sf`` view ends (vLLM 0.34.0's
+    ``layout/nvfp4_mega_moe.cuh``)."""
     view = buf.l2_acts_sf
     return view.data_ptr() + view.numel() * view.element_size() - buf.buffer.data_ptr()
 

@@ -122,7 +122,7 @@ def dense_moe(
 
 
 def combine_base(buf) -> int:
-    """Byte offset of the combine region by SPEC 1.2's rule for the buffer's flavour: the
+    """Byte offset of the combine region by DeepGEMM's rule for the buffer's flavour: the
     buffer's tail where the region is last, else the end of the L2 scale region."""
     num_slots = buf.num_topk + (1 if buf.num_shared_experts else 0)
     size = num_slots * buf.num_max_tokens_per_rank * buf.hidden * 2

@@ -1,5 +1,5 @@
 """The imports of ``moewire.reference`` run one way: no cycle between its modules, and
-nothing of moewire outside the package (issue 16).
+nothing of moewire outside the package.
 
 Read with ``ast`` from the sources, imports inside functions included (a lazy import is a
 cycle too, only hidden until the call).
@@ -59,7 +59,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_the_cycle_finder_finds_the_old_cycle():
-    # The shape before issue 16: deep_gemm imported _kernel, which imported deep_gemm back.
+    # An earlier shape: deep_gemm imported _kernel, which imported deep_gemm back.
     old = {"deep_gemm": {"_kernel", "_alloc"}, "_kernel": {"deep_gemm"}, "_alloc": set()}
     assert find_cycle(old) == ["_kernel", "deep_gemm", "_kernel"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -289,7 +289,7 @@ def test_transform_does_upstreams_permutations():
 @pytest.mark.parametrize("mma", ["fp8xfp4", "bf16xbf16"])
 @pytest.mark.parametrize("beta", [0.0, 1.5], ids=["beta0-up-unscaled", "beta1.5"])
 def test_situ_matches_the_rounding_oracle(mma, beta):
-    # Kimi-K3's activation (SPEC 1.1): alpha * tanh(g / alpha) * sigmoid(g) * up', with
+    # Kimi-K3's activation (vLLM 0.34's SiTU): alpha * tanh(g / alpha) * sigmoid(g) * up', with
     # up' = beta * tanh(up / beta) for beta > 0; 2.5 keeps tanh away from its linear part.
     alpha, shared, t = 2.5, 1, 37
     case = build(mma=mma, shared=shared, seed=40, run=False)

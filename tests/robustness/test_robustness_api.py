@@ -1,5 +1,5 @@
 """Random arguments to every public entry point: a ValueError/TypeError that names the
-argument, or the reference result (issue 17). Each hypothesis example counts as a case."""
+argument, or the reference result. Each hypothesis example counts as a case."""
 
 from __future__ import annotations
 

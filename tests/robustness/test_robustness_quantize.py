@@ -1,5 +1,5 @@
 """quantize: recipes that match nothing, models already quantized, ModelOpt cfg dicts, saving
-the quantized model, degenerate batches (issue 17). A refused call changes nothing."""
+the quantized model, degenerate batches. A refused call changes nothing."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _refused(model, recipe, exc, match, **kwargs):
     return str(info.value)
 
 
-# -- issue 17, item 2: a recipe that matches no quantizer -----------------------------------
+# -- a recipe that matches no quantizer -----------------------------------
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_matching_only_disabled_entries_is_accepted():
     assert [q.mode for _, _, q in quantizers(model)] == ["disabled", "disabled"]
 
 
-# -- issue 17, item 3: quantize on a model already quantized keeps the scales -----------------
+# -- quantize on a model already quantized keeps the scales -----------------
 
 
 def _amaxes(model):

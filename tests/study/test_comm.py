@@ -1,4 +1,4 @@
-"""The communication-time model (issue 28): every published figure it cites is reproduced
+"""The communication-time model: every published figure it cites is reproduced
 within the stated margin, the byte accounting follows the formats, the routing is measured."""
 
 import math

@@ -70,6 +70,14 @@ def _replace(key, shape):
     return lambda t: t.__setitem__(key, torch.zeros(shape, dtype=torch.bfloat16))
 
 
+def _rename(old: str, new: str):
+    def change(tensors):
+        for key in [k for k in tensors if old in k]:
+            tensors[key.replace(old, new)] = tensors.pop(key)
+
+    return change
+
+
 @pytest.mark.parametrize(
     "change, layer, argument, needle",
     [
@@ -85,9 +93,14 @@ def _replace(key, shape):
         (lambda t: t.__setitem__(WEIGHT_NAMES["gate"].format(L=LAYER, e=0),
                                  torch.zeros(INTER, HIDDEN, dtype=torch.int8)), LAYER,
          "--weights", "dequantize"),
+        (_rename("gate_proj", "w1"), LAYER, "--weights",
+         "has tensors under model.layers.3.mlp.experts.* but none named "
+         "model.layers.3.mlp.experts.0.gate_proj.weight (e.g. model.layers.3.mlp.experts.0.down"),
+        (_rename(".mlp.experts.", ".block_sparse_moe.experts."), LAYER, "--weights",
+         "has no tensor named like model.layers.{L}.mlp.experts.{e}.gate_proj.weight"),
     ],
     ids=["expert-shape", "down-shape", "router-shape", "missing-down", "wrong-layer",
-         "int8-weights"],
+         "int8-weights", "other-expert-naming", "other-layer-naming"],
 )
 def test_weight_refusals(tmp_path, change, layer, argument, needle):
     path = _corrupt(tmp_path, change)
@@ -95,6 +108,8 @@ def test_weight_refusals(tmp_path, change, layer, argument, needle):
         load_weights(path, layer, top_k=4)
     assert info.value.argument == argument
     assert needle in str(info.value)
+    if argument == "--weights":
+        assert "layers with experts in this file" not in str(info.value)
 
 
 def test_unreadable_weights_file(tmp_path):

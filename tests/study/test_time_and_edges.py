@@ -1,4 +1,4 @@
-"""Issue 28: the time estimate end to end, and the rough edges a new user met (the exact
+"""The time estimate end to end, and the rough edges a new user met (the exact
 pair drawn at an invented error, a progress counter that labelled the pair about to start,
 flag conflicts refused only after the build began), each with a test."""
 
@@ -186,7 +186,7 @@ def test_the_chunked_build_is_the_one_call_build(mma):
          "--ep-size: the routing is measured on batches of --tokens 16"),
         (["--tokens", "64", "--interconnect", "rdma-cx7", "--ep-size", "32"],
          "--ep-size: 16 experts do not split over 32 ranks"),
-        (["--link-gbps", "0"], "--link-gbps: must be a finite number > 0, got 0.0"),
+        (["--link-gbps", "0"], "--link-gbps: must be a finite number > 0, got 0"),
         (["--link-latency-us", "-1"], "argument --link-latency-us: must be"),
         (["--interconnect", "nvlink-h100x"], "argument --interconnect: invalid choice"),
     ],

@@ -128,8 +128,11 @@ def test_measure_traffic_refuses_uneven_splits(experts, ranks, tokens, match):
         ({"tokens": 16}, 12, "does not split 12 experts (experts and tokens sit on ranks in "
          "equal blocks); pass --ep-size 2 or 4 (the nearest sizes that split both), or use "
          "--experts 8 or 16"),
-        ({"tokens": 40, "interconnect": "rdma-cx7"}, 20, "pass --ep-size 5 or 10 (the "
-         "nearest sizes that split both), or use --experts 16 or 24"),
+        # rdma-cx7's default is 16, where DeepEP's RDMA figures start.
+        ({"tokens": 40, "interconnect": "rdma-cx7"}, 20, "default EP size 16 does not split 20 "
+         "experts and --tokens 40 (experts and tokens sit on ranks in equal blocks); pass "
+         "--ep-size 10 or 20 (the nearest sizes that split both), or use --experts 16 or 32 "
+         "with --tokens 48"),
         ({"tokens": 12}, 6, "does not split 6 experts and --tokens 12 (experts and tokens sit "
          "on ranks in equal blocks); pass --ep-size 3 or 6 (the nearest sizes that split "
          "both), or use --experts 8 with --tokens 16"),

@@ -95,7 +95,7 @@ def routing(num_tokens: int, seed: int):
 
 
 def oracle_rows(buffer, num_slots: int, flavour: str = "vllm-0.32") -> torch.Tensor:
-    """BF16 ``[num_slots, Tmax, H]`` view of the combine region (SPEC 1.2).
+    """BF16 ``[num_slots, Tmax, H]`` view of the combine region (DeepGEMM `layout/mega_moe.cuh`).
 
     ``vllm-0.32``/``deepgemm-main``: the last region of the buffer; ``vllm-0.33`` and
     ``deepgemm-sm90``: it starts where the ``l2_acts_sf`` view ends (``l2_acts`` without
@@ -115,7 +115,8 @@ def oracle_rows(buffer, num_slots: int, flavour: str = "vllm-0.32") -> torch.Ten
 def oracle_resum(
     rows: torch.Tensor, topk_idx: torch.Tensor, num_tokens: int, shared: str | None = None
 ) -> torch.Tensor:
-    """FP32 sum from +0.0 over valid slots in ascending order, one BF16 rounding (SPEC 1.1).
+    """FP32 sum from +0.0 over valid slots in ascending order, one BF16 rounding
+    (DeepGEMM's combine).
 
     A fused shared row is stored at slot ``k`` (always valid); ``shared="last"`` adds it
     after the routed slots, ``"first"`` before them.

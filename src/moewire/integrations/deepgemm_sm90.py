@@ -4,7 +4,7 @@ DeepGEMM's PR #323 (``refs/pull/323/head`` = 8ddf7f9, the SM90 port of sgl-proje
 kernels) runs on H100/H200: ``deep_gemm.fp8_mega_moe`` (FP8 activations x FP8 weights,
 128x128 block scales, recipe ``(128, 128, 128)``) and, on SM90, ``deep_gemm.fp8_fp4_mega_moe``
 (FP8 activations x FP4 weights, UE8M0 per 32, recipe ``(1, 1, 32)``), with the buffer from
-``deep_gemm.get_symm_buffer_for_sm90_mega_moe`` (SPEC 1, verified on an H200):
+``deep_gemm.get_symm_buffer_for_sm90_mega_moe`` (DeepGEMM PR #323 at 8ddf7f9, verified on an H200):
 
 - the combine rows are BF16 ``[k][Tmax][H]``, router-weighted, in the buffer's last region,
   which starts where the ``l2_acts_sf`` view ends; no fused shared expert;

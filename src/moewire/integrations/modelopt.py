@@ -3,7 +3,7 @@
 ModelOpt users configure quantizers by wildcard on their names, calibrate with
 ``mtq.quantize(model, cfg, forward_loop)``, read ``mtq.print_quant_summary(model)`` and save
 ``mto.modelopt_state(model)`` with the ``state_dict``. This module makes the Mega-MoE experts
-modules part of that workflow (SPEC section 3):
+modules part of that workflow (ModelOpt PR #2767, on top of #2660):
 
 - :func:`register` puts every experts class known to ``moewire.megamoe.registry`` (the
   stand-in, and vLLM's classes when vLLM is importable) into ModelOpt's

@@ -186,7 +186,7 @@ class WireTensorQuantizer(TensorQuantizer):
         return "constant" if self.constant_amax is not None else None
 
     def is_static_scale(self) -> bool:
-        """True when every scale of a row depends on the row alone (SPEC section 3).
+        """True when every scale of a row depends on the row alone (ModelOpt PR #2660).
 
         moewire's math: ``fmt.row_local and (not fmt.needs_amax or has_amax)``. ModelOpt's
         math: MX formats (per-32 block scales only), or any non-dynamic quantizer with a fixed

@@ -4,7 +4,8 @@ vLLM appends a ``--worker-extension-cls`` to the worker's bases and refuses one 
 defines a method the worker has, so an extension cannot run anything inside
 ``compile_or_warm_up_model``. A worker class can: :class:`MoewireWorker` subclasses the
 platform's worker (``CPUWorker`` on a CPU platform, the GPU ``Worker`` elsewhere) and, in
-``compile_or_warm_up_model``, before warm-up and CUDA-graph capture (SPEC section 2):
+``compile_or_warm_up_model`` (``vllm/v1/worker/gpu_worker.py``), before warm-up and
+CUDA-graph capture:
 
 - ``MOEWIRE_RECIPE`` unset: nothing (the worker is the platform's).
 - ``MOEWIRE_SCALES`` set: the experts are quantized with the scales loaded (by the plugin at

@@ -1,7 +1,7 @@
 """Triton kernels: row-local fake quantization and the fused combine re-sum.
 
 Every format's math here is the math of its torch reference in ``moewire.formats``
-(SPEC section 4), step for step, with the same FP32 roundings:
+(ModelOpt 0.47's fake quantization), step for step, with the same FP32 roundings:
 
 - exact division (``div_rn``), never Triton's default approximate ``/``;
 - FMA contraction is switched off at launch (``enable_fp_fusion=False``), so a multiply

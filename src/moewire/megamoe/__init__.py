@@ -18,7 +18,7 @@ import importlib
 
 # Eager, and bound after the import: importing the submodule ``moewire.megamoe.resum`` sets
 # the package attribute ``resum`` to the submodule; this rebinding makes
-# ``from moewire.megamoe import resum`` the function in every import order (issue 14).
+# ``from moewire.megamoe import resum`` the function in every import order.
 from moewire.megamoe.resum import resum as resum
 
 _LAZY = {

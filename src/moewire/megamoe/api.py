@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
+import fnmatch
+import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -21,7 +24,13 @@ from moewire.megamoe.convert import (
 )
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES, amax_rows, kernel_rows, set_amax_rows
 from moewire.megamoe.registry import adapter_for, registered_classes
-from moewire.megamoe.scales_file import Scale, read_scales, scales_path, write_scales
+from moewire.megamoe.scales_file import (
+    LAYER_KEYS,
+    Scale,
+    read_scales,
+    scales_path,
+    write_scales,
+)
 from moewire.quantizer import WireQuantizer
 
 __all__ = ["calibrate", "calibrating", "load_scales", "quantize", "quantizers", "save_scales",
@@ -118,9 +127,8 @@ def quantize(
             has no moewire format; an amax would be lost (see above).
         TypeError: ``forward_loop`` is not callable or ``keep_scales`` is not a bool.
     """
-    if forward_loop is not None and not callable(forward_loop):
-        raise TypeError(f"quantize: forward_loop must be callable (forward_loop(model)) or "
-                        f"None, got {type(forward_loop).__name__}")
+    if forward_loop is not None:
+        _check_forward_loop(forward_loop, "quantize")
     if not isinstance(keep_scales, bool):
         raise TypeError(f"quantize: keep_scales must be True or False, got {keep_scales!r}")
     if not isinstance(model, nn.Module):
@@ -164,12 +172,54 @@ def quantize(
             f"quantizers are: {shown}. Match them with wildcards such as "
             "'*dispatch_quantizer' and '*combine_quantizer' (names are case-sensitive)"
         )
+    _refuse_unmatched_entries(rec, [_qualified(n, a) for n, _ in targets for a in QUANTIZER_NAMES],
+                              type(model).__name__,
+                              modelopt_form=isinstance(recipe, (Mapping, list, tuple)))
     for name, module, attr, quantizer in plan:
         convert(module, name or type(module).__name__)
         setattr(module, attr, quantizer)
     if forward_loop is not None:
         calibrate(model, forward_loop)
     return model
+
+
+def _aims_at_wire(pattern: str) -> bool:
+    """Whether a ModelOpt cfg entry's pattern is meant for a wire quantizer: the word
+    before ``_quantizer`` is close to ``dispatch`` or ``combine`` (a typo such as
+    ``*combin_quantizer`` is), not one of ModelOpt's own (``input``, ``weight``, ...)."""
+    word = pattern.rsplit(".", 1)[-1].strip("*?[]").lower().removesuffix("_quantizer")
+    return any(difflib.SequenceMatcher(None, word, target).ratio() >= 0.6
+               for target in ("dispatch", "combine"))
+
+
+def _refuse_unmatched_entries(rec: Any, names: list[str], model: str, *,
+                              modelopt_form: bool) -> None:
+    """Refuse a recipe entry that can match no wire quantizer: a mistyped pattern
+    (``*combin_quantizer``) would otherwise leave its quantizer disabled without a word.
+
+    An entry is refused when it matches none of the model's quantizers ``names`` and its
+    last dotted part matches neither ``dispatch_quantizer`` nor ``combine_quantizer``. An
+    entry for one layer that this model lacks (``layers.7.experts.combine_quantizer`` on a
+    pipeline stage holding other layers) passes. In a ModelOpt cfg (a dict or list),
+    entries for ModelOpt's own quantizers are expected and pass; only a pattern aimed at a
+    wire quantizer (:func:`_aims_at_wire`) is checked.
+    """
+    for entry in rec.entries:
+        if entry.parent_class is not None or any(entry.matches(n) for n in names):
+            continue
+        tail = entry.quantizer_name.rsplit(".", 1)[-1]
+        if any(fnmatch.fnmatchcase(attr, tail) for attr in QUANTIZER_NAMES):
+            continue
+        if modelopt_form and not _aims_at_wire(entry.quantizer_name):
+            continue
+        shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6
+                                        else "")
+        raise ValueError(
+            f"quantize: the recipe entry {entry.quantizer_name!r} ({entry.source}) matches no "
+            f"wire quantizer of {model}, so it would configure nothing; its quantizers are: "
+            f"{shown}. Fix the pattern (e.g. '*dispatch_quantizer', '*combine_quantizer'; "
+            "names are case-sensitive) or drop the entry"
+        )
 
 
 def unquantize(model: nn.Module) -> nn.Module:
@@ -273,9 +323,29 @@ def calibrate(
     Returns:
         ``model``.
     """
+    _check_forward_loop(forward_loop, "calibrate")
     with calibrating(model, extra_groups=extra_groups):
         forward_loop(model)
     return model
+
+
+def _check_forward_loop(forward_loop: Any, caller: str) -> None:
+    """Refuse a ``forward_loop`` that cannot be called as ``forward_loop(model)``."""
+    if not callable(forward_loop):
+        raise TypeError(f"{caller}: forward_loop must be callable (forward_loop(model)), got "
+                        f"{type(forward_loop).__name__}")
+    try:
+        signature = inspect.signature(forward_loop)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    try:
+        signature.bind(object())
+    except TypeError:
+        raise TypeError(
+            f"{caller}: forward_loop{signature} cannot be called with the model; moewire "
+            "calls forward_loop(model) once: define it as def forward_loop(model): ... and run "
+            "the calibration batches through model"
+        ) from None
 
 
 # -- scales on disk -----------------------------------------------------------------------------
@@ -297,11 +367,26 @@ def _lacks_needed_amax(quantizer: WireQuantizerLike) -> bool:
     )
 
 
+def layer_shape(module: nn.Module) -> dict[str, int] | None:
+    """``{"num_experts", "hidden", "top_k"}`` of an experts module, as a scales file records
+    it, or ``None`` when the module does not carry them (DeepGEMM's and the stand-in's
+    experts do: ``num_experts``, ``hidden``, ``top_k``)."""
+    values = [getattr(module, key, None) for key in LAYER_KEYS]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return None
+    return dict(zip(LAYER_KEYS, values, strict=True))
+
+
+def _shape_text(shape: Mapping[str, int]) -> str:
+    return f"E={shape['num_experts']} H={shape['hidden']} k={shape['top_k']}"
+
+
 def save_scales(model: nn.Module, path: str | Path) -> Path:
     """Save every dispatch/combine quantizer's fixed amax, keyed by its qualified name.
 
-    The file format (``*.safetensors``, or JSON for any other suffix) is
-    :mod:`moewire.megamoe.scales_file`'s.
+    The file's encoding follows its suffix (``.safetensors``, ``.json`` or ``.pt``,
+    :mod:`moewire.megamoe.scales_file`); each record names the layer shape
+    (:func:`layer_shape`) that :func:`load_scales` checks.
 
     Returns:
         The path written.
@@ -309,7 +394,8 @@ def save_scales(model: nn.Module, path: str | Path) -> Path:
     Raises:
         ValueError: the model has no quantized experts module; an enabled quantizer whose
             format needs an amax has none (the model was never calibrated: the file would
-            be refused by every ``load_scales``). Nothing is written then.
+            be refused by every ``load_scales``); the suffix is not one of the three; the
+            directory does not exist. Nothing is written then.
         TypeError: ``path`` is not a str or path.
     """
     path = scales_path(path, "save_scales")
@@ -322,7 +408,7 @@ def save_scales(model: nn.Module, path: str | Path) -> Path:
         combine = name.endswith("combine_quantizer")
         scales[name] = Scale(
             _format_name(quantizer), quantizer.static_amax,
-            amax_rows(module) if combine else None, combine,
+            amax_rows(module) if combine else None, combine, layer_shape(module),
         )
     if not scales:
         raise ValueError(
@@ -362,7 +448,8 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
     Raises:
         ValueError: naming the file and what is wrong: unreadable, truncated or malformed,
             wrong version or dtype, a quantizer missing on either side, an enabled
-            quantizer left without an amax, a format or shape mismatch.
+            quantizer left without an amax, a format or amax shape mismatch, or a layer
+            shape (experts, hidden size, top-k) other than the one the file records.
         TypeError: ``path`` is not a str or path.
     """
     path = scales_path(path, "load_scales")
@@ -393,7 +480,15 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
     modules = {name: module for name, module, _ in quantizers(model)}
     updates, uncovered = [], []
     for name, quantizer in present.items():
-        fmt, amax, tag, _ = saved[name]
+        fmt, amax, tag, _, shape = saved[name]
+        here = layer_shape(modules[name])
+        if shape is not None and here is not None and dict(shape) != here:
+            raise ValueError(
+                f"load_scales: {name} in {path} was calibrated on a layer of "
+                f"{_shape_text(shape)}, but this model's is {_shape_text(here)}: an amax "
+                "describes the rows of one layer shape; load the scales saved from this "
+                "model, or calibrate it (moewire.calibrate)"
+            )
         seen = kernel_rows(modules[name])
         if tag is not None and seen is not None and tag != seen:
             raise ValueError(

@@ -46,7 +46,7 @@ __all__ = [
 # layer, which take it as an argument).
 SHARED_POSITIONS = kernels.SHARED_POSITIONS
 
-# Names used before issue 12; each named a picture of a build, not a build.
+# Names of earlier moewire versions; each named a picture of a build, not a build.
 RENAMED = {
     "upstream": "deepgemm-main",
     "vllm": "vllm-0.32 (vLLM 0.32's bundled DeepGEMM: shared expert added last) or "
@@ -253,7 +253,7 @@ _FP4_FP4_REFUSED = (
     "the NVFP4 x NVFP4 kernel of vLLM 0.33/0.34's DeepGEMM can RMS-normalise each "
     "expert row at combine time from FP32 squared-norm partials kept in its "
     "combine_norm_buffer (post_expert_norm_gamma; impls/sm100_fp4_fp4_mega_moe.cuh), so "
-    "the rows in the buffer are not what it sums (SPEC 1.5; only Muse Spark's own runner "
+    "the rows in the buffer are not what it sums (vLLM 0.34.0; only Muse Spark's own runner "
     "calls it)"
 )
 

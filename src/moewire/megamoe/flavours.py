@@ -1,13 +1,12 @@
 """Kernel build flavours: the registry of DeepGEMM builds, detection, and what derives from them.
 
-A flavour is a property of the DeepGEMM *build* that the model calls, not of the model
-(SPEC sections 1, 1.2, 1.3). The builds themselves are described once, declaratively, in
-:mod:`moewire.megamoe.builds` (``BUILDS``: what recognises each, its kernels and their
-layouts, its staging casts, the kernels refused, what was read and what is unproven);
-this module registers one :class:`Flavour` per entry and derives the rest from the
-registry: :func:`detect` and its error, :func:`kernel_functions`, :data:`UNSUPPORTED_KERNELS`,
-:func:`staging_casts` and :func:`hooked_names` (what the wrapper hooks on a DeepGEMM
-module).
+A flavour is a property of the DeepGEMM *build* that the model calls, not of the model (DeepGEMM
+main, the copies bundled in vLLM 0.32-0.34, DeepGEMM PR #323). The builds themselves are described
+once, declaratively, in :mod:`moewire.megamoe.builds` (``BUILDS``: what recognises each, its kernels
+and their layouts, its staging casts, the kernels refused, what was read and what is unproven); this
+module registers one :class:`Flavour` per entry and derives the rest from the registry:
+:func:`detect` and its error, :func:`kernel_functions`, :data:`UNSUPPORTED_KERNELS`,
+:func:`staging_casts` and :func:`hooked_names` (what the wrapper hooks on a DeepGEMM module).
 
 ==========================  =============================================================
 ``deepgemm-main``           upstream DeepGEMM (SM100): ``fp8_fp4_mega_moe`` and, from
@@ -185,7 +184,7 @@ def get(name: str | Flavour) -> Flavour:
     """The registered flavour called ``name`` (a :class:`Flavour` is returned as is).
 
     Raises:
-        ValueError: an unknown name, or one of the names used before issue 12 (the
+        ValueError: an unknown name, or one of the names of earlier moewire versions (the
             message gives the new name).
     """
     if isinstance(name, Flavour):

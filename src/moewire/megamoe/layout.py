@@ -48,7 +48,8 @@ def combine_rows(
     The region is BF16 ``[num_slots][Tmax][H]``, slot-major: row (slot ``s``, token ``t``)
     starts at byte ``base + (s * Tmax + t) * 2H`` of ``symm_buffer.buffer``, where ``base``
     is given by the kernel's base rule and ``num_slots = num_topk + fused_shared``: routed
-    slot ``s`` at index ``s``, a fused shared expert at index ``k`` in every build (SPEC 1.2).
+    slot ``s`` at index ``s``, a fused shared expert at index ``k`` in every build
+    (DeepGEMM ``layout/mega_moe.cuh``).
     ``Tmax`` is read from ``symm_buffer.num_max_tokens_per_rank`` (the rounded-up capacity).
 
     Args:

@@ -1,21 +1,20 @@
 """The kernel's combine sum, redone in Python from the rows left in the buffer.
 
-Exact order of the Mega-MoE combine (SPEC 1.1): per token, ``acc`` starts at +0.0 in FP32;
-the valid routed slots (``topk_idx >= 0``) are added in ascending slot order,
-``acc += float(row)`` (``float(q(row))`` with a row quantizer: its BF16 QDQ, or its FP32
-dequantized values in ``accumulate="fp32"`` mode, as the real FP8/FP4 combines add them);
-a fused shared row (stored at slot ``k`` in every build) is added
-first or last (its kernel's ``shared_position``, ``moewire.megamoe.flavours``); then
-**one** round to BF16 (nearest even). A token with no valid row gets +0 (or its shared
-row). Invalid slots are *selected away* (``torch.where``), never multiplied by a mask:
-their rows are stale and may hold NaN. ``acc + (+0)`` never changes ``acc`` here (``acc``
-starts at +0 and a sum of finite values is never -0), so selecting the sum is bitwise the
-kernel's ``acc += row`` over valid rows.
+Exact order of the Mega-MoE combine (DeepGEMM ``impls/sm100_fp8_fp4_mega_moe.cuh``): per token,
+``acc`` starts at +0.0 in FP32; the valid routed slots (``topk_idx >= 0``) are added in ascending
+slot order, ``acc += float(row)`` (``float(q(row))`` with a row quantizer: its BF16 QDQ, or its
+FP32 dequantized values in ``accumulate="fp32"`` mode, as the real FP8/FP4 combines add them); a
+fused shared row (stored at slot ``k`` in every build) is added first or last (its kernel's
+``shared_position``, ``moewire.megamoe.flavours``); then **one** round to BF16 (nearest even). A
+token with no valid row gets +0 (or its shared row). Invalid slots are *selected away*
+(``torch.where``), never multiplied by a mask: their rows are stale and may hold NaN.
+``acc + (+0)`` never changes ``acc`` here (``acc`` starts at +0 and a sum of finite values is
+never -0), so selecting the sum is bitwise the kernel's ``acc += row`` over valid rows.
 
-The NVFP4 kernel (``nvfp4_mega_moe``, SPEC 1.5) leaves **unweighted** rows and weights
-them in its combine: ``acc = fma(float(row), w[t, s], acc)``, one FP32 rounding per step
-(``__ffma2_rn``, ``impls/sm100_nvfp4_mega_moe.cuh`` ~l.1746-1807), the shared row last with
-weight 1.0 (``fma(row, 1.0, acc)`` is the FP32 add). ``resum(..., weights=w)`` does that.
+The NVFP4 kernel (``nvfp4_mega_moe`` of vLLM 0.34.0's bundled DeepGEMM) leaves **unweighted** rows
+and weights them in its combine: ``acc = fma(float(row), w[t, s], acc)``, one FP32 rounding per step
+(``__ffma2_rn``, ``impls/sm100_nvfp4_mega_moe.cuh`` ~l.1746-1807), the shared row last with weight
+1.0 (``fma(row, 1.0, acc)`` is the FP32 add). ``resum(..., weights=w)`` does that.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The names ``moewire.megamoe.wrapper`` held before it was split by job (issue 27).
+"""The names ``moewire.megamoe.wrapper`` held before it was split by job.
 
 Kept so that code importing them and models pickled before the split
 (``torch.save(model)`` records ``moewire.megamoe.wrapper._rebuild_quant``) keep working.

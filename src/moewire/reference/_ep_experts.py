@@ -2,7 +2,7 @@
 cache, and the checks of the weights' experts and of the token count.
 
 vLLM caches one symmetric buffer per (EP group, device, shapes, shared count, ...), and
-layers of the same shapes share it (SPEC 1); so does the stand-in, in one cache that holds
+layers of the same shapes share it; so does the stand-in, in one cache that holds
 buffers weakly and keys them by the group object itself (never its ``id()``: a freed
 group's id could come back for a new one).
 

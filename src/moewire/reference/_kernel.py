@@ -108,7 +108,8 @@ def _check_shared_given(kernel: str, buf: Any, shared_l1: Any, shared_l2: Any) -
 
 @dataclass(frozen=True)
 class Activation:
-    """The gated activation of L1's epilogue (SPEC 1.1), then the router weight.
+    """The gated activation of L1's epilogue, then the router weight (DeepGEMM
+    ``impls/sm100_fp8_fp4_mega_moe.cuh``).
 
     ``swiglu``: ``gate = min(gate, c)``, ``up = clamp(up, -c, c)`` with a clamp ``c``, then
     ``silu(gate) * up``. ``situ`` (Kimi-K3, ``impls/sm100_fp8_fp4_mega_moe_situ.cuh``
@@ -247,7 +248,8 @@ def _expert_mlp(
     act: Activation,
     fp8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """SPEC 1.1 for rows grouped by expert.
+    """The kernel's numerics for rows grouped by expert (DeepGEMM
+    ``impls/sm100_fp8_fp4_mega_moe.cuh``).
 
     Args:
         x: FP32 ``[N, H]`` dequantized inputs, rows of expert 0 first, then expert 1, ...
@@ -361,8 +363,8 @@ def mega_moe(
     if norms is not None:
         _write_combine_norms(norms, region, valid, t)
 
-    # Every build stores a fused shared expert's row at slot k (SPEC 1.2); all T tokens
-    # get one (impls/sm100_fp8_fp4_mega_moe.cuh: lane kNumTopk is always valid).
+    # Every build stores a fused shared expert's row at slot k (layout/mega_moe.cuh); all T
+    # tokens get one (impls/sm100_fp8_fp4_mega_moe.cuh: lane kNumTopk is always valid).
     if shared_l1 is not None:
         if t:
             x_all = _dequantized_tokens(buf.x[:t], buf.x_sf[:t] if fp8 else None)

@@ -1,11 +1,11 @@
 """The DeepGEMM kernel builds the stand-in imitates, and which one new buffers get.
 
-A *flavour* names a kernel build (SPEC section 1): ``deepgemm-main``, ``vllm-0.32``,
-``vllm-0.33`` (the default) or ``deepgemm-sm90``; :class:`KernelBuild` is what the stand-in
-needs to know of one (its kernels, where a fused shared expert is added, its buffer's
-extra regions and kind of views). ``moewire.megamoe.flavours`` is moewire's own,
-independent description of the same builds under the same names; the layout check is what
-proves the two agree.
+A *flavour* names a kernel build (DeepGEMM main, vLLM 0.32-0.34's bundled copies, DeepGEMM PR #323):
+``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33`` (the default) or ``deepgemm-sm90``;
+:class:`KernelBuild` is what the stand-in needs to know of one (its kernels, where a fused shared
+expert is added, its buffer's extra regions and kind of views). ``moewire.megamoe.flavours`` is
+moewire's own, independent description of the same builds under the same names; the layout check is
+what proves the two agree.
 
 Choose the flavour with :class:`use_flavour` (a setter and a context manager) or the
 environment variable ``MOEWIRE_REFERENCE_FLAVOUR``; :func:`moewire_flavour` says which
@@ -22,7 +22,8 @@ from typing import Any
 
 ENV_FLAVOUR = "MOEWIRE_REFERENCE_FLAVOUR"
 DEFAULT_FLAVOUR = "vllm-0.33"
-# Names before issue 12, refused with their successors named (as moewire.megamoe.flavours).
+# Names of earlier moewire versions, refused with their successors named (as
+# moewire.megamoe.flavours).
 RENAMED = {
     "upstream": "deepgemm-main",
     "vllm": "vllm-0.32 (shared expert added last) or vllm-0.33 (added first)",

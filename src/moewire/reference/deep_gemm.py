@@ -10,7 +10,7 @@ same function), and the NVFP4 kernel's (``nvfp4_mega_moe``). A thin API, as Deep
 (``reference.deep_gemm_utils``, ``reference._numerics``).
 
 The buffer layout and the combine order follow a named *flavour*, one per kernel build
-(``reference.builds``; SPEC section 1):
+(``reference.builds``: DeepGEMM main, vLLM 0.32-0.34's bundled copies, PR #323):
 
 - ``deepgemm-main``: ``fp8_fp4_mega_moe`` and (DeepGEMM 54e2261) ``bf16_mega_moe``; regions
   ``x, x_sf, topk_idx, topk_weights, l1_acts, l1_acts_sf, l2_acts, l2_acts_sf, combine``, the

@@ -1,9 +1,9 @@
 """The stand-in's NVFP4 Mega-MoE buffer (``deep_gemm.NVFP4SymmBuffer``) and the numbers
 its layout is built from: the token alignment, BLOCK_M, and the shared expert's scale rows.
 
-The layout (``include/deep_gemm/layout/nvfp4_mega_moe.cuh``, SPEC 1.5): the combine region
-starts where the L2 scale region (``l2_acts_sf``) ends, and the per-token ``x_scales``
-regions **follow** it, so the combine region is not the buffer's last region.
+The layout (``include/deep_gemm/layout/nvfp4_mega_moe.cuh`` of vLLM 0.34.0's bundled DeepGEMM): the
+combine region starts where the L2 scale region (``l2_acts_sf``) ends, and the per-token
+``x_scales`` regions **follow** it, so the combine region is not the buffer's last region.
 
 May import: torch and the reference modules below the ``deep_gemm`` API (``_alloc``,
 ``buffer``).

@@ -8,7 +8,7 @@ Same names and signatures: :class:`NVFP4SymmBuffer`, :func:`nvfp4_mega_moe`,
 vLLM's staging function :func:`prepare_megamoe_nvfp4_inputs`
 (``model_executor/layers/fused_moe/prepare_megamoe.py``), in torch.
 
-Where it differs from ``fp8_fp4_mega_moe`` (SPEC 1.5):
+Where it differs from ``fp8_fp4_mega_moe`` (vLLM 0.34.0's bundled `impls/sm100_nvfp4_mega_moe.cuh`):
 
 - Routed inputs are NVFP4 on the wire: E2M1, one E4M3 scale per 16, optional per-token
   FP32 ``x_scales``; weights are NVFP4 too, with a per-expert FP32 ``l1_alpha`` /

@@ -230,6 +230,28 @@ def _as_float(t: torch.Tensor, what: str, arg: str) -> torch.Tensor:
     return t
 
 
+def _no_experts(path: Path, keys: set[str], layer: int, wanted: str) -> tuple[str, str]:
+    """``(flag, message)`` for a file without layer ``layer``'s experts under
+    :data:`WEIGHT_NAMES`: the layer is missing (name the ones there), or its experts are
+    named otherwise (show one of those names and the naming the study reads)."""
+    prefix = f"model.layers.{layer}.mlp.experts."
+    other = sorted(k for k in keys if k.startswith(prefix))
+    if other:
+        return "--weights", (
+            f"{path} has tensors under {prefix}* but none named {wanted} (e.g. "
+            f"{other[0]}); --weights reads DeepSeek's Hugging Face naming "
+            f"({WEIGHT_NAMES['gate']}, up_proj, down_proj): rename the tensors"
+        )
+    layers = sorted({int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")
+                     and ".mlp.experts." in k and k.split(".")[2].isdigit()})
+    if layers:
+        return "--layer", (f"{path} has no experts of layer {layer}; layers with experts in "
+                           f"this file: {layers}; pick one with --layer")
+    return "--weights", (f"{path} has no tensor named like {WEIGHT_NAMES['gate']} (e.g. "
+                         f"{sorted(keys)[0] if keys else 'it is empty'}); --weights reads "
+                         "DeepSeek's Hugging Face naming: rename the tensors")
+
+
 def load_weights(path: str | Path, layer: int, top_k: int) -> LayerWeights:
     """Read layer ``layer``'s routed experts, router and shared experts from safetensors.
 
@@ -283,13 +305,7 @@ def load_weights(path: str | Path, layer: int, top_k: int) -> LayerWeights:
             parts.append(get(name(kind, e)))
         experts.append(parts)
     if not experts:
-        layers = sorted({int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")
-                         and ".mlp.experts." in k and k.split(".")[2].isdigit()})
-        hint = f"layers with experts in this file: {layers}" if layers else (
-            "the file has no tensor named like " + WEIGHT_NAMES["gate"])
-        raise StudyArgumentError(
-            "--layer", f"{path} has no {name('gate', 0)}; {hint}; pick one with --layer"
-        )
+        raise StudyArgumentError(*_no_experts(path, keys, layer, name("gate", 0)))
     gate0, _, down0 = experts[0]
     inter, hidden = gate0.shape
     for e, (gate, up, down) in enumerate(experts):

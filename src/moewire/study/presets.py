@@ -1,4 +1,9 @@
-"""Model presets: the MoE layer shapes the study builds (SPEC section 1.4).
+"""Model presets: the MoE layer shapes the study builds.
+
+The full-size shapes are the models' Hugging Face ``config.json`` values:
+``n_routed_experts``, ``num_experts_per_tok``, ``hidden_size``, ``moe_intermediate_size``
+and ``n_shared_experts`` (DeepSeek-V4-Flash: 256, 6, 4096, 2048, 1; DeepSeek-V4-Pro: 384, 6,
+7168, 3072, 1; Kimi-K3: 896, 16, 3584 latent, 3072, 2).
 
 A preset fixes the routed experts, top-k, hidden size, expert intermediate size, shared
 experts and the router's gating function. ``demo`` is what ``moewire study`` runs with
@@ -56,15 +61,15 @@ PRESETS: dict[str, ModelPreset] = {
         ),
         ModelPreset(
             "v4-flash", 256, 6, 4096, 2048, 1, "sigmoid",
-            "DeepSeek-V4-Flash (SPEC 1.4)",
+            "DeepSeek-V4-Flash (E=256, k=6, H=4096, I=2048, 1 shared expert)",
         ),
         ModelPreset(
             "v4-pro", 384, 6, 7168, 3072, 1, "sigmoid",
-            "DeepSeek-V4-Pro (SPEC 1.4)",
+            "DeepSeek-V4-Pro (E=384, k=6, H=7168, I=3072, 1 shared expert)",
         ),
         ModelPreset(
             "kimi-k3", 896, 16, 3584, 3072, 2, "sigmoid",
-            "Kimi-K3, latent hidden size (SPEC 1.4)",
+            "Kimi-K3 (E=896, k=16, latent H=3584, I=3072, 2 shared experts)",
         ),
         ModelPreset(
             "tiny", 16, 4, 512, 512, 0, "softmax",

@@ -3,11 +3,13 @@
 - ``results.json``: the document of :func:`moewire.study.runner.run_study`, with every
   non-finite float written as the string ``"inf"`` / ``"-inf"`` / ``"nan"`` (JSON has no
   infinities; ``bf16 x bf16`` has SQNR ``"inf"``).
-- ``error_heatmap.png``: SQNR (dB) over dispatch (rows) x combine (columns), each cell
-  annotated with its SQNR and relative L2 error.
+- ``error_heatmap.png``: two panels over dispatch (rows) x combine (columns): the SQNR (dB)
+  on a fixed colour scale, each cell annotated with its SQNR and relative L2 error, and
+  beside it what the pair costs over BF16 (estimated time, else bytes).
 - ``frontier.png``: relative L2 error (log) against the estimated dispatch + combine time
-  per layer (left) and against bytes on the wire per token (right), one point per pair, the
-  Pareto frontier (no other pair is both cheaper and more accurate) drawn as a line. A pair
+  per layer (left) and against bytes on the wire per token (right), one labelled point per
+  pair, the Pareto front (:mod:`moewire.study.verdict`: no other pair is cheaper and more
+  accurate beyond the noise tolerance) ringed and drawn as a line. A pair
   with zero error (``bf16 x bf16`` on the stand-in kernel) has no place on a log axis: it is
   drawn as a marker on the bottom edge, labelled exact, never at an invented error.
 """
@@ -20,11 +22,15 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from moewire.study.verdict import front_marks, pareto
+
 JSON_NAME = "results.json"
 HEATMAP_NAME = "error_heatmap.png"
 FRONTIER_NAME = "frontier.png"
+#: Both plots are drawn and saved at this resolution (the label placement is in pixels).
+_DPI = 120
 _COLUMNS = (
-    ("dispatch", "dispatch"), ("combine", "combine"), ("rel_l2", "rel L2"),
+    ("dispatch", "dispatch"), ("combine", "combine"), ("front", "front"), ("rel_l2", "rel L2"),
     ("sqnr_db", "SQNR dB"), ("cosine", "cosine"), ("max_abs_err", "max |err|"),
     ("bytes_per_token", "bytes/token"), ("ratio_to_bf16", "vs BF16"),
     ("dispatch_us", "disp us"), ("combine_us", "comb us"), ("comm_us", "comm us"),
@@ -58,9 +64,15 @@ def write_json(doc: dict, out: Path) -> Path:
     return path
 
 
+#: The table's short form of :func:`moewire.study.verdict.front_marks`.
+_FRONT_CELL = {"time+bytes": "T B", "time": "T", "bytes": "B", "": ""}
+
+
 def _cell(key: str, value: Any) -> str:
     if key in ("dispatch", "combine"):
         return str(value)
+    if key == "front":
+        return _FRONT_CELL[value]
     if key == "sqnr_db":
         return "inf" if value == math.inf else f"{value:.2f}"
     if key == "cosine":
@@ -84,17 +96,24 @@ _DROP_ORDER = ("cosine", "dispatch_us", "combine_us", "max_abs_err", "saved_us",
 def _keys(doc: dict) -> list[str]:
     """Every column of this document: the time columns only where the results have them
     (a results.json of schema 1 has none), the QDQ column only where it was measured."""
-    first = doc["results"][0]
+    first = {**doc["results"][0], "front": ""}
     keys = [k for k, _ in _COLUMNS if k in first]
     if all(r.get("fake_quant_us") is None for r in doc["results"]):
         keys = [k for k in keys if k != "fake_quant_us"]
     return keys
 
 
+def _row(doc: dict, i: int, marks: list[str]) -> dict:
+    return {**doc["results"][i], "front": marks[i]}
+
+
 def table_rows(doc: dict, keys: tuple[str, ...] | None = None) -> list[list[str]]:
-    """The table's cells, one row per pair, in the JSON's order (``keys``: the columns)."""
+    """The table's cells, one row per pair, in the JSON's order (``keys``: the columns;
+    ``front`` is computed, :func:`moewire.study.verdict.front_marks`)."""
     keys = keys or tuple(_keys(doc))
-    return [[_cell(k, r[k]) for k in keys] for r in doc["results"]]
+    marks = front_marks(doc)
+    return [[_cell(k, _row(doc, i, marks)[k]) for k in keys]
+            for i in range(len(doc["results"]))]
 
 
 def table_columns(doc: dict, width: int | None, overhead: int = 2) -> tuple[str, ...]:
@@ -108,8 +127,9 @@ def table_columns(doc: dict, width: int | None, overhead: int = 2) -> tuple[str,
     if width is None:
         return tuple(keys)
     titles = dict(_COLUMNS)
-    widths = {k: max(len(titles[k]), *(len(_cell(k, r[k])) for r in doc["results"]))
-              for k in keys}
+    widths = {k: max(len(titles[k]), *(len(cell) for cell in column))
+              for k, column in zip(keys, zip(*table_rows(doc, tuple(keys)), strict=True),
+                                   strict=True)}
     for drop in (None, *_DROP_ORDER):
         if drop is not None and drop in keys:
             keys.remove(drop)
@@ -215,8 +235,28 @@ def heatmap_values(doc: dict):
     return np.ma.masked_where(~np.isfinite(sqnr), sqnr)
 
 
+#: The heatmap's fixed SQNR colour scale (dB): the same colour means the same error in
+#: every run. Below the bottom is as dark as the bottom, above the top as light as the top.
+SQNR_SCALE_DB = (0.0, 60.0)
+
+
+def heatmap_costs(doc: dict):
+    """``(cost over BF16 [dispatch, combine], what it is)``: the estimated time over BF16
+    both ways when the results have it (schema 2), else the bytes over BF16."""
+    import numpy as np
+
+    dispatch, combine = _axes(doc)
+    by_pair = _lookup(doc)
+    key, what = (("time_ratio_to_bf16", "estimated wire time / BF16")
+                 if "time_ratio_to_bf16" in doc["results"][0]
+                 else ("ratio_to_bf16", "bytes on the wire / BF16"))
+    return np.array([[float(by_pair[d, c][key]) for c in combine] for d in dispatch]), what
+
+
 def plot_heatmap(doc: dict, path: Path) -> Path:
-    """SQNR heatmap over dispatch x combine; an exact cell is grey and says so."""
+    """Two panels over dispatch x combine: the SQNR on a fixed scale
+    (:data:`SQNR_SCALE_DB`; an exact cell is grey and says so) and, beside it, what the
+    pair costs over BF16 (time, else bytes) on a fixed 0-1 scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,15 +265,19 @@ def plot_heatmap(doc: dict, path: Path) -> Path:
     dispatch, combine = _axes(doc)
     by_pair = _lookup(doc)
     shown = heatmap_values(doc)
-    measured = shown.compressed()
-    top = float(measured.max()) if measured.size else 1.0
-    bottom = float(measured.min()) if measured.size else 0.0
-    fig, ax = plt.subplots(figsize=(1.6 * len(combine) + 2.5, 0.9 * len(dispatch) + 2.0))
+    costs, cost_what = heatmap_costs(doc)
+    width = 1.5 * len(combine) + 2.0
+    fig, (ax, cost_ax) = plt.subplots(1, 2, figsize=(2 * width, 0.9 * len(dispatch) + 2.3),
+                                      dpi=_DPI)
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.92")
+    bottom, top = SQNR_SCALE_DB
     image = ax.imshow(shown, cmap=cmap, vmin=bottom, vmax=top, aspect="auto")
-    ax.set_xticks(range(len(combine)), combine)
-    ax.set_yticks(range(len(dispatch)), dispatch)
-    ax.set_xlabel("combine format")
+    cost_image = cost_ax.imshow(costs, cmap=matplotlib.colormaps["cividis_r"], vmin=0.0,
+                                vmax=1.0, aspect="auto")
+    for a in (ax, cost_ax):
+        a.set_xticks(range(len(combine)), combine)
+        a.set_yticks(range(len(dispatch)), dispatch)
+        a.set_xlabel("combine format")
     ax.set_ylabel("dispatch format")
     mid = (top + bottom) / 2
     for i, d in enumerate(dispatch):
@@ -243,31 +287,23 @@ def plot_heatmap(doc: dict, path: Path) -> Path:
             text = "exact\n(no error)" if exact else f"{r['sqnr_db']:.1f} dB\n{r['rel_l2']:.1e}"
             ax.text(j, i, text, ha="center", va="center", fontsize=8,
                     color="black" if exact or shown[i, j] > mid else "white")
-    fig.colorbar(image, ax=ax, label="SQNR (dB), higher is better")
+            cost_ax.text(j, i, f"{costs[i, j]:.2f}x", ha="center", va="center", fontsize=8,
+                         color="white" if costs[i, j] > 0.5 else "black")
+    fig.colorbar(image, ax=ax, label=f"SQNR (dB), higher is better; fixed scale "
+                 f"{bottom:g}-{top:g}", extend="both")
+    fig.colorbar(cost_image, ax=cost_ax, label=f"{cost_what}, lower is cheaper")
     layer = doc["layer"]
-    ax.set_title(
-        f"{doc['settings']['model']}: layer-output SQNR (cell: dB / rel. L2)\n"
-        f"E={layer['num_experts']} k={layer['top_k']} H={layer['hidden']} "
-        f"mma={layer['mma']}, {doc['routing']['eval_tokens']} eval tokens",
+    ax.set_title("error: layer-output SQNR (cell: dB / rel. L2)", fontsize=10)
+    cost_ax.set_title(f"cost: {cost_what}", fontsize=10)
+    fig.suptitle(
+        f"{doc['settings']['model']}: E={layer['num_experts']} k={layer['top_k']} "
+        f"H={layer['hidden']} mma={layer['mma']}, {doc['routing']['eval_tokens']} eval tokens",
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=_DPI)
     plt.close(fig)
     return path
-
-
-def pareto(points: list[tuple[float, float, Any]]) -> list[tuple[float, float, Any]]:
-    """The points no other point beats on both cost (x) and error (y), sorted by cost.
-
-    A point is kept when its error is strictly lower than every cheaper-or-equal point's.
-    """
-    front, best = [], math.inf
-    for x, y, tag in sorted(points, key=lambda p: (p[0], p[1])):
-        if y < best:
-            front.append((x, y, tag))
-            best = y
-    return front
 
 
 def frontier_points(doc: dict, x_key: str) -> tuple[list[tuple[float, float, str]],
@@ -297,13 +333,13 @@ def _frontier_panel(ax, doc: dict, x_key: str, xlabel: str, bf16_x: float) -> No
     measured, exact = frontier_points(doc, x_key)
     colour = {f"{r['dispatch']}/{r['combine']}": cmap(dispatch_axis.index(r["dispatch"]) % 10)
               for r in doc["results"]}
-    for x, y, tag in measured:
-        ax.scatter(x, y, color=colour[tag], s=28, zorder=3)
     front = pareto(measured)
+    on_front = {tag for _, _, tag in front}
+    for x, y, tag in measured:
+        ax.scatter(x, y, color=colour[tag], s=34 if tag in on_front else 22, zorder=3,
+                   edgecolors="black" if tag in on_front else "none", linewidths=0.8)
     ax.plot([p[0] for p in front], [p[1] for p in front], color="0.4", lw=1, ls="--",
-            zorder=2, label="Pareto frontier (measured pairs)")
-    for x, y, tag in front:
-        ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            zorder=2, label="Pareto front (ringed; ties within the noise tolerance merge)")
     # Exact pairs: on the bottom edge (axes coordinates), not at an error they do not have.
     edge = blended_transform_factory(ax.transData, ax.transAxes)
     for x, tag in exact:
@@ -316,11 +352,80 @@ def _frontier_panel(ax, doc: dict, x_key: str, xlabel: str, bf16_x: float) -> No
         ax.set_ylim(1e-4, 1.0)
         ax.text(0.5, 0.5, "no quantized pair: no error to plot", ha="center",
                 transform=ax.transAxes, fontsize=9, color="0.4")
+    else:
+        lo, hi = min(p[1] for p in measured), max(p[1] for p in measured)
+        ax.set_ylim(lo / 2.5, hi * 2.5)  # room for the labels above and below
+        xs = [p[0] for p in measured] + [bf16_x]
+        span = (max(xs) - min(xs)) or 1.0
+        ax.set_xlim(min(xs) - 0.08 * span, max(xs) + 0.08 * span)
     ax.set_xlabel(xlabel)
     ax.axvline(bf16_x, color="0.7", lw=0.8)
     ax.text(bf16_x, 0.98, "all BF16 ", fontsize=7, color="0.4", ha="right", va="top",
             transform=ax.get_xaxis_transform())
     ax.grid(True, which="both", alpha=0.3)
+
+
+#: Label offsets tried around a point, in points: 8 directions at growing distances.
+_LABEL_RADII = (5, 12, 20, 30, 42, 56)
+_LABEL_DIRECTIONS = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1))
+_ALIGN_X = {1: "left", -1: "right", 0: "center"}
+_ALIGN_Y = {1: "bottom", -1: "top", 0: "center"}
+
+
+def place_labels(fig, ax, points: list[tuple[float, float, str]], front: set[str]) -> None:
+    """Label every ``(x, y, tag)`` point of ``ax`` without two labels (or a label and a
+    marker) overlapping: each label tries offsets at growing distances in 8 directions
+    and takes the first free one inside the axes, with a leader line to its point; front
+    labels are bold. Call after the figure's layout is final (display coordinates)."""
+    renderer = fig.canvas.get_renderer()
+    area = ax.get_window_extent(renderer)
+    pad = 4.0  # marker half-width in pixels
+    taken = []
+    for x, y, _ in points:
+        px, py = ax.transData.transform((x, y))
+        taken.append((px - pad, py - pad, px + pad, py + pad))
+    taken += [tuple(t.get_window_extent(renderer).extents) for t in ax.texts]
+    if ax.get_legend() is not None:
+        taken.append(tuple(ax.get_legend().get_window_extent(renderer).extents))
+
+    def overlap(box) -> float:
+        total = 0.0
+        for b in taken:
+            w = min(box[2], b[2]) - max(box[0], b[0])
+            h = min(box[3], b[3]) - max(box[1], b[1])
+            total += max(w, 0.0) * max(h, 0.0)
+        return total
+
+    # Top to bottom, left to right: crowded low-error clusters get the later, freer slots.
+    for x, y, tag in sorted(points, key=lambda p: (-p[1], p[0])):
+        ann = ax.annotate(tag, (x, y), textcoords="offset points", xytext=(5, 5),
+                          fontsize=7, fontweight="bold" if tag in front else "normal")
+        best = None
+        for radius in _LABEL_RADII:
+            for dx, dy in _LABEL_DIRECTIONS:
+                ann.set_position((dx * radius, dy * radius))
+                ann.set_horizontalalignment(_ALIGN_X[dx])
+                ann.set_verticalalignment(_ALIGN_Y[dy])
+                box = tuple(ann.get_window_extent(renderer).extents)
+                inside = (box[0] >= area.x0 and box[2] <= area.x1 and box[1] >= area.y0
+                          and box[3] <= area.y1)
+                score = (not inside, overlap(box))
+                if best is None or score < best[0]:
+                    best = (score, radius, dx, dy, box)
+                if score == (False, 0.0):
+                    break
+            if best[0] == (False, 0.0):
+                break
+        _, radius, dx, dy, box = best
+        ann.remove()
+        # Every label gets a leader line to its own point: in a cluster, nearness alone
+        # would let a reader take a label for its neighbour's.
+        ax.annotate(tag, (x, y), textcoords="offset points", xytext=(dx * radius, dy * radius),
+                    ha=_ALIGN_X[dx], va=_ALIGN_Y[dy], fontsize=7, zorder=5,
+                    fontweight="bold" if tag in front else "normal",
+                    arrowprops=dict(arrowstyle="-", lw=0.6, color="0.45", shrinkA=0,
+                                    shrinkB=2))
+        taken.append(box)
 
 
 def frontier_figure(doc: dict):
@@ -333,8 +438,8 @@ def frontier_figure(doc: dict):
 
     results = doc["results"]
     has_time = "comm_us" in results[0]
-    fig, axes = plt.subplots(1, 2 if has_time else 1, figsize=(14 if has_time else 8.5, 5.5),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, 2 if has_time else 1, figsize=(14 if has_time else 8.5, 6),
+                             squeeze=False, dpi=_DPI)
     bytes_ax = axes[0][-1]
     bf16_bytes = next(r["bytes_per_token"] / r["ratio_to_bf16"] for r in results)
     _frontier_panel(bytes_ax, doc, "bytes_per_token",
@@ -357,6 +462,10 @@ def frontier_figure(doc: dict):
     fig.suptitle(f"{doc['settings']['model']}: what each dispatch/combine pair costs in error "
                  "and buys on the wire", fontsize=11)
     fig.tight_layout()
+    panels = [(axes[0][-1], "bytes_per_token")] + ([(axes[0][0], "comm_us")] if has_time else [])
+    for ax, x_key in panels:
+        measured, _ = frontier_points(doc, x_key)
+        place_labels(fig, ax, measured, {tag for _, _, tag in pareto(measured)})
     return fig
 
 
@@ -365,7 +474,7 @@ def plot_frontier(doc: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig = frontier_figure(doc)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=_DPI)
     plt.close(fig)
     return path
 

@@ -46,10 +46,8 @@ from moewire.study.layer import (
     run_pair,
 )
 from moewire.study.metrics import error_metrics
-from moewire.study.settings import StudyConfig, ep_size, validate
+from moewire.study.settings import SCHEMA, StudyConfig, ep_size, validate
 from moewire.study.wire import remote_fraction, wire_cost
-
-SCHEMA = "moewire.study/2"
 
 
 @dataclass
@@ -189,6 +187,9 @@ def run_study(cfg: StudyConfig, progress: Progress | None = None) -> dict:
             "target_max_over_mean": layer.router_imbalance,
             # The time estimate's EP split of the same routing (moewire.study.comm).
             "ep": traffic.as_dict(),
+            # The evaluation batches' expert ids, [batches][T][k]: what `--from` splits
+            # over another EP size without running the sweep again (moewire.study.retime).
+            "eval_topk_ids": [b[2].cpu().tolist() for b in evals],
         },
         "interconnect": link.as_dict(),
         "baseline": {

@@ -17,6 +17,8 @@ from pathlib import Path
 from moewire.study.errors import StudyArgumentError
 from moewire.study.presets import DEFAULT_MODEL, PRESETS, ModelPreset
 
+#: The ``schema`` of the results.json a study writes (and ``--from`` reads).
+SCHEMA = "moewire.study/2"
 #: The name of "no quantizer" on either axis (the baseline row and column).
 NONE = "bf16"
 _NONE_ALIASES = {"bf16", "none"}
@@ -63,8 +65,9 @@ class StudyConfig:
         kernel: ``reference`` (the stand-in kernel) or ``deepgemm-sm90`` (DeepGEMM's real
             SM90 Mega-MoE kernel on a Hopper GPU, :mod:`moewire.study.real_kernel`).
         interconnect: the time estimate's profile (:data:`moewire.study.comm.INTERCONNECTS`).
-        ep_size: the EP size of the time estimate; ``None``: 8 (one NVLink node), or the
-            largest divisor of the expert and token counts below 8.
+        ep_size: the EP size of the time estimate; ``None``: :func:`default_ep_size` (8,
+            one NVLink node; 16 on ``rdma-cx7``), or the largest divisor of the expert and
+            token counts below it.
         ep_tokens: tokens per rank of the time estimate; ``None``: ``tokens / ranks``.
         link_gbps, link_latency_us: override the profile's bandwidth (GB/s per GPU, every
             EP size, both directions) and latency (us).
@@ -185,7 +188,7 @@ def validate(cfg: StudyConfig) -> StudyConfig:
     if cfg.device not in ("cpu", "cuda"):
         raise StudyArgumentError("--device", f"must be cpu or cuda, got {cfg.device!r}")
     check_kernel_flags(cfg)
-    _check_comm_flags(cfg)
+    check_comm_flags(cfg)
     import torch
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -235,7 +238,8 @@ def check_kernel_flags(cfg: StudyConfig) -> None:
                                  "--device cuda")
 
 
-def _check_comm_flags(cfg: StudyConfig) -> None:
+def check_comm_flags(cfg: StudyConfig) -> None:
+    """The time-estimate flags (interconnect, link overrides, EP size and tokens)."""
     from moewire.study.comm import INTERCONNECTS
 
     if cfg.interconnect not in INTERCONNECTS:
@@ -258,6 +262,13 @@ def _check_comm_flags(cfg: StudyConfig) -> None:
     if cfg.ep_size is None:
         return
     _positive(cfg.ep_size, "--ep-size")
+    if cfg.ranks > 1 and cfg.ep_size != cfg.ranks:
+        raise StudyArgumentError(
+            "--ep-size", f"--ranks {cfg.ranks} and --ep-size {cfg.ep_size} disagree: --ranks "
+            "splits the error sweep's routing over simulated ranks (it changes no error, only "
+            "the reported share of copies that leave their rank), --ep-size is the EP group "
+            "of the time estimate; pass the same number to both, or drop --ranks"
+        )
     top = INTERCONNECTS[cfg.interconnect].max_ep_size
     if top is not None and cfg.ep_size > top:
         raise StudyArgumentError(
@@ -271,10 +282,10 @@ def _check_comm_flags(cfg: StudyConfig) -> None:
             f"{cfg.ep_size}"
         )
     if cfg.weights is None:
-        _check_ep_experts(cfg.ep_size, cfg.experts or cfg.preset.num_experts)
+        check_ep_experts(cfg.ep_size, cfg.experts or cfg.preset.num_experts)
 
 
-def _check_ep_experts(ep_size: int, num_experts: int) -> None:
+def check_ep_experts(ep_size: int, num_experts: int) -> None:
     if num_experts % ep_size:
         raise StudyArgumentError(
             "--ep-size", f"{num_experts} experts do not split over {ep_size} ranks; use an "
@@ -282,9 +293,19 @@ def _check_ep_experts(ep_size: int, num_experts: int) -> None:
         )
 
 
+def default_ep_size(interconnect: str) -> int:
+    """The EP size the estimate starts from: one NVLink node
+    (:data:`moewire.study.comm.DEFAULT_EP_SIZE`), or the smallest EP size an interconnect
+    has figures for when that is larger (``rdma-cx7``: DeepEP's low-latency RDMA rows
+    start at EP 16)."""
+    from moewire.study.comm import DEFAULT_EP_SIZE, INTERCONNECTS
+
+    return max(DEFAULT_EP_SIZE, min(INTERCONNECTS[interconnect].dispatch_gbps))
+
+
 def ep_size(cfg: StudyConfig, num_experts: int) -> int:
-    """The time estimate's EP size: ``--ep-size``, else
-    :data:`moewire.study.comm.DEFAULT_EP_SIZE` (one NVLink node).
+    """The time estimate's EP size: ``--ep-size``, else :func:`default_ep_size` (one NVLink
+    node, or where an interconnect's figures start).
 
     Experts sit on ranks in equal contiguous blocks, so an EP size must divide the expert
     count: DeepGEMM sizes its buffer with ``num_experts / num_ranks`` experts a rank after
@@ -300,12 +321,12 @@ def ep_size(cfg: StudyConfig, num_experts: int) -> int:
         StudyArgumentError: the default EP size does not divide the expert count or
             ``--tokens``; the message names the EP sizes and expert counts that would.
     """
-    from moewire.study.comm import DEFAULT_EP_SIZE, INTERCONNECTS
+    from moewire.study.comm import INTERCONNECTS
 
     if cfg.ep_size is not None:
-        _check_ep_experts(cfg.ep_size, num_experts)
+        check_ep_experts(cfg.ep_size, num_experts)
         return cfg.ep_size
-    n = DEFAULT_EP_SIZE
+    n = default_ep_size(cfg.interconnect)
     if num_experts % n == 0 and cfg.tokens % n == 0:
         return n
     top = INTERCONNECTS[cfg.interconnect].max_ep_size if cfg.interconnect in INTERCONNECTS \
