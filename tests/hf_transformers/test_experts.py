@@ -264,7 +264,7 @@ def _fp8_weights():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (_fp8_weights, "weights are torch.float8_e4m3fn; the stand-in builds take"),
+        (_fp8_weights, "weights are torch.float8_e4m3fn; moewire quantizes BF16"),
         (lambda: _flagged("has_bias", True), "has_bias=True: the Mega-MoE kernel has no expert"),
         (lambda: _flagged("has_gate", False), "has_gate=False"),
         (lambda: _flagged("has_post_expert_norm", True), "has_post_expert_norm=True"),
@@ -309,7 +309,8 @@ def test_prepare_refuses_a_model_without_moewire_experts(checkpoints, moewire_re
     [
         ("fp8xfp4", r"model.layers.0.mlp.experts: the fp8xfp4 build cannot take these experts "
                     r"\(.*multiple of 512"),
-        ("fp4xfp4", r"model.layers.0.mlp.experts: mma_type must be one of"),
+        ("fp4xfp4", r"model.layers.0.mlp.experts: kernel 'stand-in' has the builds "
+                    r"\('bf16xbf16', 'fp8xfp4'\), got mma_type='fp4xfp4'"),
     ],
     ids=["fp8xfp4-hidden-128", "unknown-mma"],
 )
