@@ -180,12 +180,25 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         vllm_site=("vllm.model_executor.layers.fused_moe.experts.deep_gemm_mega_moe",
                    "DeepGemmMegaExperts"),
         sglang="model.layers.{n}.mlp.experts",
+        # The real kernels cannot run gpt-oss: DeepGEMM PR #323 (8ddf7f9) takes no bias
+        # tensors in fp8_mega_moe / fp8_fp4_mega_moe and its SymmBuffer asserts
+        # activation == 'swiglu' (deep_gemm/mega/__init__.py); the SM90 kernels compute
+        # silu(gate) * up (impls/sm90_fp8_fp4_mega_moe.cuh). vLLM main's DeepGemmMegaExperts
+        # (fused_moe/experts/deep_gemm_mega_moe.py, 13f9685) passes neither biases nor an
+        # activation to fp8_fp4_mega_moe; its SWIGLUOAI entry is marked a temporary hack.
         refused=(
-            "gpt-oss's experts have biases (has_bias=True) and the activation "
-            "(up + 1) * gate * sigmoid(alpha * gate) with interleaved gate/up rows, which the "
-            "stand-in Mega-MoE kernel does not model (it has SwiGLU without bias)"
+            "gpt-oss's experts have biases (has_bias=True) and the clamped activation "
+            "(up + 1) * gate * sigmoid(alpha * gate) (transformers 5.23.0 "
+            "GptOssExperts._apply_gate), and DeepGEMM's Mega-MoE kernels have neither: "
+            "fp8_mega_moe and fp8_fp4_mega_moe take no bias tensors and only "
+            "activation='swiglu', silu(gate) * up (DeepGEMM PR #323, 8ddf7f9, "
+            "deep_gemm/mega/__init__.py asserts it); vLLM main's DeepGemmMegaExperts "
+            "(fused_moe/experts/deep_gemm_mega_moe.py) passes neither biases nor an "
+            "activation to it, which computes another network than gpt-oss's experts"
         ),
-        read_from="transformers 5.23.0 modeling_gpt_oss.py (GptOssExperts._apply_gate)",
+        read_from="transformers 5.23.0 modeling_gpt_oss.py (GptOssExperts._apply_gate); "
+        "DeepGEMM PR #323 deep_gemm/mega/__init__.py; vLLM main "
+        "fused_moe/experts/deep_gemm_mega_moe.py",
     ),
 )
 
