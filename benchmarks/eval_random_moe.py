@@ -7,6 +7,8 @@ shapes, H 2048, I 768, top-8, vocabulary 151936, with 8 layers and 64 experts), 
 and the mixed recipe.
 
     python benchmarks/eval_random_moe.py --out OUT            # the H200 run
+    python benchmarks/eval_random_moe.py --kernel deepgemm-sm90 --per-layer "" --out OUT
+                                              # DeepGEMM's real SM90 fp8_mega_moe (Hopper)
     python benchmarks/eval_random_moe.py --layers 2 --experts 8 --hidden 256 --intermediate 256 \
         --max-tokens 128 --device cpu --out /tmp/e            # a CPU smoke run
 """
@@ -66,6 +68,7 @@ def main() -> int:
     p.add_argument("--pairs", nargs="*", default=["fp8:fp8", "fp8:nvfp4", "nvfp4:nvfp4"])
     p.add_argument("--per-layer", default="nvfp4:nvfp4")
     p.add_argument("--budget", type=float, default=0.01)
+    p.add_argument("--kernel", default="stand-in", help="stand-in or deepgemm-sm90")
     p.add_argument("--device", default=None)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -76,7 +79,7 @@ def main() -> int:
         params = build(Path(tmp), args)
         report = evaluate(
             tmp, [parse_pair(x) for x in args.pairs], max_tokens=args.max_tokens,
-            seq_len=args.seq_len, device=args.device, budget=args.budget,
+            seq_len=args.seq_len, kernel=args.kernel, device=args.device, budget=args.budget,
             per_layer=parse_pair(args.per_layer) if args.per_layer else None, out_dir=args.out,
         )
     report["parameters"] = params
@@ -87,6 +90,12 @@ def main() -> int:
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     print(table(report))
     peak = report["peak_memory_bytes"]
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        report["device_memory_in_use_bytes"] = total - free  # symmetric memory included
+        print(f"device memory in use at the end (torch.cuda.mem_get_info, the symmetric "
+              f"buffers included): {(total - free) / 2**30:.2f} GiB")
+        (args.out / "results.json").write_text(json.dumps(report, indent=1))
     print(f"budget KL {args.budget:g}: {report['budget']['verdict']}")
     print(f"tokens/s over all runs (calibration and quantize included): "
           f"{report['tokens_per_second']:.0f}; peak memory: "

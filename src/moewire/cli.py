@@ -363,8 +363,12 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
                    help="tokens evaluated (default 1024)")
     p.add_argument("--seq-len", type=_int_at_least(2), default=128,
                    help="tokens per window (default 128)")
-    p.add_argument("--mma", choices=("bf16xbf16", "fp8xfp4"), default="bf16xbf16",
-                   help="the stand-in kernel build (default bf16xbf16: the weights stay BF16)")
+    p.add_argument("--kernel", choices=("stand-in", "deepgemm-sm90"), default="stand-in",
+                   help="the Mega-MoE kernel (default stand-in; deepgemm-sm90: DeepGEMM's real "
+                        "SM90 fp8_mega_moe on a Hopper GPU, FP8 128x128 block-scaled weights)")
+    p.add_argument("--mma", choices=("bf16xbf16", "fp8xfp4", "fp8xfp8"), default=None,
+                   help="the kernel's build (default: bf16xbf16 for the stand-in, the weights "
+                        "stay BF16; fp8xfp8 for deepgemm-sm90)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--budget", type=_float_at_least(0.0), default=None,
                    help="mean-KL budget: name the cheapest pair within it")
@@ -384,7 +388,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     text = args.text.read_text() if args.text is not None else None
     report = evaluate(
         args.checkpoint, pairs, recipes=args.recipe, text=text, max_tokens=args.max_tokens,
-        seq_len=args.seq_len, mma_type=args.mma, device=args.device, budget=args.budget,
+        seq_len=args.seq_len, mma_type=args.mma, kernel=args.kernel, device=args.device,
+        budget=args.budget,
         per_layer=per_layer, out_dir=args.out,
     )
     print(table(report))

@@ -186,6 +186,34 @@ def test_refusals(make, message, tmp_path, capsys):
     assert message.split("'")[0] in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "argv", "message"),
+    [
+        ({"kernel": "deepgemm-sm90"}, ["--kernel", "deepgemm-sm90"],
+         "--kernel deepgemm-sm90: DeepGEMM's real SM90 fp8_mega_moe cannot run here "
+         "\\(no CUDA device\\)"),
+        ({"kernel": "deepgemm-sm90", "mma_type": "bf16xbf16"},
+         ["--kernel", "deepgemm-sm90", "--mma", "bf16xbf16"],
+         "--mma: kernel 'deepgemm-sm90' has the builds fp8xfp8, not 'bf16xbf16'"),
+        ({"mma_type": "fp8xfp8"}, ["--mma", "fp8xfp8"],
+         "--mma: kernel 'stand-in' has the builds bf16xbf16, fp8xfp4, not 'fp8xfp8'"),
+        ({"kernel": "cutlass"}, None, "--kernel: 'cutlass' is not one of stand-in"),
+    ],
+    ids=["sm90-without-hopper", "sm90-stand-in-build", "stand-in-sm90-build", "unknown-kernel"],
+)
+def test_kernel_refusals(kwargs, argv, message, checkpoint, monkeypatch, capsys):
+    """Refused before the model loads; without a Hopper GPU the real kernel says why."""
+    from moewire.integrations import deepgemm_sm90
+
+    monkeypatch.setattr(deepgemm_sm90, "available", lambda: (False, "no CUDA device"))
+    path = checkpoint("mixtral")
+    with pytest.raises(EvalError, match=message):
+        evaluate(path, text=TEXT, device="cpu", log=lambda s: None, **kwargs)
+    if argv is not None:
+        assert main(["eval", str(path), "--device", "cpu", *argv]) == 2
+        assert message.split(" (")[0].replace("\\", "") in capsys.readouterr().err
+
+
 def test_refuses_what_does_not_fit_in_memory(checkpoint, monkeypatch):
     from moewire.eval import runner
 

@@ -264,7 +264,7 @@ def _fp8_weights():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (_fp8_weights, "weights are torch.float8_e4m3fn; the stand-in builds take"),
+        (_fp8_weights, "weights are torch.float8_e4m3fn; moewire quantizes BF16"),
         (lambda: _flagged("has_bias", True), "has_bias=True: the Mega-MoE kernel has no expert"),
         (lambda: _flagged("has_gate", False), "has_gate=False"),
         (lambda: _flagged("has_post_expert_norm", True), "has_post_expert_norm=True"),
@@ -304,12 +304,37 @@ def test_prepare_refuses_a_model_without_moewire_experts(checkpoints, moewire_re
         moewire_registered.prepare(model)
 
 
+@pytest.mark.parametrize("kernel", ["stand-in", "deepgemm-sm90"])
+def test_tiny_gpt_oss_checkpoint_is_refused_with_the_kernels_reason(kernel, checkpoints,
+                                                                    moewire_registered):
+    """gpt-oss loads with experts_implementation="moewire" and runs eagerly, but prepare
+    refuses it for either kernel, naming the module, what gpt-oss needs and what DeepGEMM's
+    Mega-MoE kernels (and vLLM main's caller) lack, with the sources."""
+    import transformers as tf
+
+    path = checkpoints("gpt_oss")
+    eager = tf.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    with torch.no_grad():
+        assert torch.isfinite(eager(torch.arange(8)[None]).logits).all()
+    model = tf.AutoModelForCausalLM.from_pretrained(path, experts_implementation="moewire")
+    with pytest.raises(ValueError) as info:
+        moewire_registered.prepare(model, kernel=kernel)
+    message = str(info.value)
+    for needle in ("model.layers.0.mlp.experts: gpt-oss's experts have biases",
+                   "(up + 1) * gate * sigmoid(alpha * gate)", "GptOssExperts._apply_gate",
+                   "take no bias tensors and only activation='swiglu'",
+                   "DeepGEMM PR #323, 8ddf7f9, deep_gemm/mega/__init__.py",
+                   "vLLM main's DeepGemmMegaExperts", "experts_implementation='eager'"):
+        assert needle in message
+
+
 @pytest.mark.parametrize(
     ("mma_type", "message"),
     [
         ("fp8xfp4", r"model.layers.0.mlp.experts: the fp8xfp4 build cannot take these experts "
                     r"\(.*multiple of 512"),
-        ("fp4xfp4", r"model.layers.0.mlp.experts: mma_type must be one of"),
+        ("fp4xfp4", r"model.layers.0.mlp.experts: kernel 'stand-in' has the builds "
+                    r"\('bf16xbf16', 'fp8xfp4'\), got mma_type='fp4xfp4'"),
     ],
     ids=["fp8xfp4-hidden-128", "unknown-mma"],
 )

@@ -144,6 +144,28 @@ def _check_dir(path: Path) -> dict[str, Any]:
     return config
 
 
+def _check_kernel(kernel: str, mma_type: str | None) -> None:
+    """Refuse an unknown kernel or build, and the real SM90 kernel where it cannot run."""
+    from moewire.integrations import deepgemm_sm90
+    from moewire.integrations.transformers import KERNELS
+
+    if kernel not in KERNELS:
+        raise EvalError(f"--kernel: {kernel!r} is not one of {', '.join(KERNELS)}")
+    if mma_type is not None and mma_type not in KERNELS[kernel]:
+        raise EvalError(
+            f"--mma: kernel {kernel!r} has the builds {', '.join(KERNELS[kernel])}, not "
+            f"{mma_type!r}"
+        )
+    if kernel == "deepgemm-sm90":
+        ok, why = deepgemm_sm90.available()
+        if not ok:
+            raise EvalError(
+                f"--kernel deepgemm-sm90: DeepGEMM's real SM90 fp8_mega_moe cannot run here "
+                f"({why}); run on a Hopper GPU with the package on PYTHONPATH "
+                "(docs/real-kernel.md), or use --kernel stand-in"
+            )
+
+
 def _tokens(path: Path, text: str, vocab: int) -> torch.Tensor:
     """Token ids of ``text``: the checkpoint's tokenizer, or bytes modulo the vocabulary
     when it has none (random test checkpoints)."""
@@ -227,7 +249,8 @@ def evaluate(
     text: str | None = None,
     max_tokens: int = 1024,
     seq_len: int = 128,
-    mma_type: str = "bf16xbf16",
+    mma_type: str | None = None,
+    kernel: str = "stand-in",
     device: str | None = None,
     budget: float | None = None,
     per_layer: tuple[str, str] | None = None,
@@ -244,7 +267,10 @@ def evaluate(
         recipes: recipe names or YAML paths, measured as well.
         text: the evaluation text (default: the embedded calibration text).
         max_tokens: tokens evaluated (in windows of ``seq_len``).
-        mma_type: the stand-in build, ``"bf16xbf16"`` or ``"fp8xfp4"``.
+        mma_type: the kernel's build (``moewire.integrations.transformers.KERNELS``;
+            default its first: ``"bf16xbf16"`` for the stand-in).
+        kernel: ``"stand-in"`` or ``"deepgemm-sm90"`` (DeepGEMM's real SM90
+            ``fp8_mega_moe`` with FP8 128x128 block-scaled weights, on a Hopper GPU).
         device: ``"cpu"``, ``"cuda"`` (default: CUDA when available).
         budget: mean-KL budget: the verdict names the cheapest pair within it.
         per_layer: a pair quantized one layer at a time; with ``budget``, a mixed recipe
@@ -268,6 +294,7 @@ def evaluate(
 
     path = Path(checkpoint)
     config = _check_dir(path)
+    _check_kernel(kernel, mma_type)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if text is None:
         text = (Path(moewire.__file__).parent / "data" / "calibration.txt").read_text()
@@ -294,7 +321,8 @@ def evaluate(
         local_files_only=True,
     ).to(dev)
     model.eval()
-    mt.prepare(model, mma_type, max_num_tokens=seq_len)
+    mt.prepare(model, mma_type, max_num_tokens=seq_len, kernel=kernel)
+    mma_type = mma_type or next(iter(mt.KERNELS[kernel]))
     modules = mt.experts_modules(model)
     hidden, link = int(model.config.hidden_size), INTERCONNECTS[interconnect]
     traffic = uniform_traffic(ep_size, 4096, int(model.config.num_experts_per_tok))
@@ -339,7 +367,7 @@ def evaluate(
         results.append(run(str(recipe), recipe, d, c, base)[0])
     report: dict[str, Any] = {
         "checkpoint": str(path), "model_type": config.get("model_type"), "tokens": tokens,
-        "mma_type": mma_type, "device": str(dev), "interconnect": interconnect,
+        "kernel": kernel, "mma_type": mma_type, "device": str(dev), "interconnect": interconnect,
         "ep_size": ep_size, "seconds": time.perf_counter() - started,
         "tokens_per_second": tokens * len(results) / (time.perf_counter() - started),
         "peak_memory_bytes": (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"

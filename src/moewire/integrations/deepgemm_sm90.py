@@ -49,6 +49,7 @@ __all__ = [
     "available",
     "deep_gemm",
     "fork_names",
+    "one_rank_group",
     "quantize_weights",
     "register_sm90_experts",
     "stage_sm90_inputs",
@@ -114,6 +115,43 @@ def available() -> tuple[bool, str]:
     except RuntimeError as exc:
         return False, str(exc)
     return True, ""
+
+
+def one_rank_group() -> Any:
+    """A one-rank NCCL group on the current CUDA device, for a buffer that one GPU holds.
+
+    The SM90 buffer is torch symmetric memory over a process group (DeepGEMM PR #323's
+    ``SM90SymmBuffer``). Without a process group this starts one of world size 1 (TCP on a
+    free local port) with NVLink multicast kept off (``NCCL_NVLS_ENABLE=0``,
+    ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``, as measured on the
+    H200); with one of world size 1, it makes a new group over it.
+
+    Raises:
+        RuntimeError: no CUDA device, or a process group of several ranks is running (pass
+            the expert-parallel group instead).
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("one_rank_group: no CUDA device; the SM90 buffer needs a Hopper GPU")
+    if not dist.is_initialized():
+        for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                     "NVSHMEM_DISABLE_NVLS"):
+            os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=1,
+                                rank=0, device_id=device)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError(
+            f"one_rank_group: a process group of {dist.get_world_size()} ranks is running; "
+            "pass the expert-parallel group (the buffer spans its ranks) instead"
+        )
+    return dist.new_group([0])
 
 
 def fork_names(real: Any = None) -> types.ModuleType:

@@ -33,9 +33,20 @@ reads L1 ``[E, 2I, H]`` with rows ``[gate | up]`` and L2 ``[E, H, I]``. A layout
 activation the kernel cannot express (biases, gpt-oss's ``(up + 1) * gate *
 sigmoid(alpha * gate)``, a custom ``_apply_gate``, a non-SiLU activation) is refused.
 
-Builds (``mma_type``): ``"bf16xbf16"`` (the default: BF16 weights stay as they are and only
-the wire changes; FP32 weights are rounded to BF16) or ``"fp8xfp4"`` (opt-in: weights
-quantized to FP4 E2M1 with UE8M0 scales per 32, tokens staged in FP8).
+Kernels (``prepare(model, kernel=...)``) and their builds (``mma_type``):
+
+- ``"stand-in"`` (the default), ``moewire.reference.deep_gemm`` on any device:
+  ``"bf16xbf16"`` (the default: BF16 weights stay as they are and only the wire changes;
+  FP32 weights are rounded to BF16) or ``"fp8xfp4"`` (weights quantized to FP4 E2M1 with
+  UE8M0 scales per 32, tokens staged in FP8);
+- ``"deepgemm-sm90"`` (opt-in, a Hopper GPU and DeepGEMM PR #323's package): DeepGEMM's
+  real ``fp8_mega_moe`` (``mma_type="fp8xfp8"``). The BF16 expert weights are quantized to
+  FP8 E4M3 with one FP32 scale per 128x128 block
+  (``moewire.integrations.deepgemm_sm90.quantize_weights``), the buffer is
+  ``get_symm_buffer_for_sm90_mega_moe`` on a one-rank NCCL group (or the ``group`` given),
+  the tokens are staged by ``stage_sm90_inputs`` (FP8, one FP32 scale per 128 columns). Its
+  flavour is ``deepgemm-sm90``: moewire's quantizers re-sum the combine rows where that
+  build leaves them.
 
 Usage::
 
@@ -60,6 +71,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moewire.integrations import deepgemm_sm90 as sm90
+from moewire.integrations.deepgemm_sm90 import stage_sm90_inputs
 from moewire.megamoe.api import save_scales
 from moewire.megamoe.flavours import detect
 from moewire.megamoe.registry import (
@@ -68,13 +81,14 @@ from moewire.megamoe.registry import (
     unregister_experts_class,
 )
 from moewire.megamoe.scales_file import read_scales, write_scales
-from moewire.reference import deep_gemm
+from moewire.reference import deep_gemm as stand_in
 from moewire.reference._numerics import quantize_fp4_ue8m0
 from moewire.reference.experts import stage_mega_moe_inputs
 
 __all__ = [
     "ARCHITECTURES",
     "IMPLEMENTATION",
+    "KERNELS",
     "MMA_TYPES",
     "Architecture",
     "architecture_of",
@@ -87,8 +101,12 @@ __all__ = [
 ]
 
 IMPLEMENTATION = "moewire"
-MMA_TYPES = ("bf16xbf16", "fp8xfp4")
-_KERNELS = {"bf16xbf16": "bf16_mega_moe", "fp8xfp4": "fp8_fp4_mega_moe"}
+#: kernel -> its builds, each build -> the kernel function the forward calls.
+KERNELS: dict[str, dict[str, str]] = {
+    "stand-in": {"bf16xbf16": "bf16_mega_moe", "fp8xfp4": "fp8_fp4_mega_moe"},
+    "deepgemm-sm90": {"fp8xfp8": "fp8_mega_moe"},
+}
+MMA_TYPES = tuple(mma for builds in KERNELS.values() for mma in builds)
 #: Tokens per kernel call unless ``prepare`` is told otherwise (the buffer's capacity).
 DEFAULT_MAX_TOKENS = 2048
 _SILU = ("silu", "swish")
@@ -162,12 +180,25 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         vllm_site=("vllm.model_executor.layers.fused_moe.experts.deep_gemm_mega_moe",
                    "DeepGemmMegaExperts"),
         sglang="model.layers.{n}.mlp.experts",
+        # The real kernels cannot run gpt-oss: DeepGEMM PR #323 (8ddf7f9) takes no bias
+        # tensors in fp8_mega_moe / fp8_fp4_mega_moe and its SymmBuffer asserts
+        # activation == 'swiglu' (deep_gemm/mega/__init__.py); the SM90 kernels compute
+        # silu(gate) * up (impls/sm90_fp8_fp4_mega_moe.cuh). vLLM main's DeepGemmMegaExperts
+        # (fused_moe/experts/deep_gemm_mega_moe.py, 13f9685) passes neither biases nor an
+        # activation to fp8_fp4_mega_moe; its SWIGLUOAI entry is marked a temporary hack.
         refused=(
-            "gpt-oss's experts have biases (has_bias=True) and the activation "
-            "(up + 1) * gate * sigmoid(alpha * gate) with interleaved gate/up rows, which the "
-            "stand-in Mega-MoE kernel does not model (it has SwiGLU without bias)"
+            "gpt-oss's experts have biases (has_bias=True) and the clamped activation "
+            "(up + 1) * gate * sigmoid(alpha * gate) (transformers 5.23.0 "
+            "GptOssExperts._apply_gate), and DeepGEMM's Mega-MoE kernels have neither: "
+            "fp8_mega_moe and fp8_fp4_mega_moe take no bias tensors and only "
+            "activation='swiglu', silu(gate) * up (DeepGEMM PR #323, 8ddf7f9, "
+            "deep_gemm/mega/__init__.py asserts it); vLLM main's DeepGemmMegaExperts "
+            "(fused_moe/experts/deep_gemm_mega_moe.py) passes neither biases nor an "
+            "activation to it, which computes another network than gpt-oss's experts"
         ),
-        read_from="transformers 5.23.0 modeling_gpt_oss.py (GptOssExperts._apply_gate)",
+        read_from="transformers 5.23.0 modeling_gpt_oss.py (GptOssExperts._apply_gate); "
+        "DeepGEMM PR #323 deep_gemm/mega/__init__.py; vLLM main "
+        "fused_moe/experts/deep_gemm_mega_moe.py",
     ),
 )
 
@@ -237,6 +268,25 @@ def save_serving_scales(model: nn.Module, path: str | Path, host: str) -> Path:
     return write_scales(path, {serving_name(n, model_type, host): s for n, s in scales.items()})
 
 
+# ---------------------------------------------------------------------------- the kernels
+
+
+class _Kernels:
+    """The kernel namespace the experts forward reads at call time (the adapter's
+    ``kernel_ns``, which :func:`moewire.quantize` replaces by its proxy): each kernel
+    function from the package that has it, the stand-in's ``bf16_mega_moe`` and
+    ``fp8_fp4_mega_moe``, DeepGEMM's SM90 ``fp8_mega_moe`` (imported at first use)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sm90.deep_gemm if name == "fp8_mega_moe" else stand_in, name)
+
+    def __repr__(self) -> str:
+        return "<moewire.integrations.transformers kernels>"
+
+
+deep_gemm = _Kernels()
+
+
 # ---------------------------------------------------------------------------- the state
 
 
@@ -244,11 +294,22 @@ def save_serving_scales(model: nn.Module, path: str | Path, host: str) -> Path:
 class _MegaState:
     """The Mega-MoE form of one experts module: kernel weights and its buffer."""
 
+    kernel: str
     mma_type: str
     l1: Any
     l2: Any
     clamp: float | None
     buffer: Any
+
+    @property
+    def function(self) -> str:
+        return KERNELS[self.kernel][self.mma_type]
+
+    @property
+    def flavour(self) -> str:
+        if self.kernel == "deepgemm-sm90":
+            return sm90.FLAVOUR
+        return detect(stand_in, "moewire.reference.deep_gemm").name
 
 
 def _model_type(model: nn.Module) -> str:
@@ -315,28 +376,12 @@ def _kernel_layout(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return l1, l2
 
 
-def _weights_for(mma_type: str, l1: torch.Tensor, l2: torch.Tensor) -> tuple[Any, Any]:
-    if mma_type == "bf16xbf16":
-        return deep_gemm.transform_weights_for_mega_moe(l1.bfloat16(), l2.bfloat16())
-    return deep_gemm.transform_weights_for_mega_moe(quantize_fp4_ue8m0(l1),
-                                                    quantize_fp4_ue8m0(l2))
-
-
-def _build_state(module: nn.Module, mma_type: str, max_num_tokens: int) -> _MegaState:
-    arch = _arch_of_module(module)
-    _check_layout(module, arch)
-    if mma_type not in MMA_TYPES:
-        raise ValueError(f"{_where(module)}: mma_type must be one of {MMA_TYPES}, got {mma_type!r}")
-    if module.gate_up_proj.dtype not in (torch.bfloat16, torch.float32, torch.float16):
-        raise ValueError(
-            f"{_where(module)}: weights are {module.gate_up_proj.dtype}; the stand-in builds "
-            "take BF16/FP16/FP32 weights (dequantize the checkpoint first)"
-        )
-    l1, l2 = _kernel_layout(module)
+def _stand_in_form(module: nn.Module, mma_type: str, l1: torch.Tensor, l2: torch.Tensor,
+                   top_k: int, max_num_tokens: int) -> tuple[Any, Any, Any]:
+    """The stand-in's buffer and weights: ``(buffer, l1, l2)``."""
     num_experts, two_i, hidden = l1.shape
-    top_k = int(module.config.num_experts_per_tok)
     try:
-        buffer = deep_gemm.get_symm_buffer_for_mega_moe(
+        buffer = stand_in.get_symm_buffer_for_mega_moe(
             None, num_experts, max_num_tokens, top_k, hidden, two_i // 2, mma_type=mma_type,
             device=l1.device,
         )
@@ -345,9 +390,72 @@ def _build_state(module: nn.Module, mma_type: str, max_num_tokens: int) -> _Mega
             f"{_where(module)}: the {mma_type} build cannot take these experts ({exc}); use "
             "another mma_type"
         ) from exc
-    l1_k, l2_k = _weights_for(mma_type, l1, l2)
+    if mma_type == "bf16xbf16":
+        weights = stand_in.transform_weights_for_mega_moe(l1.bfloat16(), l2.bfloat16())
+    else:
+        weights = stand_in.transform_weights_for_mega_moe(quantize_fp4_ue8m0(l1),
+                                                          quantize_fp4_ue8m0(l2))
+    return buffer, *weights
+
+
+def _sm90_form(module: nn.Module, l1: torch.Tensor, l2: torch.Tensor, top_k: int,
+               max_num_tokens: int, group: Any) -> tuple[Any, Any, Any]:
+    """DeepGEMM's SM90 buffer and FP8 128x128 block-scaled weights: ``(buffer, l1, l2)``."""
+    ok, why = sm90.available()
+    if not ok:
+        raise RuntimeError(
+            f"{_where(module)}: kernel='deepgemm-sm90' runs DeepGEMM's real SM90 fp8_mega_moe, "
+            f"which cannot run here ({why}); run on a Hopper GPU with the package on "
+            "PYTHONPATH (docs/real-kernel.md), or use kernel='stand-in'"
+        )
+    if l1.device.type != "cuda" and torch.cuda.is_available():
+        raise ValueError(
+            f"{_where(module)}: the experts' weights are on {l1.device}; move the model to the "
+            "Hopper GPU before prepare(kernel='deepgemm-sm90')"
+        )
+    try:
+        weights = sm90.quantize_weights(l1.bfloat16(), l2.bfloat16(), "fp8_mega_moe")
+    except ValueError as exc:
+        raise ValueError(
+            f"{_where(module)}: the deepgemm-sm90 build cannot take these experts ({exc}); "
+            "use kernel='stand-in'"
+        ) from exc
+    group = sm90.one_rank_group() if group is None else group
+    num_experts, two_i, hidden = l1.shape
+    buffer = sm90.deep_gemm.get_symm_buffer_for_sm90_mega_moe(
+        group, num_experts, max_num_tokens, top_k, hidden, two_i // 2
+    )
+    return buffer, *weights
+
+
+def _build_state(module: nn.Module, mma_type: str | None, max_num_tokens: int,
+                 kernel: str = "stand-in", group: Any = None) -> _MegaState:
+    arch = _arch_of_module(module)
+    _check_layout(module, arch)
+    if kernel not in KERNELS:
+        raise ValueError(
+            f"{_where(module)}: kernel must be one of {sorted(KERNELS)}, got {kernel!r}"
+        )
+    mma_type = next(iter(KERNELS[kernel])) if mma_type is None else mma_type
+    if mma_type not in KERNELS[kernel]:
+        raise ValueError(
+            f"{_where(module)}: kernel {kernel!r} has the builds {tuple(KERNELS[kernel])}, "
+            f"got mma_type={mma_type!r}; pick one of them"
+        )
+    if module.gate_up_proj.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise ValueError(
+            f"{_where(module)}: weights are {module.gate_up_proj.dtype}; moewire quantizes "
+            "BF16/FP16/FP32 expert weights for the kernel (dequantize the checkpoint first)"
+        )
+    l1, l2 = _kernel_layout(module)
+    top_k = int(module.config.num_experts_per_tok)
+    if kernel == "deepgemm-sm90":
+        buffer, l1_k, l2_k = _sm90_form(module, l1, l2, top_k, max_num_tokens, group)
+    else:
+        buffer, l1_k, l2_k = _stand_in_form(module, mma_type, l1, l2, top_k, max_num_tokens)
     clamp = getattr(module, arch.clamp_attr) if arch.clamp_attr else None
-    return _MegaState(mma_type, l1_k, l2_k, None if clamp is None else float(clamp), buffer)
+    return _MegaState(kernel, mma_type, l1_k, l2_k, None if clamp is None else float(clamp),
+                      buffer)
 
 
 def _state(module: nn.Module) -> _MegaState:
@@ -378,17 +486,21 @@ def moewire_experts_forward(
     state = _state(self)
     buffer = state.buffer
     capacity = buffer.num_max_tokens_per_rank
-    kernel = _KERNELS[state.mma_type]
+    sm90_kernel = state.kernel == "deepgemm-sm90"
+    stage = stage_sm90_inputs if sm90_kernel else stage_mega_moe_inputs
+    # PR #323's fp8_mega_moe takes its recipe and activation by keyword.
+    extra = (dict(recipe=sm90.KERNELS["fp8_mega_moe"][0], activation="swiglu") if sm90_kernel
+             else {})
     outputs = []
     for start in range(0, hidden_states.shape[0], capacity):
         tokens = hidden_states[start : start + capacity]
-        stage_mega_moe_inputs(
+        stage(
             tokens.bfloat16(), top_k_index[start : start + capacity],
             top_k_weights[start : start + capacity].float(), buffer,
         )
         y = torch.empty(tokens.shape, dtype=torch.bfloat16, device=tokens.device)
-        getattr(deep_gemm, kernel)(y, state.l1, state.l2, buffer,
-                                   activation_clamp=state.clamp)
+        getattr(deep_gemm, state.function)(y, state.l1, state.l2, buffer,
+                                           activation_clamp=state.clamp, **extra)
         outputs.append(y)
     if not outputs:
         return torch.zeros_like(hidden_states)
@@ -409,11 +521,11 @@ def _adapter(arch: Architecture) -> ExpertsAdapter:
     return ExpertsAdapter(
         name=f"transformers-{arch.model_type}",
         forward_module=__name__,
-        stage_fn="stage_mega_moe_inputs",
+        stage_fn=("stage_mega_moe_inputs", "stage_sm90_inputs"),
         stage_hidden_arg=0,
         kernel_ns="deep_gemm",
-        get_symm_buffer=lambda m: _state(m).buffer,
-        flavour=lambda m: detect(deep_gemm, _where(m)).name,
+        get_symm_buffer=sm90.symm_buffer_of(lambda m: _state(m).buffer),
+        flavour=lambda m: _state(m).flavour,
         fused_shared=lambda m: False,
         ep_group=lambda m: None,
         runtime=lambda: f"transformers {transformers.__version__}",
@@ -466,6 +578,8 @@ def prepare(
     mma_type: str | None = None,
     *,
     max_num_tokens: int = DEFAULT_MAX_TOKENS,
+    kernel: str = "stand-in",
+    group: Any = None,
 ) -> nn.Module:
     """Build the Mega-MoE state (kernel weights, buffer) of every ``"moewire"`` experts module.
 
@@ -475,15 +589,22 @@ def prepare(
 
     Args:
         model: a transformers model loaded with ``experts_implementation="moewire"``.
-        mma_type: ``"bf16xbf16"`` (default) or ``"fp8xfp4"``.
+        mma_type: a build of ``kernel`` (:data:`KERNELS`); default its first:
+            ``"bf16xbf16"`` for the stand-in, ``"fp8xfp8"`` for ``"deepgemm-sm90"``.
         max_num_tokens: tokens per kernel call (a longer batch is split).
+        kernel: ``"stand-in"`` (default) or ``"deepgemm-sm90"`` (DeepGEMM's real SM90
+            ``fp8_mega_moe``; the model on a Hopper GPU).
+        group: ``"deepgemm-sm90"`` only: the process group of the buffer (default: a
+            one-rank NCCL group, ``deepgemm_sm90.one_rank_group``).
 
     Returns:
         ``model``.
 
     Raises:
         ValueError: no experts module runs ``"moewire"``; a module's layout or activation is
-            one the kernel cannot express (the message names the module).
+            one the kernel cannot express; an unknown kernel or build (the message names the
+            module).
+        RuntimeError: ``"deepgemm-sm90"`` without a Hopper GPU or DeepGEMM's SM90 package.
     """
     modules = experts_modules(model)
     if not modules:
@@ -495,6 +616,6 @@ def prepare(
     for name, module in modules:
         module.__dict__["_moewire_tf_name"] = name
         module.__dict__["_moewire_mega"] = _build_state(
-            module, mma_type or "bf16xbf16", max_num_tokens
+            module, mma_type, max_num_tokens, kernel, group
         )
     return model

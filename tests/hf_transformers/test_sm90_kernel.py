@@ -1,0 +1,196 @@
+"""``prepare(model, kernel="deepgemm-sm90")``: the transformers experts on DeepGEMM's SM90
+``fp8_mega_moe``. On CPU the package is the fork's stand-in (``moewire.reference.sm90_fork``:
+the same buffer, weight transform and FP8 128x128 block-scaled kernel, under PR #323's
+``fp8_mega_moe`` name); on a Hopper GPU with the package, the real kernel (``real_kernel``)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("transformers.integrations.moe")
+
+import _tiny  # noqa: E402
+import torch  # noqa: E402
+
+import moewire  # noqa: E402
+from moewire.integrations import deepgemm_sm90 as sm90  # noqa: E402
+from moewire.reference import sm90_fork  # noqa: E402
+
+T = 48
+
+
+def _package() -> types.ModuleType:
+    """The fork's stand-in under PR #323's names: ``fp8_mega_moe`` takes the recipe and the
+    activation by keyword and must be given the FP8 128x128 recipe and SwiGLU."""
+    calls = []
+
+    def fp8_mega_moe(y, l1, l2, buf, *, recipe, activation, **kwargs):
+        calls.append((recipe, activation))
+        assert recipe == (128, 128, 128) and activation == "swiglu"
+        sm90_fork.fp8_mega_moe_sm90(y, l1, l2, buf, **kwargs)
+
+    pkg = types.ModuleType("deep_gemm_sm90_stand_in")
+    pkg.fp8_mega_moe = fp8_mega_moe
+    pkg.fp8_fp4_mega_moe = None  # present, as in PR #323 (never called here)
+    for name in ("get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90",
+                 "utils"):
+        setattr(pkg, name, getattr(sm90_fork, name))
+    pkg.calls = calls
+    return pkg
+
+
+@pytest.fixture
+def stand_in_package(monkeypatch):
+    """DeepGEMM's SM90 package replaced by the fork's stand-in, on one rank (group None)."""
+    pkg = _package()
+    monkeypatch.setattr(sm90, "_import_deep_gemm", lambda: pkg)
+    monkeypatch.setattr(sm90, "available", lambda: (True, ""))
+    monkeypatch.setattr(sm90, "one_rank_group", lambda: None)
+    return pkg
+
+
+def _model(mt, implementation: str = "moewire", hidden: int = 256, intermediate: int = 128):
+    import transformers as tf
+
+    cfg = _tiny.config("qwen3_moe", hidden=hidden, intermediate=intermediate, layers=1)
+    cfg._experts_implementation = implementation
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+        experts = model.model.layers[0].mlp.experts
+        with torch.no_grad():
+            experts.gate_up_proj.normal_(0.0, experts.gate_up_proj.shape[-1] ** -0.5)
+            experts.down_proj.normal_(0.0, experts.down_proj.shape[-1] ** -0.5)
+    return model, experts
+
+
+def _routing(experts, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden, num_experts = experts.gate_up_proj.shape[-1], experts.gate_up_proj.shape[0]
+    x = torch.randn((T, hidden), generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(T)])
+    w = torch.rand((T, 2), generator=g) * 2.5
+    return x, idx, w
+
+
+def _fp8_oracle(experts, x, idx, w):
+    """float64 over FP8-dequantized operands: x per 128 columns, each weight per 128x128
+    block (``sf = max(amax, 1e-4) / 448``, ml_dtypes' E4M3 rounding), the weighted
+    activation cast again per 128; the expert sum exact. The kernel's BF16 rounding points
+    (L1's output, the activation before its cast, each row) move it by about 2%, a third of
+    the FP8 error (about 6% from the BF16 experts on these data)."""
+    import ml_dtypes
+    import numpy as np
+
+    def fp8(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
+        n, k = a.shape
+        blocks = a.reshape(n // rows, rows, k // cols, cols)
+        sf = np.maximum(np.abs(blocks).max(axis=(1, 3), keepdims=True), 1e-4) / 448.0
+        q = (blocks / sf).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        return (q * sf).reshape(n, k)
+
+    w1 = experts.gate_up_proj.detach().double().numpy()
+    w2 = experts.down_proj.detach().double().numpy()
+    xs = x.double().numpy()
+    xq = np.concatenate([fp8(xs[t : t + 1], 1, 128) for t in range(T)])
+    out = np.zeros_like(xs)
+    inter = w2.shape[-1]
+    for t in range(T):
+        for s in range(idx.shape[1]):
+            e = int(idx[t, s])
+            gate_up = fp8(w1[e], 128, 128) @ xq[t]
+            gate, up = gate_up[:inter], gate_up[inter:]
+            act = gate / (1 + np.exp(-gate)) * up * float(w[t, s])
+            out[t] += fp8(act[None], 1, 128)[0] @ fp8(w2[e], 128, 128).T
+    return torch.from_numpy(out)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_experts_run_the_fp8_block_scaled_kernel(stand_in_package, moewire_registered):
+    """The output is the FP8 x FP8 kernel's (close to the FP8 oracle, farther from the BF16
+    experts by the FP8 error), and the kernel got the 128x128 recipe and SwiGLU."""
+    mt = moewire_registered
+    model, experts = _model(mt)
+    x, idx, w = _routing(experts)
+    with torch.no_grad():
+        eager = _model(mt, "eager")[1](x, idx, w)
+        mt.prepare(model, kernel="deepgemm-sm90")
+        y = experts(x, idx, w)
+    oracle = _fp8_oracle(experts, x, idx, w)
+    assert stand_in_package.calls == [((128, 128, 128), "swiglu")]
+    assert experts.__dict__["_moewire_mega"].flavour == "deepgemm-sm90"
+    assert _rel(y, oracle) < 0.03
+    assert _rel(y, eager) > 3 * _rel(y, oracle)
+
+
+def test_quantize_cycle_on_the_sm90_kernel(stand_in_package, moewire_registered):
+    """moewire's quantizers run on the SM90 build (flavour deepgemm-sm90: the combine rows
+    re-summed where PR #323 leaves them) and unquantize restores the kernel's output."""
+    from moewire.eval import pair_entries
+
+    mt = moewire_registered
+    model, experts = _model(mt)
+    x, idx, w = _routing(experts)
+    with torch.no_grad():
+        mt.prepare(model, kernel="deepgemm-sm90")
+        plain = experts(x, idx, w)
+        recipe = {"quant_cfg": pair_entries("fp8", "nvfp4")}
+        moewire.quantize(model, recipe, lambda m: experts(x, idx, w))
+        try:
+            names = {n for n, _ in model.named_modules() if n.endswith("_quantizer")}
+            assert names == {f"model.layers.0.mlp.experts.{k}_quantizer"
+                             for k in ("dispatch", "combine")}
+            quantized = experts(x, idx, w)
+        finally:
+            moewire.unquantize(model)
+        again = experts(x, idx, w)
+    assert torch.equal(again, plain)
+    assert 1e-3 < _rel(quantized, plain) < 0.2
+
+
+def _no_package(monkeypatch):
+    monkeypatch.setattr(sm90, "available", lambda: (False, "no CUDA device"))
+
+
+@pytest.mark.parametrize(
+    ("setup", "kwargs", "error", "message"),
+    [
+        (_no_package, {}, RuntimeError, "cannot run here \\(no CUDA device\\).*kernel='stand-in'"),
+        (None, {"mma_type": "bf16xbf16"}, ValueError,
+         "kernel 'deepgemm-sm90' has the builds \\('fp8xfp8',\\), got mma_type='bf16xbf16'"),
+        (None, {"kernel": "cutlass"}, ValueError, "kernel must be one of"),
+        (None, {"hidden": 192}, ValueError, "H=192 and I=128 must be multiples of 128"),
+    ],
+    ids=["no-package", "stand-in-build", "unknown-kernel", "hidden-not-128"],
+)
+def test_sm90_refusals(setup, kwargs, error, message, stand_in_package, moewire_registered,
+                       monkeypatch):
+    if setup is not None:
+        setup(monkeypatch)
+    model, _ = _model(moewire_registered, hidden=kwargs.pop("hidden", 256))
+    kwargs.setdefault("kernel", "deepgemm-sm90")
+    with pytest.raises(error, match=message):
+        moewire_registered.prepare(model, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.real_kernel
+def test_real_sm90_kernel_against_the_fp8_oracle(moewire_registered):
+    """On a Hopper GPU with DeepGEMM PR #323's package: the same check on the real kernel."""
+    ok, why = sm90.available()
+    if not ok:
+        pytest.skip(f"real SM90 Mega-MoE kernel unavailable: {why}")
+    mt = moewire_registered
+    model, experts = _model(mt)
+    x, idx, w = _routing(experts)
+    oracle = _fp8_oracle(experts, x, idx, w)
+    model.cuda()
+    with torch.no_grad():
+        mt.prepare(model, kernel="deepgemm-sm90")
+        y = experts(x.cuda(), idx.cuda(), w.cuda()).cpu()
+    assert _rel(y, oracle) < 0.03
