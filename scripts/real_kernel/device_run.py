@@ -1,4 +1,5 @@
-"""One device call: the real-kernel tier, a full-size study, the overhead benchmark; tables last.
+"""One device call: the real-kernel tier (tests/real_kernel and the transformers
+integration's real-kernel tests), a full-size study, the overhead benchmark; tables last.
 
 Run from the project root on a Hopper GPU with DeepGEMM's SM90 package on PYTHONPATH
 (``bash .real-kernel/run.sh scripts/real_kernel/device_run.py``). Writes to ``$OUT``:
@@ -39,7 +40,8 @@ def main() -> None:
     tier_s, study_s, bench_s = (int(a) for a in (sys.argv[1:] + ["220", "90", "150"])[:3])
     env_py = [sys.executable]
     _run(env_py + ["-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-                   "-m", "real_kernel", "tests/real_kernel", "-rA", "--timeout", "200",
+                   "-m", "real_kernel", "tests/real_kernel", "tests/hf_transformers", "-rA",
+                   "--timeout", "200",
                    "-o", "junit_family=legacy",
                    f"--junitxml={OUT / 'tier.xml'}"], OUT / "tier.log", tier_s)
     _run(env_py + ["-m", "moewire.cli", "study", "--kernel", "deepgemm-sm90", "--device", "cuda",
