@@ -260,3 +260,34 @@ def test_dequantize_is_exact_at_the_scale_extremes():
     sf = torch.tensor([[[1]], [[247]], [[0]]], dtype=torch.uint8)
     got = layout.dequantize_fp8_rows(q, sf, 1)[:, 0, 0].tolist()
     assert got == [2.0**-135, 240.0 * 2.0**120, 0.0]
+
+
+# -- under CUDA-graph capture ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("corrupted", [False, True], ids=["intact", "corrupted"])
+def test_under_capture_the_check_is_a_device_assert(experts, monkeypatch, corrupted):
+    """Inside a capture (simulated: ``_capturing`` says so; on CPU ``torch._assert_async``
+    evaluates at once) the FP8 check is the torch comparison recorded as a device-side
+    assert: no host read, no fused kernel, the buffer not marked checked. Break: skip the
+    comparison under capture, and the corrupted case passes."""
+    from moewire.reference import deep_gemm
+
+    monkeypatch.setattr(layout_check, "_capturing", lambda t: True)
+    monkeypatch.setattr(layout_check.kernels, "fused_combine", None)  # never called
+    if corrupted:
+        kernel = deep_gemm.fp8_fp4_mega_moe
+
+        def corrupting(y, l1, l2, buf, **kwargs):
+            kernel(y, l1, l2, buf, **kwargs)
+            _corrupt("fp8_byte")(buf, y.shape[0])
+
+        monkeypatch.setattr(deep_gemm, "fp8_fp4_mega_moe", corrupting)
+    x, w, ids = batch(T, H, seed=18)
+    with pytest.warns(UserWarning, match="runs inside the CUDA graph being captured"):
+        if corrupted:
+            with pytest.raises(RuntimeError, match="layout check failed"):
+                experts(x, w, ids)
+        else:
+            experts(x, w, ids)
+    assert not layout_checked(experts.get_symm_buffer())
