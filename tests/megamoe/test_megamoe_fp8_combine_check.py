@@ -18,7 +18,7 @@ from mm_helpers import SHAPES, Model, batch
 
 import moewire
 from moewire.megamoe import flavours, layout, layout_check, quant_experts
-from moewire.megamoe.convert import convert
+from moewire.megamoe.convert import convert, unconvert
 from moewire.megamoe.layout_check import layout_checked
 from moewire.quantizer import WireQuantizer
 
@@ -37,22 +37,21 @@ def fresh_checks():
 
 @pytest.fixture(scope="module")
 def fp8_combine_model():
-    """One converted fp8xfp4 layer whose buffer holds FP8 combine rows (weights take seconds
-    to build: one model for the module). Its combine quantizer starts disabled."""
+    """One fp8xfp4 layer whose buffer holds FP8 combine rows (weights take seconds to build:
+    one model for the module; each test converts it and unconverts it after)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DG_USE_FP8_COMBINE", "1")
         model = Model(n=1, mma=MMA)
-    experts = convert(model.layers[0].experts, "layers.0.experts")
-    assert experts.get_symm_buffer().use_fp8_combine
+    assert model.layers[0].experts.get_symm_buffer().use_fp8_combine
     return model
 
 
 @pytest.fixture
 def experts(fp8_combine_model):
-    experts = fp8_combine_model.layers[0].experts
+    """The layer converted, its combine quantizer disabled; unconverted after the test."""
+    experts = convert(fp8_combine_model.layers[0].experts, "layers.0.experts")
     yield experts
-    experts.dispatch_quantizer = WireQuantizer(enable=False)
-    experts.combine_quantizer = WireQuantizer(enable=False)
+    unconvert(experts)
 
 
 def _oracle_y(buf, t: int) -> np.ndarray:
