@@ -419,7 +419,10 @@ def test_resum_allocates_when_no_out():
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
-        ({"rows": torch.zeros(K, TMAX, H)}, ValueError, "rows must be a BF16"),
+        ({"rows": torch.zeros(K, TMAX, H, dtype=torch.float16)}, ValueError,
+         "rows must be a BF16 or FP32"),
+        ({"rows": torch.zeros(K, TMAX, H), "row_quantizer": lambda r: r}, ValueError,
+         "rows must be a BF16 tensor"),
         ({"topk_idx": torch.zeros(TMAX, K)}, ValueError, "topk_idx must be an integer"),
         ({"shared_position": "middle"}, ValueError, "shared_position must be"),
         ({"shared_position": "last"}, ValueError, "rows has 4 slots"),
@@ -429,7 +432,8 @@ def test_resum_allocates_when_no_out():
         ({"out": torch.zeros(4, H, dtype=torch.bfloat16)}, ValueError, "out must be BF16"),
     ],
     ids=[
-        "rows-fp32",
+        "rows-fp16",
+        "rows-fp32-quantized",
         "idx-float",
         "bad-shared",
         "slot-count",

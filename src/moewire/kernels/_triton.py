@@ -238,6 +238,13 @@ def _ceil_pow2_ue8m0(v):
 
 
 @triton.jit
+def _block_max(xb):
+    """The NaN-propagating max of |x| per block of a split tile [NB, 8, 2]: [NB, 1, 1]."""
+    ax = tl.abs(xb)
+    return tl.reduce(tl.reduce(ax, 2, _max_nan, keep_dims=True), 1, _max_nan, keep_dims=True)
+
+
+@triton.jit
 def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, HW_CAST: tl.constexpr):
     """ModelOpt NVFP4 on blocks ``xb`` FP32 [NB, 8, 2] (each block's two halves, see
     :func:`_load_tile`) with global scale ``gs`` (FP32, broadcastable).
@@ -249,7 +256,7 @@ def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, HW_CAST: tl.constexpr):
     never -0.0, and adding either zero to it gives the same bits.
     """
     ax = tl.abs(xb)
-    bmax = tl.reduce(tl.reduce(ax, 2, _max_nan, keep_dims=True), 1, _max_nan, keep_dims=True)
+    bmax = _block_max(xb)
     gs6 = 6.0 * gs
     bs = _e4m3(tl.minimum(tl.math.div_rn(bmax, gs6 + tl.zeros_like(bmax)), 448.0,
                           propagate_nan=_NAN), HW_CAST) * gs
@@ -274,7 +281,8 @@ def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, HW_CAST: tl.constexpr):
 def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexpr,
          SPLIT: tl.constexpr, HW_CAST: tl.constexpr):
     """Fake-quantize one row chunk ``x`` FP32 [BLOCK_H] (whole blocks; a masked tail is 0);
-    for the NVFP4 formats (``SPLIT``) [BLOCK_H // 16, 8, 2] (see :func:`_load_tile`).
+    for the 16-element block formats (``SPLIT``: NVFP4's, ``trtllm_16e2m1xbf16``)
+    [BLOCK_H // 16, 8, 2] (see :func:`_load_tile`).
 
     ``amax`` is the FP32 per-tensor amax for ``fp8`` and ``nvfp4`` (ignored otherwise).
     ``ZERO_SIGN``: NVFP4's signed zeros exactly as the reference (see
@@ -359,8 +367,10 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
         scale = tl.where(finite, scale, float("nan"))
         out = tl.reshape(q * tl.broadcast_to(scale, q.shape), (BLOCK_H,))
     else:
-        xb = tl.reshape(x, (BLOCK_H // 16, 16))
-        bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
+        # trtllm_16e2m1xbf16 on the split tile [BLOCK_H // 16, 8, 2]: one thread per block.
+        tl.static_assert(SPLIT, "16-element block tiles hold whole blocks per thread (SPLIT)")
+        xb = x
+        bmax = _block_max(xb)
         finite = bmax < float("inf")
         a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
         ds = a * _INV_6
@@ -370,7 +380,7 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
         sign_bit = tl.where(mag == 0.0, 0, v.to(tl.int32, bitcast=True) & -2147483648)
         q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
         ds = tl.where(finite, ds, float("nan"))
-        out = tl.reshape(q * tl.broadcast_to(ds, q.shape), (BLOCK_H,))
+        out = q * tl.broadcast_to(ds, q.shape)
     return out
 
 
@@ -467,7 +477,8 @@ def qdq_kernel(
     FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     """One program per (row, column chunk): ``out[r, chunk] = qdq(x[r, chunk])``."""
-    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8)  # NVFP4: whole blocks per thread
+    # Whole 16-element blocks per thread (NVFP4's formats, trtllm_16e2m1xbf16): tuning._SPLIT.
+    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8) or (FMT == 12)
     row = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     mask = cols < H
@@ -561,7 +572,8 @@ def combine_kernel(
     times its router weight with one rounding when WEIGHTED; invalid rows are never loaded
     (read as zeros, or skipped).
     """
-    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8)  # NVFP4: whole blocks per thread
+    # Whole 16-element blocks per thread (NVFP4's formats, trtllm_16e2m1xbf16): tuning._SPLIT.
+    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8) or (FMT == 12)
     t = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     cmask = cols < H

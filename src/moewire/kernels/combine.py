@@ -30,13 +30,17 @@ def check_combine_args(
     shared_position: str | None,
     out: torch.Tensor | None,
     weights: torch.Tensor | None = None,
+    fp32_rows: bool = False,
 ) -> None:
     """Validate the arguments of a combine re-sum (shared by ``megamoe.resum`` and
     :func:`fused_combine`); ``where`` names the caller in the message. Device-agnostic:
-    the kernel adds its own device and stride checks."""
-    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bfloat16 or rows.dim() != 3:
+    the kernel adds its own device and stride checks. ``fp32_rows``: FP32 rows (the
+    dequantized rows of DeepGEMM's FP8 combine) are accepted too."""
+    dtypes = (torch.bfloat16, torch.float32) if fp32_rows else (torch.bfloat16,)
+    if not isinstance(rows, torch.Tensor) or rows.dtype not in dtypes or rows.dim() != 3:
+        kinds = "BF16 or FP32" if fp32_rows else "BF16"
         raise ValueError(
-            f"{where}: rows must be a BF16 tensor [num_slots, Tmax, H] (the combine region "
+            f"{where}: rows must be a {kinds} tensor [num_slots, Tmax, H] (the combine region "
             f"from combine_rows), got {_desc(rows)}"
         )
     if (

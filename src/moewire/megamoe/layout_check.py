@@ -44,7 +44,9 @@ class _BufferCheck:
 class Combine:
     """One kernel call's combine, as the checks and the re-sum read it."""
 
-    rows: torch.Tensor  # BF16 [k (+1), Tmax, H], the combine region
+    # BF16 [k (+1), Tmax, H], the combine region; FP32 [k (+1), T, H] for DeepGEMM's FP8
+    # combine rows, dequantized as its reduce reads them (layout.dequantize_fp8_rows)
+    rows: torch.Tensor
     topk_idx: torch.Tensor  # int64 [T, k], staged before the kernel ran
     num_tokens: int
     shared: str | None  # where a fused shared row is added (None: none fused)

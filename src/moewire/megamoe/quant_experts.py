@@ -29,7 +29,13 @@ from torch import nn
 from moewire.megamoe import flavours as _flavours
 from moewire.megamoe import layout_check
 from moewire.megamoe.active import ACTIVE, CAST_CALIBRATION, PLAIN_COPY_HOOK, REACHED
-from moewire.megamoe.layout import combine_rows
+from moewire.megamoe.layout import (
+    ENV_FP8_COMBINE,
+    combine_fp8_rows,
+    combine_rows,
+    dequantize_fp8_rows,
+    holds_fp8_combine,
+)
 from moewire.megamoe.registry import ExpertsAdapter, adapter_for, stage_fn_names
 
 __all__ = [
@@ -294,10 +300,28 @@ class QuantExperts:
         """The staged ids and router weights of this call, copied before the kernel runs
         (or None when the combine is off): a kernel may clear the buffer
         (``DG_COMM_KERNEL_DEBUG=1`` zeroes all of it), and validity read afterwards would
-        turn padding into routed slots."""
-        if self.combine_quantizer.mode == "disabled":
-            return None
+        turn padding into routed slots.
+
+        A buffer that holds DeepGEMM's FP8 combine rows (``DG_USE_FP8_COMBINE=1``) is read
+        with the combine off too, until its layout check has passed; with the combine
+        quantizer on it is refused here, before the kernel runs: the kernel already
+        quantizes its combine, and a quantizer on top would quantize it twice."""
         symm_buffer = self._moewire_adapter.get_symm_buffer(self)
+        mode = self.combine_quantizer.mode
+        if holds_fp8_combine(symm_buffer):
+            if mode != "disabled":
+                raise RuntimeError(
+                    f"{self._moewire_name}: the combine quantizer is in {mode!r} mode, but the "
+                    f"Mega-MoE buffer holds DeepGEMM's FP8 combine ({ENV_FP8_COMBINE}=1): the "
+                    "kernel already quantizes its combine, and a combine quantizer on top "
+                    "would quantize it twice. Disable the combine quantizer (a dispatch-only "
+                    f"recipe), or unset {ENV_FP8_COMBINE} and study that combine with the "
+                    "deepgemm_fp8_combine recipe"
+                )
+            if layout_check.buffer_state(symm_buffer).checked:
+                return None
+        elif mode == "disabled":
+            return None
         t = y.shape[0]
         return symm_buffer.topk_idx[:t].clone(), symm_buffer.topk_weights[:t].clone()
 
@@ -326,6 +350,9 @@ class QuantExperts:
         flavour = _flavours.get(adapter.flavour(self))
         fused = bool(adapter.fused_shared(self))
         symm_buffer = adapter.get_symm_buffer(self)
+        if holds_fp8_combine(symm_buffer):
+            self._moewire_check_fp8_combine(y, topk_idx, topk_weights, kernel)
+            return
         layout = flavour.layout(kernel)
         rows = combine_rows(symm_buffer, flavour, kernel, fused_shared=fused)
         kind = _flavours.rows_kind(layout)
@@ -359,6 +386,27 @@ class QuantExperts:
             self.__dict__["_moewire_amax_rows_"] = kind
             return
         call.resum(row_quantizer=quantizer, out=y)
+
+    def _moewire_check_fp8_combine(
+        self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, kernel: str
+    ) -> None:
+        """The layout check of a buffer with DeepGEMM's FP8 combine rows (the combine
+        quantizer is off: :meth:`_moewire_before_kernel` refuses it): the rows read as the
+        kernel reads them (``layout.combine_fp8_rows``, ``layout.dequantize_fp8_rows``),
+        summed in the kernel's order in FP32 from +0.0 and rounded to BF16 once, must equal
+        ``y`` bit for bit; ``y`` is left as the kernel wrote it."""
+        adapter = self._moewire_adapter
+        flavour = _flavours.get(adapter.flavour(self))
+        fused = bool(adapter.fused_shared(self))
+        symm_buffer = adapter.get_symm_buffer(self)
+        layout = flavour.layout(kernel)
+        q, sf = combine_fp8_rows(symm_buffer, flavour, kernel, fused_shared=fused)
+        num_tokens = y.shape[0]
+        rows = dequantize_fp8_rows(q, sf, num_tokens)
+        weights = topk_weights.float() if layout.weighted else None
+        shared = layout.shared_position if fused else None
+        call = layout_check.Combine(rows, topk_idx, num_tokens, shared, weights, y, flavour, kernel)
+        layout_check.check(self._moewire_name, layout_check.buffer_state(symm_buffer), call)
 
 
 def amax_rows(module: nn.Module) -> str | None:

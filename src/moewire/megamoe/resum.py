@@ -124,7 +124,9 @@ def resum(
 
     Args:
         rows: BF16 ``[num_slots, Tmax, H]``, the combine region (``combine_rows``);
-            ``num_slots = k``, or ``k + 1`` with a fused shared row at index ``k``.
+            ``num_slots = k``, or ``k + 1`` with a fused shared row at index ``k``. Without
+            a ``row_quantizer`` also FP32 ``[num_slots, >= T, H]``: the values of DeepGEMM's
+            FP8 combine rows (``layout.dequantize_fp8_rows``), added as they are.
         topk_idx: int ``[>= T, k]``, the staged expert ids; ``-1`` marks an invalid slot.
         num_tokens: ``T``, the tokens of this call (``y.shape[0]``).
         shared_position: ``None`` (no fused shared expert), ``"first"`` or ``"last"``: where
@@ -150,7 +152,8 @@ def resum(
         ``out`` (or the new BF16 ``[T, H]`` tensor).
     """
     kernels.check_combine_args(
-        "resum", rows, topk_idx, num_tokens, shared_position, out, weights
+        "resum", rows, topk_idx, num_tokens, shared_position, out, weights,
+        fp32_rows=row_quantizer is None,
     )
     mode = accumulate_mode(row_quantizer, accumulate)
     if out is None:

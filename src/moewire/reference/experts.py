@@ -14,6 +14,7 @@ May import: torch, ``moewire.reference.deep_gemm`` (the API, as vLLM calls it),
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -223,10 +224,11 @@ class MegaMoEExperts(EPExperts):
             )
 
     def _build_symm_buffer(self, device: torch.device) -> deep_gemm.SymmBuffer:
-        # Keyed like vLLM's cache: EP group and shapes (plus the flavour and device, which
-        # a real build fixes once).
+        # Keyed like vLLM's cache: EP group and shapes (plus the flavour, the device and
+        # the FP8-combine switch, which a real build fixes once).
+        fp8_combine = os.environ.get(deep_gemm.ENV_FP8_COMBINE, "0").strip() == "1"
         return self._cached_buffer(
-            (self.mma_type, deep_gemm.current_flavour(), device),
+            (self.mma_type, deep_gemm.current_flavour(), device, fp8_combine),
             lambda: deep_gemm.get_symm_buffer_for_mega_moe(
                 self.ep_group, self.num_experts, self.max_num_tokens, self.top_k,
                 self.hidden, self.intermediate,
