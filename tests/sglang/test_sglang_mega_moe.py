@@ -190,8 +190,6 @@ REFUSALS = [
     ("input-in-buffer", r"mega_moe_input_target.* SGLANG_OPT_DEEPGEMM_MEGA_GATE=0"),
     ("fp8-combine", "DG_USE_FP8_COMBINE=1 makes .* unset DG_USE_FP8_COMBINE"),
     ("unknown-mma-type", "mma_type='fp8xfp8', which moewire does not know"),
-    ("w4a4-nvfp4", "already quantizes the dispatch to NVFP4.*combine-only recipe"),
-    ("w4a4-mxfp4", "already quantizes the dispatch to MXFP4.*combine-only recipe"),
     ("mxfp4-on-sm90", "mma_type='mxf4xmxf4', which moewire does not know for "
                       r"sglang\.srt\.layers\.moe\.mega_moe_sm90"),
 ]
@@ -215,8 +213,6 @@ def test_refusals_through_sglang(sglang_sm90, monkeypatch, case, match):
         monkeypatch.setenv("DG_USE_FP8_COMBINE", "1")
     elif case == "unknown-mma-type":  # a later SGLang with another kind
         monkeypatch.setattr(mega_moe(), "_mega_moe_mma_type", lambda e: "fp8xfp8")
-    elif case == "w4a4-nvfp4":
-        experts._mega_moe_nvfp4 = True
     else:
         experts._mega_moe_w4a4 = True
     with pytest.raises(RuntimeError, match=match) as info:

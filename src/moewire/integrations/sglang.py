@@ -12,6 +12,9 @@ Where SGLang runs its Mega-MoE experts is one declarative entry per site in
   ``mega_moe_pre_dispatch``, rebound here) and for ``deep_gemm``; DeepGEMM's own staging
   functions (``mega_moe_pre_dispatch_sm90``, ``mega_moe_pre_dispatch``) and kernels are
   hooked on its module object (the ``sgl-deep-gemm-*`` builds name them);
+- on nvfp4xnvfp4 and mxf4xmxf4 the dispatch quantizer runs before
+  ``deep_gemm.mega_moe_pre_dispatch``'s own 4-bit cast (a hooked staging cast): the wire
+  carries ``NVFP4(q(x))`` / ``MXFP4(q(x))``, as vLLM's NVFP4 staging does;
 - the buffer of the call in progress (an argument on SM90, ``_get_mega_moe_symm_buffer``'s
   result on SM100) is what the adapter's ``get_symm_buffer`` returns.
 
@@ -37,7 +40,7 @@ from torch import nn
 
 from moewire import patches
 from moewire.integrations._host import rank_path, rebind_global
-from moewire.integrations.sglang_sites import MEGA_MOE, SITES, W4A4, SglangSite
+from moewire.integrations.sglang_sites import MEGA_MOE, SITES, SglangSite
 from moewire.integrations.sglang_sites import recognise as recognise_site
 from moewire.megamoe.registry import ExpertsAdapter
 
@@ -138,14 +141,6 @@ def _refusal(site: SglangSite, experts: nn.Module, args: dict[str, Any]) -> str 
             f"{name}: SGLang runs this layer with mma_type={mma!r}, which moewire does not "
             f"know for {site.path} (known: {', '.join(site.mma_types)}); use an FP8 "
             "(fp8xfp4) checkpoint for the layer, or disable its quantizers"
-        )
-    if mma in W4A4 and experts.dispatch_quantizer.mode != "disabled":
-        return (
-            f"{name}: the dispatch quantizer is enabled, but with mma_type={mma!r} the "
-            f"kernel's staging (deep_gemm.mega_moe_pre_dispatch) already quantizes the "
-            f"dispatch to {W4A4[mma]}; a second quantizer before it would not model the "
-            "wire. Use a combine-only recipe (moe_combine_fp8, moe_combine_mxfp8, "
-            "moe_combine_nvfp4, moe_combine_logfmt10), or disable dispatch_quantizer"
         )
     return None
 

@@ -34,14 +34,11 @@ from dataclasses import dataclass
 
 from moewire.integrations._host import calls, module_source
 
-__all__ = ["MEGA_MOE", "MMA_TYPES", "SITES", "SglangSite", "W4A4", "recognise"]
+__all__ = ["MEGA_MOE", "MMA_TYPES", "SITES", "SglangSite", "recognise"]
 
 MEGA_MOE = "sglang.srt.layers.moe.mega_moe"
 #: The ``mma_type`` values SGLang 0.5.23 derives (``_mega_moe_mma_type``).
 MMA_TYPES = ("fp8xfp4", "nvfp4xnvfp4", "mxf4xmxf4")
-#: The kinds whose dispatch the kernel's staging already casts to 4 bits -> that format.
-W4A4 = {"nvfp4xnvfp4": "NVFP4 (E2M1, one UE4M3 scale per 16, a per-token FP32 scale)",
-        "mxf4xmxf4": "MXFP4 (E2M1, one UE8M0 scale per 32)"}
 
 
 @dataclass(frozen=True)
