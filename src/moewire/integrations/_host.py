@@ -7,12 +7,15 @@
 - :func:`module_source` and :func:`calls`: recognise a host module by the calls its source
   makes, never by a version.
 - :func:`rank_path`: a scales path with ``{rank}`` replaced.
+- :func:`begin_calibration` and :func:`finish_calibration`: one calibration held open on
+  a host's worker or scheduler across the two calibration RPCs.
 
 May import: the standard library and ``moewire.patches``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import re
@@ -22,7 +25,15 @@ from typing import Any
 
 from moewire import patches
 
-__all__ = ["calls", "module_source", "rank_path", "rebind_global"]
+__all__ = [
+    "begin_calibration",
+    "calls",
+    "finish_calibration",
+    "is_rebound",
+    "module_source",
+    "rank_path",
+    "rebind_global",
+]
 
 
 def module_source(module_name: str) -> str | None:
@@ -47,22 +58,40 @@ def _trampoline(bridge: str, global_name: str, name: str) -> Callable[..., Any]:
     return trampoline
 
 
-def rebind_global(host_module: str, name: str, bridge: str, global_name: str) -> None:
+def is_rebound(host_module: str, name: str, global_name: str) -> bool:
+    """Whether ``host_module.<name>`` is now a trampoline to ``global_name`` (an undone
+    rebind, or a module not imported, is not)."""
+    module = sys.modules.get(host_module)
+    bound = getattr(module, name, None) if module is not None else None
+    return getattr(bound, "_moewire_trampoline", None) == global_name
+
+
+def rebind_global(
+    host_module: str, name: str, bridge: str, global_name: str, versions: str = ""
+) -> None:
     """Make ``host_module.<name>`` call ``bridge.<global_name>``, which holds the original.
 
     Idempotent (a live trampoline is left as is); both writes go through the undo ledger.
+
+    Args:
+        host_module: the host module whose functions read ``name`` from their globals.
+        name: the global to rebind (a staging function).
+        bridge: the moewire module that holds the original as ``global_name``.
+        global_name: the name of that global.
+        versions: where the supported host versions are listed, for the refusal
+            (``" (docs/vllm.md, version table)"``).
 
     Raises:
         RuntimeError: ``host_module`` has no callable ``name``.
     """
     module = importlib.import_module(host_module)
-    current = getattr(module, name, None)
-    if getattr(current, "_moewire_trampoline", None) == global_name:
+    if is_rebound(host_module, name, global_name):
         return
+    current = getattr(module, name, None)
     if not callable(current):
         raise RuntimeError(
             f"{host_module}: no function {name!r} to interpose on; this build differs from "
-            "the versions moewire supports"
+            f"the versions moewire supports{versions}"
         )
     patches.patch_attr(sys.modules[bridge], global_name, current)
     patches.patch_attr(module, name, _trampoline(bridge, global_name, name))
@@ -71,3 +100,30 @@ def rebind_global(host_module: str, name: str, bridge: str, global_name: str) ->
 def rank_path(scales_path: str, rank: int) -> str:
     """``scales_path`` with ``{rank}`` replaced by ``rank`` (each EP rank saves its own file)."""
     return scales_path.replace("{rank}", str(rank))
+
+
+def begin_calibration(owner: Any, calibration: contextlib.AbstractContextManager) -> None:
+    """Enter ``calibration`` (``moewire.megamoe.api.calibrating``) and keep it open on
+    ``owner`` (a host's worker or scheduler) across the two calibration RPCs."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(calibration)
+    owner._moewire_calibration = stack
+
+
+def finish_calibration(owner: Any, how: str) -> None:
+    """Close the calibration :func:`begin_calibration` left open on ``owner`` (each amax is
+    max-reduced and loaded on close).
+
+    Args:
+        owner: the host's worker or scheduler.
+        how: how the user begins one, for the refusal (``"call moewire_begin_calibration
+            first"``).
+
+    Raises:
+        RuntimeError: no calibration is in progress on ``owner``.
+    """
+    stack = getattr(owner, "_moewire_calibration", None)
+    if stack is None:
+        raise RuntimeError(f"moewire_finish_calibration: no calibration in progress; {how}")
+    stack.close()
+    owner._moewire_calibration = None

@@ -39,7 +39,12 @@ from typing import Any
 from torch import nn
 
 from moewire import patches
-from moewire.integrations._host import rank_path, rebind_global
+from moewire.integrations._host import (
+    begin_calibration,
+    finish_calibration,
+    rank_path,
+    rebind_global,
+)
 from moewire.integrations.sglang_sites import MEGA_MOE, SITES, SglangSite
 from moewire.integrations.sglang_sites import recognise as recognise_site
 from moewire.megamoe.registry import ExpertsAdapter
@@ -421,22 +426,13 @@ class SchedulerCalibration:
 
         model = self.tp_worker.model_runner.model  # type: ignore[attr-defined]
         quantize_sglang_model(model, recipe)
-        stack = contextlib.ExitStack()
-        stack.enter_context(api.calibrating(model))
-        self._moewire_calibration = stack
+        begin_calibration(self, api.calibrating(model))
 
     def moewire_finish_calibration(self, scales_path: str) -> None:
         """Leave calibrate mode (amaxes max-reduced over the EP group), save the scales."""
         from moewire.megamoe import api
 
-        stack = getattr(self, "_moewire_calibration", None)
-        if stack is None:
-            raise RuntimeError(
-                "moewire_finish_calibration: no calibration in progress; call "
-                "moewire_begin_calibration first"
-            )
-        stack.close()
-        self._moewire_calibration = None
+        finish_calibration(self, "call moewire_begin_calibration first")
         model = self.tp_worker.model_runner.model  # type: ignore[attr-defined]
         api.save_scales(model, rank_path(scales_path, _ep_rank()))
 

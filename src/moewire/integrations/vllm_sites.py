@@ -53,7 +53,8 @@ Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored 
   ``vllm.foundation...`` and ``vllm.runtime...``: a class is looked up at every path of its
   entry (``also_at``) and recognised by its own module's source, wherever it is defined.
 
-May import: the standard library, torch and ``moewire.megamoe.registry`` (nothing of vLLM).
+May import: the standard library, torch, ``moewire.integrations._host`` and
+``moewire.megamoe.registry`` (nothing of vLLM).
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +69,7 @@ from typing import Any
 
 from torch import nn
 
+from moewire.integrations._host import calls, module_source
 from moewire.megamoe.registry import ExpertsAdapter
 
 __all__ = [
@@ -383,13 +384,6 @@ def prove_plain_copy(cls: type, plain: PlainCopy, stage_fns: tuple[str, ...] = (
     return None
 
 
-def _source(module_name: str) -> str | None:
-    try:
-        return inspect.getsource(importlib.import_module(module_name))
-    except (ImportError, OSError, TypeError):
-        return None
-
-
 def recognise(cls: Any, site: ExpertsSite) -> str | None:
     """Why ``cls`` lacks the structure moewire hooks at ``site``, or None if it has it.
 
@@ -404,16 +398,16 @@ def recognise(cls: Any, site: ExpertsSite) -> str | None:
     for fn in site.stage_fns:
         if not callable(getattr(module, fn, None)):
             return f"{cls.__module__} has no staging function {fn}"
-    source = _source(cls.__module__)
+    source = module_source(cls.__module__)
     if source is None:
         return f"the source of {cls.__module__} cannot be read"
     wanted = [f"{fn}(" for fn in site.stage_fns[:1]] + (
         [f".{site.stage_cast}("] if site.stage_cast else []
     ) + list(site.calls)
     for call in wanted:
-        if not re.search(rf"(?<!def ){re.escape(call)}", source):
+        if not calls(source, call):
             return f"{cls.__module__} never calls {call.lstrip('.')}...)"
-    sources = [source, *(s for s in map(_source, site.access_modules) if s)]
+    sources = [source, *(s for s in map(module_source, site.access_modules) if s)]
     if not any(site.kernel_access in s for s in sources):
         return f"{cls.__module__} does not reach DeepGEMM through {site.kernel_access}" + (
             "()" if site.kernel_access == KERNEL_ACCESS else ""
