@@ -9,7 +9,8 @@ names one module (this one) for both, as ``docs/architecture.md`` asks:
 
 - ``deep_gemm``: the namespace vLLM's ``_import_deep_gemm()`` returns, resolved on first
   use (never at plugin load: importing DeepGEMM may initialise CUDA);
-- ``stage__<site>``: the staging function of one vLLM forward module.
+- ``stage__<site>``: the staging function of one vLLM forward module, rebound by
+  :func:`moewire.integrations._host.rebind_global` (the rebind the SGLang integration uses).
 
 Both rebinds keep behaviour: outside a quantized module's forward vLLM gets exactly what it
 got before. Both go through moewire's undo ledger (:mod:`moewire.patches`), so
