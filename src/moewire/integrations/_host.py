@@ -6,7 +6,8 @@
   namespace; through the undo ledger (:mod:`moewire.patches`).
 - :func:`module_source` and :func:`calls`: recognise a host module by the calls its source
   makes, never by a version.
-- :func:`rank_path`: a scales path with ``{rank}`` replaced.
+- :data:`ENV_RECIPE`, :data:`ENV_SCALES` and :func:`rank_path`: what the plugins read, a
+  scales path with ``{rank}`` replaced.
 - :func:`begin_calibration` and :func:`finish_calibration`: one calibration held open on
   a host's worker or scheduler across the two calibration RPCs.
 
@@ -25,7 +26,14 @@ from typing import Any
 
 from moewire import patches
 
+#: The recipe every host's plugin quantizes with at model load (a name or a YAML path).
+ENV_RECIPE = "MOEWIRE_RECIPE"
+#: Saved scales the plugins load after quantizing (``{rank}``: the EP rank).
+ENV_SCALES = "MOEWIRE_SCALES"
+
 __all__ = [
+    "ENV_RECIPE",
+    "ENV_SCALES",
     "begin_calibration",
     "calls",
     "finish_calibration",

@@ -40,6 +40,8 @@ from torch import nn
 
 from moewire import patches
 from moewire.integrations._host import (
+    ENV_RECIPE,
+    ENV_SCALES,
     begin_calibration,
     finish_calibration,
     rank_path,
@@ -64,8 +66,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENV_RECIPE = "MOEWIRE_RECIPE"
-ENV_SCALES = "MOEWIRE_SCALES"
 #: sgl-deep-gemm's switch to FP8 combine rows (impls/sm100_fp8_fp4_mega_moe.cuh).
 ENV_FP8_COMBINE = "DG_USE_FP8_COMBINE"
 #: SGLang's Mega-Gate switch (``sglang/srt/layers/moe/mega_gate.py``).

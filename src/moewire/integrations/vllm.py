@@ -23,7 +23,13 @@ from torch import nn
 
 from moewire import patches
 from moewire.integrations import _vllm_bridge
-from moewire.integrations._host import begin_calibration, finish_calibration, rank_path
+from moewire.integrations._host import (
+    ENV_RECIPE,
+    ENV_SCALES,
+    begin_calibration,
+    finish_calibration,
+    rank_path,
+)
 from moewire.integrations._vllm_groups import (
     data_parallel,
     dp_device_group,
@@ -63,8 +69,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENV_RECIPE = "MOEWIRE_RECIPE"
-ENV_SCALES = "MOEWIRE_SCALES"
 
 
 def vllm_version() -> str:
