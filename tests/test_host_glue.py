@@ -57,11 +57,20 @@ def test_rebind_of_a_missing_function_is_refused(modules, versions, tail):
     assert not patches.is_patched(sys.modules[HOST], "prepare")
 
 
-def test_calls_is_a_call_not_a_definition():
-    source = "def fp8_mega_moe(y):\n    pass\nx = deep_gemm.mega_moe_pre_dispatch(a)\n"
-    assert _host.calls(source, ".mega_moe_pre_dispatch(")
-    assert not _host.calls(source, "fp8_mega_moe(")
-    assert _host.module_source("moewire_no_such_module") is None
+def test_source_reach_reads_calls_and_imports_from_the_syntax_tree():
+    reach = _host.SourceReach(
+        "import deep_gemm.mega\n"
+        "def fp8_mega_moe(y):\n"
+        "    '''stage_it(x) in a docstring'''\n"
+        "    return run(y)  # fp8_fp4_mega_moe(y) in a comment\n"
+        "x = dg.mega_moe_pre_dispatch(a)\n"
+    )
+    assert reach.calls(".mega_moe_pre_dispatch(") and reach.calls("mega_moe_pre_dispatch(")
+    assert reach.calls("run(") and not reach.calls(".run(")
+    for absent in ("fp8_mega_moe(", "stage_it(", "fp8_fp4_mega_moe("):
+        assert not reach.calls(absent), absent
+    assert reach.imports_module("deep_gemm") and not reach.imports_module("deep")
+    assert _host.source_reach("moewire_no_such_module") is None
 
 
 def test_rank_path():

@@ -208,16 +208,20 @@ def test_every_row_local_combine_format_through_the_weighted_resum(fmt, fused):
     plain = model(x, w, ids)
     buf = model.experts.get_symm_buffer()
     rows = layout.combine_rows(buf, "vllm-0.33", "nvfp4_mega_moe", fused_shared=bool(fused))
-    amax = 40.0 if formats.get(fmt).needs_amax else None
-    q = rows.clone()
-    q[:K, :9] = formats.get(fmt).qdq(rows[:K, :9], None if amax is None else torch.tensor(amax))
+    f = formats.get(fmt)
+    amax = 40.0 if f.needs_amax else None
+    # What the FMA adds per row: the BF16 QDQ, or the FP32 dequantized values for a format
+    # whose real combine accumulates in FP32 (the quantizer's default mode).
+    q = rows.float()
+    dq = f.dequantize if f.combine_accumulate == "fp32" else f.qdq
+    q[:K, :9] = dq(rows[:K, :9], None if amax is None else torch.tensor(amax)).float()
     want = _oracle(q[:, :9], buf.topk_idx[:9].numpy(), buf.topk_weights[:9].numpy(), 9,
                    bool(fused))
     moewire.quantize(model, _combine_recipe(fmt, amax))
     y = model(x, w, ids)
     np.testing.assert_array_equal(_bits(y), want)
     # logfmt10 keeps blocks with amax >= 1 in BF16 (these rows): y may equal the plain one.
-    assert torch.equal(y, plain) == torch.equal(q[:K, :9], rows[:K, :9])
+    assert torch.equal(y, plain) == torch.equal(q[:K, :9], rows[:K, :9].float())
 
 
 def test_calibration_takes_the_amax_of_the_unweighted_valid_rows():
@@ -380,8 +384,10 @@ def test_every_packaged_recipe_runs_on_the_nvfp4_kernel(name):
     if combine.mode == "quantize":
         buf = model.experts.get_symm_buffer()
         rows = layout.combine_rows(buf, "vllm-0.33", "nvfp4_mega_moe")
+        dq = combine.fmt.dequantize if combine.accumulate == "fp32" else combine.fmt.qdq
         want = resum(rows, buf.topk_idx[:12], 12, weights=buf.topk_weights,
-                     row_quantizer=lambda r: combine.fmt.qdq(r, combine.static_amax))
+                     row_quantizer=lambda r: dq(r, combine.static_amax),
+                     accumulate=combine.accumulate)
         assert torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 

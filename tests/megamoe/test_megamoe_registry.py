@@ -38,7 +38,7 @@ def test_reference_is_registered():
     )
 
 
-def test_subclasses_inherit_until_registered():
+def test_subclasses_inherit_until_registered(registries_restored):
     class Child(MegaMoEExperts):
         pass
 

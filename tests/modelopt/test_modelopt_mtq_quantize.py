@@ -87,8 +87,7 @@ def _loop(model):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_checks():
-    mw_mo.register(vllm=False)
+def _fresh_checks(modelopt_registered):
     reset_layout_checks()
     yield
     reset_layout_checks()

@@ -22,7 +22,7 @@ class _ModelOptsQuant(QuantModule):
         pass
 
 
-def test_a_class_modelopt_registers_itself_is_refused_with_what_to_do():
+def test_a_class_modelopt_registers_itself_is_refused_with_what_to_do(registries_restored):
     register_experts_class(_ModelOptsOwn, adapter_for(object.__new__(MegaMoEExperts)))
     QuantModuleRegistry.register({_ModelOptsOwn: "modelopt.MegaMoEExperts"})(_ModelOptsQuant)
     try:

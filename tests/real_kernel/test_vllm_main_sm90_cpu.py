@@ -24,7 +24,7 @@ def _seed(*parts: object) -> torch.Generator:
 
 
 @pytest.fixture()
-def experts():
+def experts(patches_undone):
     vm.use_kernel(sm90_fork)
     module = vm.VllmMainSM90Experts(
         group=None, num_experts=E, num_local_experts=E, top_k=K, hidden_size=H,

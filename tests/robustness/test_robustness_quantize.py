@@ -124,11 +124,8 @@ def test_a_recipe_constant_amax_replaces_the_calibrated_one():
 
 
 @pytest.mark.modelopt
-def test_quantize_after_mtq_quantize_keeps_modelopt_calibrated_amax():
+def test_quantize_after_mtq_quantize_keeps_modelopt_calibrated_amax(modelopt_registered):
     mtq = pytest.importorskip("modelopt.torch.quantization")
-    from moewire.integrations import modelopt as mw_mo
-
-    mw_mo.register(vllm=False)
     model = Model(n=1)
     mtq.quantize(model, {"quant_cfg": [{"quantizer_name": "*", "enable": False},
                                        *RECIPE["quant_cfg"]], "algorithm": "max"}, loop)

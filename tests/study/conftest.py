@@ -21,3 +21,9 @@ def activations(tmp_path_factory):
     x = torch.randn(2, 24, HIDDEN, generator=g).bfloat16()
     torch.save(x, path)
     return path, x
+
+
+@pytest.fixture(autouse=True)
+def _patches_undone(patches_undone):
+    """Tests here quantize models and drop them: their patches are undone after each."""
+    yield

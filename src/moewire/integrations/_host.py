@@ -4,8 +4,8 @@
   reads at call time) a trampoline to a global of a moewire bridge module, so that one
   experts adapter names the bridge for both the staging function and the DeepGEMM
   namespace; through the undo ledger (:mod:`moewire.patches`).
-- :func:`module_source` and :func:`calls`: recognise a host module by the calls its source
-  makes, never by a version.
+- :func:`source_reach` (:class:`SourceReach`): recognise a host module by the calls and
+  imports its source makes, read from its syntax tree, never by a version.
 - :data:`ENV_RECIPE`, :data:`ENV_SCALES` and :func:`rank_path`: what the plugins read, a
   scales path with ``{rank}`` replaced.
 - :func:`begin_calibration` and :func:`finish_calibration`: one calibration held open on
@@ -16,10 +16,10 @@ May import: the standard library and ``moewire.patches``.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import inspect
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -34,17 +34,17 @@ ENV_SCALES = "MOEWIRE_SCALES"
 __all__ = [
     "ENV_RECIPE",
     "ENV_SCALES",
+    "SourceReach",
     "begin_calibration",
-    "calls",
     "finish_calibration",
     "is_rebound",
-    "module_source",
     "rank_path",
     "rebind_global",
+    "source_reach",
 ]
 
 
-def module_source(module_name: str) -> str | None:
+def _module_source(module_name: str) -> str | None:
     """The source of ``module_name``, or ``None`` when it does not import or has none."""
     try:
         return inspect.getsource(importlib.import_module(module_name))
@@ -52,9 +52,45 @@ def module_source(module_name: str) -> str | None:
         return None
 
 
-def calls(source: str, call: str) -> bool:
-    """Whether ``source`` makes the call ``call`` (``"fp8_mega_moe("``), not only defines it."""
-    return re.search(rf"(?<!def ){re.escape(call)}", source) is not None
+class SourceReach:
+    """What a module's source does, read from its syntax tree (comments, strings and
+    definitions are no calls): the names it calls, bare (``fn(...)``) and as attributes
+    (``obj.fn(...)``), and the modules it imports with ``import``."""
+
+    def __init__(self, source: str) -> None:
+        self.bare: set[str] = set()
+        self.attributes: set[str] = set()
+        self.imports: set[str] = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call):
+                if isinstance(node.func, ast.Name):
+                    self.bare.add(node.func.id)
+                elif isinstance(node.func, ast.Attribute):
+                    self.attributes.add(node.func.attr)
+            elif isinstance(node, ast.Import):
+                self.imports.update(alias.name for alias in node.names)
+
+    def calls(self, call: str) -> bool:
+        """Whether the source calls ``call``: ``"name("`` bare or as an attribute,
+        ``".name("`` as an attribute only."""
+        name = call.strip(".(")
+        return name in self.attributes or (not call.startswith(".") and name in self.bare)
+
+    def imports_module(self, module: str) -> bool:
+        """Whether the source imports ``module`` or one of its submodules with ``import``."""
+        return any(m == module or m.startswith(module + ".") for m in self.imports)
+
+
+def source_reach(module_name: str) -> SourceReach | None:
+    """:class:`SourceReach` of ``module_name``'s source, or ``None`` when it does not import,
+    has no source or does not parse."""
+    source = _module_source(module_name)
+    if source is None:
+        return None
+    try:
+        return SourceReach(source)
+    except SyntaxError:
+        return None
 
 
 def _trampoline(bridge: str, global_name: str, name: str) -> Callable[..., Any]:

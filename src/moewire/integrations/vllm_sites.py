@@ -69,7 +69,7 @@ from typing import Any
 
 from torch import nn
 
-from moewire.integrations._host import calls, module_source
+from moewire.integrations._host import SourceReach, source_reach
 from moewire.megamoe.registry import ExpertsAdapter
 
 __all__ = [
@@ -384,13 +384,23 @@ def prove_plain_copy(cls: type, plain: PlainCopy, stage_fns: tuple[str, ...] = (
     return None
 
 
+def _reaches(reach: SourceReach, access: str) -> bool:
+    """Whether a module's source reaches DeepGEMM through ``access``: calls
+    :data:`KERNEL_ACCESS`, or imports ``deep_gemm`` (:data:`IMPORT_ACCESS`)."""
+    if access == IMPORT_ACCESS:
+        return reach.imports_module(IMPORT_ACCESS.split()[1])
+    return reach.calls(f"{access}(")
+
+
 def recognise(cls: Any, site: ExpertsSite) -> str | None:
     """Why ``cls`` lacks the structure moewire hooks at ``site``, or None if it has it.
 
     The structure: an ``nn.Module`` class (any class for a ``holder`` site) whose module has
     and calls each staging global, or calls the staging cast; makes every call of
     ``site.calls``; and reaches DeepGEMM as ``site.kernel_access`` says (in its own source
-    or one of ``site.access_modules``'). Versions play no part.
+    or one of ``site.access_modules``'). Calls and imports are read from the module's syntax
+    tree: a function that is only defined, or named in a comment or a string, is not called.
+    Versions play no part.
     """
     if not isinstance(cls, type) or (site.holder is None and not issubclass(cls, nn.Module)):
         return f"{site.path} is not an nn.Module class"
@@ -398,17 +408,17 @@ def recognise(cls: Any, site: ExpertsSite) -> str | None:
     for fn in site.stage_fns:
         if not callable(getattr(module, fn, None)):
             return f"{cls.__module__} has no staging function {fn}"
-    source = module_source(cls.__module__)
-    if source is None:
+    reach = source_reach(cls.__module__)
+    if reach is None:
         return f"the source of {cls.__module__} cannot be read"
     wanted = [f"{fn}(" for fn in site.stage_fns[:1]] + (
         [f".{site.stage_cast}("] if site.stage_cast else []
     ) + list(site.calls)
     for call in wanted:
-        if not calls(source, call):
+        if not reach.calls(call):
             return f"{cls.__module__} never calls {call.lstrip('.')}...)"
-    sources = [source, *(s for s in map(module_source, site.access_modules) if s)]
-    if not any(site.kernel_access in s for s in sources):
+    reaches = [reach, *(r for r in map(source_reach, site.access_modules) if r)]
+    if not any(_reaches(r, site.kernel_access) for r in reaches):
         return f"{cls.__module__} does not reach DeepGEMM through {site.kernel_access}" + (
             "()" if site.kernel_access == KERNEL_ACCESS else ""
         )

@@ -285,6 +285,9 @@ _FP4_FP4_28_REFUSED = (
 _SGL_STAGING = ("mega_moe_pre_dispatch_sm90", "mega_moe_pre_dispatch")
 _SGL_FACTS = ("SM90SymmBuffer", "mega_moe_pre_dispatch_sm90", "get_block_m_for_mega_moe",
               "transform_scales_for_mega_moe")
+# The fork vLLM main's SM90 experts call names its kernel fp8_mega_moe_sm90; sgl-deep-gemm's
+# is fp8_mega_moe.
+_SGL_ABSENT = ("fp8_mega_moe_sm90",)
 _SGL_TAKES = (("get_symm_buffer_for_mega_moe", "num_shared_experts"),
               ("get_symm_buffer_for_mega_moe", "mma_type"))
 _SGL_UNPROVEN = (
@@ -300,7 +303,7 @@ _SGL_BUILDS: tuple[Build, ...] = (
          # Shared slot first, then the routed slots in top-k order ("Shared slot goes
          # first", impls/sm100_fp8_fp4_mega_moe.cuh, combine's move_mask_and_load).
          "fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "first")},
-        Recognition((*_SGL_FACTS, "localize"), takes=_SGL_TAKES),
+        Recognition((*_SGL_FACTS, "localize"), absent=_SGL_ABSENT, takes=_SGL_TAKES),
         "sgl-deep-gemm 0.2.5 (SGLang's DeepGEMM): SM90 fp8_mega_moe, SM100 fp8_fp4_mega_moe "
         "with a fused shared expert added first",
         read="sgl-deep-gemm 0.2.5 wheel: deep_gemm/__init__.py, deep_gemm/mega/__init__.py, "
@@ -315,7 +318,7 @@ _SGL_BUILDS: tuple[Build, ...] = (
          # Ascending slot order over the mask, the shared slot k last (__ffs, no special
          # case; impls/sm100_fp8_fp4_mega_moe.cuh, combine).
          "fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "last")},
-        Recognition(_SGL_FACTS, absent=("localize",), takes=_SGL_TAKES),
+        Recognition(_SGL_FACTS, absent=("localize", *_SGL_ABSENT), takes=_SGL_TAKES),
         "sgl-deep-gemm 0.2.3.post2 (the one sglang 0.5.23 pins): SM90 fp8_mega_moe, SM100 "
         "fp8_fp4_mega_moe with a fused shared expert added last",
         read="sgl-deep-gemm 0.2.3.post2 wheel: deep_gemm/__init__.py, "
@@ -326,9 +329,8 @@ _SGL_BUILDS: tuple[Build, ...] = (
     ),
 )
 
-#: Every build moewire knows, in detection order (the first whose facts match wins). The
-#: sgl-deep-gemm builds come first: their module also has the facts of ``deepgemm-sm90``
-#: and ``vllm-0.32`` (``get_symm_buffer_for_sm90_mega_moe``; ``num_shared_experts``).
+#: Every build moewire knows. Their facts are exclusive: a module matches one entry at most
+#: (``flavours.detect`` refuses a module that two entries match).
 BUILDS: tuple[Build, ...] = (
     *_SGL_BUILDS,
     Build(
@@ -357,7 +359,9 @@ BUILDS: tuple[Build, ...] = (
         },
         Recognition(("get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90",
                      "fp8_mega_moe", "fp4_fp4_mega_moe"),
-                    absent=("fp8_mega_moe_sm90",),
+                    # mega_moe_pre_dispatch_sm90 is sgl-deep-gemm's (its deep_gemm/__init__.py);
+                    # upstream's SM90 path is staged by the caller.
+                    absent=("fp8_mega_moe_sm90", "mega_moe_pre_dispatch_sm90"),
                     takes=(("fp4_fp4_mega_moe", "routed_scaling_factor"),
                            ("get_symm_buffer_for_mega_moe", "num_shared_experts"))),
         "upstream DeepGEMM 2.8.0 (SM100 and SM90 Mega-MoE in one module): SM100 kernels read "
@@ -377,7 +381,8 @@ BUILDS: tuple[Build, ...] = (
     Build(
         "deepgemm-sm90",
         {"fp8_mega_moe": _AFTER_L2, "fp8_fp4_mega_moe": _AFTER_L2},
-        Recognition(("get_symm_buffer_for_sm90_mega_moe",)),
+        Recognition(("get_symm_buffer_for_sm90_mega_moe",), absent=("fp8_mega_moe_sm90",),
+                    lacks_parameter=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
         "DeepGEMM PR #323 (SM90 port): no fused shared expert, DLPack views",
         read="DeepGEMM refs/pull/323/head (8ddf7f9); measured on an H200 "
         "(benchmarks/results/real-kernel)",
@@ -393,6 +398,8 @@ BUILDS: tuple[Build, ...] = (
             "nvfp4_mega_moe": KernelLayout("after_l2_scales", "last", weighted=True),
         },
         Recognition(("get_symm_buffer_for_mega_moe", "fp4_fp4_mega_moe"),
+                    # SM100 only, as 0.32's (sgl-deep-gemm has the SM90 staging).
+                    absent=("get_symm_buffer_for_sm90_mega_moe", "mega_moe_pre_dispatch_sm90"),
                     takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
         "DeepGEMM bundled in vLLM 0.33/0.34: fused shared expert added first",
         read="vllm/third_party/deep_gemm of the vLLM 0.33.0 and 0.34.0 wheels (2.8.1): "
@@ -406,7 +413,11 @@ BUILDS: tuple[Build, ...] = (
             "fp8_fp4_mega_moe": KernelLayout("last_region", "last"),
             "bf16_mega_moe": KernelLayout("last_region", "last"),
         },
-        Recognition(("get_symm_buffer_for_mega_moe",), absent=("fp4_fp4_mega_moe",),
+        Recognition(("get_symm_buffer_for_mega_moe",),
+                    # SM100 only: no SM90 buffer function or staging (sgl-deep-gemm has
+                    # both, and the same num_shared_experts parameter).
+                    absent=("fp4_fp4_mega_moe", "get_symm_buffer_for_sm90_mega_moe",
+                            "mega_moe_pre_dispatch_sm90"),
                     takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
         "DeepGEMM bundled in vLLM 0.32: fused shared expert added last",
         read="vllm/third_party/deep_gemm of vLLM 0.32.0 (2.8.0)",

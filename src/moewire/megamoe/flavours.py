@@ -107,7 +107,7 @@ class Flavour:
         name: registry name (``"vllm-0.33"``).
         kernels: kernel function name (``"fp8_fp4_mega_moe"``) -> :class:`KernelLayout`.
         recognise: ``deep_gemm module -> bool``, true when an imported module is this build
-            (:func:`detect` asks the flavours in registration order).
+            (:func:`detect` requires exactly one flavour to say so).
         description: one line for errors and docs.
         recognition: the structural facts behind ``recognise`` (for the error listing what
             was looked for), or ``None``.
@@ -228,8 +228,10 @@ def detect(namespace: Any, where: str = "moewire") -> Flavour:
     """The flavour of an imported DeepGEMM module (``MOEWIRE_FLAVOUR`` overrides).
 
     Facts read: those of each registered flavour's recognition (which functions the module
-    has, which parameters they take), in registration order. The layout check confirms the
-    choice on the first routed batch.
+    has, which parameters they take). Exactly one flavour must recognise the module: the
+    order of the registry decides nothing, and a module two builds' facts fit is refused
+    (their combine layouts differ). The layout check confirms the choice on the first
+    routed batch.
 
     Args:
         namespace: the ``deep_gemm`` module object the model calls (or a stand-in that
@@ -238,8 +240,8 @@ def detect(namespace: Any, where: str = "moewire") -> Flavour:
 
     Raises:
         ValueError: ``MOEWIRE_FLAVOUR`` names no flavour.
-        RuntimeError: no flavour recognises the module; the message lists the facts
-            looked for.
+        RuntimeError: no flavour recognises the module (the message lists the facts
+            looked for), or more than one does (the message names them).
     """
     override = os.environ.get(ENV_FLAVOUR, "").strip()
     if override:
@@ -247,11 +249,23 @@ def detect(namespace: Any, where: str = "moewire") -> Flavour:
             return get(override)
         except ValueError as exc:
             raise ValueError(f"{where}: environment variable {ENV_FLAVOUR}: {exc}") from None
-    for flav in _REGISTRY.values():
-        if flav.recognise(namespace):
-            return flav
+    matches = [flav for flav in _REGISTRY.values() if flav.recognise(namespace)]
+    if len(matches) == 1:
+        return matches[0]
     module = getattr(namespace, "__name__", type(namespace).__name__)
     path = getattr(namespace, "__file__", None)
+    if matches:
+        found = "; ".join(
+            f"{flav.name} ({flav.recognition.describe() if flav.recognition else 'its own'})"
+            for flav in matches
+        )
+        raise RuntimeError(
+            f"{where}: the DeepGEMM module {module!r} ({path or 'no file'}) has the facts of "
+            f"{len(matches)} builds: {found}; they place or add the combine rows differently "
+            f"and moewire will not guess. Set {ENV_FLAVOUR} to the build you run (the layout "
+            "check then proves it), or make the builds' facts exclusive in "
+            "moewire.megamoe.builds.BUILDS"
+        )
     looked = "; ".join(
         f"{flav.recognition.describe()} ({flav.name}: {flav.description})"
         for flav in _REGISTRY.values()

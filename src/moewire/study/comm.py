@@ -315,9 +315,25 @@ def measure_traffic(topk_ids: list[torch.Tensor], num_experts: int, ep_size: int
 
     Returns:
         :class:`Traffic` with the measured ``remote_fraction`` and ``bottleneck``.
+
+    Raises:
+        ValueError: ``ep_size`` does not divide ``num_experts`` or a batch's token count.
     """
     import torch
 
+    if num_experts % ep_size:
+        raise ValueError(
+            f"measure_traffic: {num_experts} experts do not split over {ep_size} ranks "
+            "(DeepGEMM and DeepEP place num_experts / num_ranks experts on each rank); use an "
+            "EP size that divides the expert count"
+        )
+    for ids in topk_ids:
+        if ids.shape[0] % ep_size:
+            raise ValueError(
+                f"measure_traffic: a batch of {ids.shape[0]} tokens does not split over "
+                f"{ep_size} ranks in equal blocks; use batches of a multiple of {ep_size} "
+                "tokens"
+            )
     top_k = int(topk_ids[0].shape[1])
     if ep_size == 1:
         return Traffic(1, tokens_per_rank, top_k, 0.0, 1.0)

@@ -283,14 +283,52 @@ def _check_ep_experts(ep_size: int, num_experts: int) -> None:
 
 
 def ep_size(cfg: StudyConfig, num_experts: int) -> int:
-    """The time estimate's EP size: ``--ep-size``, else the largest divisor of both the
-    expert count and ``--tokens`` up to :data:`moewire.study.comm.DEFAULT_EP_SIZE`."""
-    from moewire.study.comm import DEFAULT_EP_SIZE
+    """The time estimate's EP size: ``--ep-size``, else
+    :data:`moewire.study.comm.DEFAULT_EP_SIZE` (one NVLink node).
+
+    Experts sit on ranks in equal contiguous blocks, so an EP size must divide the expert
+    count: DeepGEMM sizes its buffer with ``num_experts / num_ranks`` experts a rank after
+    ``DG_HOST_ASSERT(num_experts % num_ranks == 0)`` (``csrc/apis/mega.hpp``,
+    ``get_symm_buffer_size_for_mega_moe``, deepseek-ai/DeepGEMM 093597f), and DeepEP's
+    dispatch layout does the same (``csrc/kernels/intranode.cu``, ``notify_dispatch``:
+    ``EP_HOST_ASSERT(num_experts % num_ranks == 0)``, deepseek-ai/DeepEP 031a5c4). It must
+    divide ``--tokens`` too (the batch is split into equal blocks of tokens). A default that
+    does not fit is refused, never replaced by a smaller size: the estimate would silently
+    describe another group (at EP 1, no traffic at all).
+
+    Raises:
+        StudyArgumentError: the default EP size does not divide the expert count or
+            ``--tokens``; the message names the EP sizes and expert counts that would.
+    """
+    from moewire.study.comm import DEFAULT_EP_SIZE, INTERCONNECTS
 
     if cfg.ep_size is not None:
+        _check_ep_experts(cfg.ep_size, num_experts)
         return cfg.ep_size
-    return max(n for n in range(1, DEFAULT_EP_SIZE + 1)
-               if num_experts % n == 0 and cfg.tokens % n == 0)
+    n = DEFAULT_EP_SIZE
+    if num_experts % n == 0 and cfg.tokens % n == 0:
+        return n
+    top = INTERCONNECTS[cfg.interconnect].max_ep_size if cfg.interconnect in INTERCONNECTS \
+        else None
+    fits = [d for d in range(2, math.gcd(num_experts, cfg.tokens) + 1)
+            if num_experts % d == 0 and cfg.tokens % d == 0 and (top is None or d <= top)]
+    nearest = sorted(fits, key=lambda d: (abs(d - n), d))[:2]
+    sizes = (f"pass --ep-size {' or '.join(map(str, sorted(nearest)))} (the nearest sizes that "
+             "split both), or use" if nearest else "no EP size above 1 splits both; use")
+    causes, fixes = [], []
+    if num_experts % n:
+        causes.append(f"{num_experts} experts")
+        if cfg.weights is None:
+            lower, upper = num_experts // n * n, (num_experts // n + 1) * n
+            fixes.append(f"--experts {' or '.join(str(e) for e in (lower, upper) if e)}")
+    if cfg.tokens % n:
+        causes.append(f"--tokens {cfg.tokens}")
+        fixes.append(f"--tokens {(cfg.tokens // n + 1) * n}")
+    raise StudyArgumentError(
+        "--ep-size", f"the time estimate's default EP size {n} does not split "
+        f"{' and '.join(causes)} (experts and tokens sit on ranks in equal blocks); {sizes} "
+        f"{' with '.join(fixes)}"
+    )
 
 
 def _check_imbalance(cfg: StudyConfig, num_experts: int, top_k: int) -> None:
@@ -352,13 +390,12 @@ def check_layer_shapes(
             f"{top_k}"
         )
     _check_imbalance(cfg, num_experts, top_k)
-    if cfg.ep_size is not None:
-        _check_ep_experts(cfg.ep_size, num_experts)
     if num_experts % cfg.ranks:
         raise StudyArgumentError(
             "--ranks", f"{num_experts} experts do not split evenly over {cfg.ranks} ranks; "
             "use a --ranks that divides the expert count"
         )
+    ep_size(cfg, num_experts)
     multiple = _HIDDEN_MULTIPLE[cfg.mma]
     for name, value in (("hidden size", hidden), ("intermediate size", intermediate)):
         if value % multiple:
