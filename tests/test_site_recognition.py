@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from moewire.integrations import vllm_sites
+from moewire.integrations import _host, vllm_sites
 from moewire.integrations.vllm_sites import IMPORT_ACCESS, ExpertsSite
 
 _COUNTER = itertools.count()
@@ -154,7 +154,7 @@ def test_inline_site_needs_real_calls_and_import(load, source, why):
 
 def test_a_module_whose_source_does_not_parse_is_not_recognised(load, monkeypatch):
     cls = load(_staging())
-    monkeypatch.setattr(vllm_sites, "_source", lambda name: "def broken(:\n")
+    monkeypatch.setattr(_host, "_module_source", lambda name: "def broken(:\n")
     assert vllm_sites.recognise(cls, _staging_site(cls.__module__)) == (
         f"the source of {cls.__module__} cannot be read"
     )

@@ -190,8 +190,6 @@ REFUSALS = [
     ("input-in-buffer", r"mega_moe_input_target.* SGLANG_OPT_DEEPGEMM_MEGA_GATE=0"),
     ("fp8-combine", "DG_USE_FP8_COMBINE=1 makes .* unset DG_USE_FP8_COMBINE"),
     ("unknown-mma-type", "mma_type='fp8xfp8', which moewire does not know"),
-    ("w4a4-nvfp4", "already quantizes the dispatch to NVFP4.*combine-only recipe"),
-    ("w4a4-mxfp4", "already quantizes the dispatch to MXFP4.*combine-only recipe"),
     ("mxfp4-on-sm90", "mma_type='mxf4xmxf4', which moewire does not know for "
                       r"sglang\.srt\.layers\.moe\.mega_moe_sm90"),
 ]
@@ -215,8 +213,6 @@ def test_refusals_through_sglang(sglang_sm90, monkeypatch, case, match):
         monkeypatch.setenv("DG_USE_FP8_COMBINE", "1")
     elif case == "unknown-mma-type":  # a later SGLang with another kind
         monkeypatch.setattr(mega_moe(), "_mega_moe_mma_type", lambda e: "fp8xfp8")
-    elif case == "w4a4-nvfp4":
-        experts._mega_moe_nvfp4 = True
     else:
         experts._mega_moe_w4a4 = True
     with pytest.raises(RuntimeError, match=match) as info:
@@ -225,6 +221,7 @@ def test_refusals_through_sglang(sglang_sm90, monkeypatch, case, match):
         else:
             run_mega(experts, x, ids, w, **kwargs)
     assert str(info.value).startswith(f"{experts._moewire_name}: ")
+    del info  # its traceback holds the converted experts (the leak check)
 
 
 def test_w4a4_combine_only_is_not_refused_by_the_mega_site(sglang_sm90):
@@ -319,3 +316,44 @@ def test_calibration_rpcs_save_what_serving_loads(sglang_sm90, tmp_path):
     sg.quantize_sglang_model(served, "moe_fp8", path)
     assert torch.equal(run(sglang_sm90, served.experts, new_buffer(), x, ids, w).view(torch.int16),
                        y.view(torch.int16))
+
+
+class _Layers(nn.Module):
+    """SGLang's module tree around the experts: ``layers.N.mlp.experts``."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(count):
+            layer = nn.Module()
+            layer.mlp = Model()
+            self.layers.append(layer)
+
+
+def test_eval_mixed_recipe_loads_through_the_plugin(sglang_sm90, monkeypatch, tmp_path):
+    """The mixed recipe ``moewire eval --per-layer`` writes (its own writer), served through
+    MOEWIRE_RECIPE: exactly the named layers get the 4-bit pair, every other one the high
+    pair (``layers.1`` is not ``layers.10``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from moewire.eval import mixed_recipe_yaml
+
+    path = tmp_path / "mixed_recipe.yaml"
+    path.write_text(mixed_recipe_yaml(("nvfp4", "nvfp4"), [1, 3], ("fp8", "fp8"), "mixed"))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", _scheduler_module())
+    monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
+    monkeypatch.setenv("MOEWIRE_RECIPE", str(path))
+    monkeypatch.delenv("MOEWIRE_SCALES", raising=False)
+    sg.register()
+    [(_, hook, _)] = HookRegistry._hooks[
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model"]
+    runner = types.SimpleNamespace(model=_Layers(11))
+    hook("loaded", runner)
+    formats = {
+        (n, q): getattr(layer.mlp.experts, q).fmt.name
+        for n, layer in enumerate(runner.model.layers)
+        for q in ("dispatch_quantizer", "combine_quantizer")
+    }
+    assert {key for key, fmt in formats.items() if fmt == "nvfp4"} == {
+        (n, q) for n in (1, 3) for q in ("dispatch_quantizer", "combine_quantizer")}
+    assert {fmt for fmt in formats.values()} == {"nvfp4", "fp8"}

@@ -111,3 +111,124 @@ def test_calibration_sees_the_staged_tokens(sglang_sm100, tmp_path):
     valid = (ids >= 0).any(dim=1)
     amax = model.experts.dispatch_quantizer.static_amax
     assert float(amax) == float(x[valid].float().abs().max())
+
+
+# -- W4A4: a dispatch quantizer before deep_gemm.mega_moe_pre_dispatch's own 4-bit cast --------
+
+#: SGLang's W4A4 kinds and the group size it stages them with (``run_mega_routed_experts``).
+W4A4 = {"nvfp4xnvfp4": 16, "mxf4xmxf4": 32}
+DISPATCH_MXFP8 = {"quant_cfg": [
+    {"quantizer_name": "*dispatch_quantizer", "cfg": {"format": "mxfp8"}}]}
+
+
+class W4A4Buffer:
+    """sgl-deep-gemm's SM100 ``SymmBuffer`` views that SGLang's W4A4 staging writes
+    (``deep_gemm/mega/__init__.py``): packed E2M1 ``x`` ``[Tmax, H/2]``, the scale bytes
+    ``x_sf`` int32 ``[Tmax, H/group/4]``, NVFP4's per-token ``x_scales`` FP32 ``[Tmax]``."""
+
+    def __init__(self, num_experts, tmax, num_topk, hidden, mma_type):
+        self.num_experts, self.num_max_tokens_per_rank = num_experts, tmax
+        self.num_topk, self.hidden, self.mma_type = num_topk, hidden, mma_type
+        self.x = torch.zeros(tmax, hidden // 2, dtype=torch.uint8)
+        self.x_sf = torch.zeros(tmax, hidden // W4A4[mma_type] // 4, dtype=torch.int32)
+        self.x_scales = torch.zeros(tmax)
+        self.topk_idx = torch.zeros(tmax, num_topk, dtype=torch.int64)
+        self.topk_weights = torch.zeros(tmax, num_topk)
+
+
+@pytest.fixture
+def w4a4(sglang_sm100, monkeypatch):
+    """The SM100 stand-in with W4A4 buffers and a kernel that records the staged tokens
+    (moewire has no stand-in of the W4A4 kernels: only the staging is checked)."""
+    import sys
+
+    dg = sys.modules["deep_gemm"]
+    allocate = dg.get_symm_buffer_for_mega_moe
+    staged = []
+
+    def get_symm_buffer_for_mega_moe(group, num_experts, tmax, num_topk, hidden,
+                                     intermediate_hidden, num_shared_experts=0,
+                                     mma_type="fp8xfp4", activation="swiglu"):
+        if mma_type not in W4A4:
+            return allocate(group, num_experts, tmax, num_topk, hidden, intermediate_hidden,
+                            num_shared_experts, mma_type, activation)
+        return W4A4Buffer(num_experts, tmax, num_topk, hidden, mma_type)
+
+    def fp8_fp4_mega_moe(y, l1_weights, l2_weights, buf, **kwargs):
+        staged.append((buf.x.clone(), buf.x_sf.clone(), buf.x_scales.clone(), kwargs))
+        y.zero_()
+
+    monkeypatch.setattr(dg, "get_symm_buffer_for_mega_moe", get_symm_buffer_for_mega_moe)
+    monkeypatch.setattr(dg, "fp8_fp4_mega_moe", fp8_fp4_mega_moe)
+    return sglang_sm100, staged
+
+
+def w4a4_model(mma: str) -> Model:
+    """Experts as SGLang's ``FusedMoE.__init__`` marks a W4A4 checkpoint (the alphas are what
+    the kernel reads; the recording kernel ignores them)."""
+    model = Model()
+    experts = model.experts
+    experts._mega_moe_nvfp4 = mma == "nvfp4xnvfp4"
+    experts._mega_moe_w4a4 = mma == "mxf4xmxf4"
+    experts._mega_moe_trtllm_layout = False
+    experts.mega_l1_alphas = experts.mega_l2_alphas = torch.ones(E)
+    experts.mega_l2_act_scales = torch.ones(E)
+    return model
+
+
+@pytest.mark.parametrize("mma", list(W4A4), ids=["nvfp4", "mxfp4"])
+def test_w4a4_wire_carries_the_4bit_cast_of_the_quantized_tokens(w4a4, mma):
+    """The dispatch quantizer runs before the kernel's own cast: the staged codes, scale
+    bytes and per-token scales are the sgl-deep-gemm cast (an independent NumPy/ml_dtypes
+    oracle) of ``q(x)``, not of ``x``."""
+    from test_sgl_staging import sm100_oracle
+
+    mega_moe, staged = w4a4
+    model = w4a4_model(mma)
+    x, ids, w = batch(4)
+    sg.quantize_sglang_model(model, DISPATCH_MXFP8)
+    run(mega_moe, model.experts, x, ids, w)
+    [(buf_x, buf_sf, buf_scales, kwargs)] = staged
+    assert kwargs["recipe"] == (1, 1, W4A4[mma])
+    got = (buf_x[:T].numpy(), buf_sf.view(torch.uint8)[:T].numpy(), buf_scales[:T].numpy())
+    quantized = moewire.formats.fake_quant(x, "mxfp8")
+    for tokens, equal in ((quantized, True), (x, False)):
+        codes, sf_bytes, pts = sm100_oracle(tokens.float().numpy(), mma, W4A4[mma])
+        same = (got[0] == codes).all() and (got[1] == sf_bytes).all() and (
+            pts is None or (got[2] == pts).all())
+        assert same == equal, "q(x)" if equal else "x: the data cannot tell q(x) from x"
+
+
+@pytest.mark.parametrize("mma", list(W4A4), ids=["nvfp4", "mxfp4"])
+def test_w4a4_dispatch_quantizer_fails_closed(w4a4, monkeypatch, mma):
+    """SGLang reaching a DeepGEMM moewire has not hooked (its staging cast unseen): the
+    enabled dispatch quantizer did not run, and the forward is an error."""
+    import sys
+    import types
+
+    mega_moe, staged = w4a4
+    model = w4a4_model(mma)
+    sg.quantize_sglang_model(model, DISPATCH_MXFP8)
+    unhooked = types.SimpleNamespace(**{n: getattr(sys.modules["deep_gemm"], n)
+                                        for n in dir(sys.modules["deep_gemm"])
+                                        if not n.startswith("__")})
+    monkeypatch.setitem(sys.modules, "deep_gemm", unhooked)
+    with pytest.raises(RuntimeError, match="without reaching moewire's staging hook.*"
+                                           "dispatch_quantizer did not run"):
+        run(mega_moe, model.experts, *batch(5))
+    assert len(staged) == 1  # SGLang staged and ran the kernel, unquantized
+
+
+@pytest.mark.parametrize("mma", list(W4A4), ids=["nvfp4", "mxfp4"])
+def test_w4a4_calibration_sees_the_staged_tokens(w4a4, tmp_path, mma):
+    mega_moe, _ = w4a4
+    model = w4a4_model(mma)
+    x, ids, w = batch(6)
+    x[-1] = 1000.0  # a padding token (no valid slot): outside the dispatch amax
+    sg.quantize_sglang_model(model, {"quant_cfg": [
+        {"quantizer_name": "*dispatch_quantizer", "cfg": {"format": "fp8"}}]})
+    with sg.calibrating(model, str(tmp_path / "s{rank}.pt")):
+        run(mega_moe, model.experts, x, ids, w)
+    valid = (ids >= 0).any(dim=1)
+    amax = model.experts.dispatch_quantizer.static_amax
+    assert float(amax) == float(x[valid].float().abs().max())

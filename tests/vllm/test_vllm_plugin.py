@@ -143,3 +143,38 @@ def test_unquantize_unwraps_the_loader(vllm_config, monkeypatch):
         loaded = BaseModelLoader.load_model(object(), vllm_config, None)
     api.unquantize(loaded)
     assert BaseModelLoader.load_model is loader
+
+
+def test_eval_mixed_recipe_loads_through_the_plugin(vllm_config, tmp_path, monkeypatch):
+    """The mixed recipe ``moewire eval --per-layer`` writes (its own writer), served through
+    MOEWIRE_RECIPE: exactly the named layers get the 4-bit pair, every other one the high
+    pair."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from moewire.eval import mixed_recipe_yaml
+
+    path = tmp_path / "mixed_recipe.yaml"
+    path.write_text(mixed_recipe_yaml(("nvfp4", "nvfp4"), [1, 3], ("fp8", "fp8"), "mixed"))
+    vllm_mod.register_vllm_experts()
+    with standin.use_reference_deep_gemm("vllm-0.32"):
+        layers = torch.nn.ModuleList()
+        for _ in range(4):  # vLLM's tree: model.layers.N.ffn.experts
+            layer = torch.nn.Module()
+            layer.ffn = _model(vllm_config)
+            layers.append(layer)
+        fresh = torch.nn.Module()
+        fresh.layers = layers
+        monkeypatch.setattr(BaseModelLoader, "load_model", lambda self, *a, **k: fresh)
+        monkeypatch.setenv(vllm_mod.ENV_RECIPE, str(path))
+        monkeypatch.delenv(vllm_mod.ENV_SCALES, raising=False)
+        vllm_mod.register()
+        assert BaseModelLoader.load_model(object(), vllm_config, None) is fresh
+    formats = {
+        (n, q): getattr(layer.ffn["experts"], q).fmt.name
+        for n, layer in enumerate(fresh.layers)
+        for q in ("dispatch_quantizer", "combine_quantizer")
+    }
+    api.unquantize(fresh)
+    assert {key for key, fmt in formats.items() if fmt == "nvfp4"} == {
+        (n, q) for n in (1, 3) for q in ("dispatch_quantizer", "combine_quantizer")}
+    assert set(formats.values()) == {"nvfp4", "fp8"}

@@ -4,28 +4,47 @@
   reads at call time) a trampoline to a global of a moewire bridge module, so that one
   experts adapter names the bridge for both the staging function and the DeepGEMM
   namespace; through the undo ledger (:mod:`moewire.patches`).
-- :func:`module_source` and :func:`calls`: recognise a host module by the calls its source
-  makes, never by a version.
-- :func:`rank_path`: a scales path with ``{rank}`` replaced.
+- :func:`source_reach` (:class:`SourceReach`): recognise a host module by the calls and
+  imports its source makes, read from its syntax tree, never by a version.
+- :data:`ENV_RECIPE`, :data:`ENV_SCALES` and :func:`rank_path`: what the plugins read, a
+  scales path with ``{rank}`` replaced.
+- :func:`begin_calibration` and :func:`finish_calibration`: one calibration held open on
+  a host's worker or scheduler across the two calibration RPCs.
 
 May import: the standard library and ``moewire.patches``.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import importlib
 import inspect
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from moewire import patches
 
-__all__ = ["calls", "module_source", "rank_path", "rebind_global"]
+#: The recipe every host's plugin quantizes with at model load (a name or a YAML path).
+ENV_RECIPE = "MOEWIRE_RECIPE"
+#: Saved scales the plugins load after quantizing (``{rank}``: the EP rank).
+ENV_SCALES = "MOEWIRE_SCALES"
+
+__all__ = [
+    "ENV_RECIPE",
+    "ENV_SCALES",
+    "SourceReach",
+    "begin_calibration",
+    "finish_calibration",
+    "is_rebound",
+    "rank_path",
+    "rebind_global",
+    "source_reach",
+]
 
 
-def module_source(module_name: str) -> str | None:
+def _module_source(module_name: str) -> str | None:
     """The source of ``module_name``, or ``None`` when it does not import or has none."""
     try:
         return inspect.getsource(importlib.import_module(module_name))
@@ -33,9 +52,45 @@ def module_source(module_name: str) -> str | None:
         return None
 
 
-def calls(source: str, call: str) -> bool:
-    """Whether ``source`` makes the call ``call`` (``"fp8_mega_moe("``), not only defines it."""
-    return re.search(rf"(?<!def ){re.escape(call)}", source) is not None
+class SourceReach:
+    """What a module's source does, read from its syntax tree (comments, strings and
+    definitions are no calls): the names it calls, bare (``fn(...)``) and as attributes
+    (``obj.fn(...)``), and the modules it imports with ``import``."""
+
+    def __init__(self, source: str) -> None:
+        self.bare: set[str] = set()
+        self.attributes: set[str] = set()
+        self.imports: set[str] = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call):
+                if isinstance(node.func, ast.Name):
+                    self.bare.add(node.func.id)
+                elif isinstance(node.func, ast.Attribute):
+                    self.attributes.add(node.func.attr)
+            elif isinstance(node, ast.Import):
+                self.imports.update(alias.name for alias in node.names)
+
+    def calls(self, call: str) -> bool:
+        """Whether the source calls ``call``: ``"name("`` bare or as an attribute,
+        ``".name("`` as an attribute only."""
+        name = call.strip(".(")
+        return name in self.attributes or (not call.startswith(".") and name in self.bare)
+
+    def imports_module(self, module: str) -> bool:
+        """Whether the source imports ``module`` or one of its submodules with ``import``."""
+        return any(m == module or m.startswith(module + ".") for m in self.imports)
+
+
+def source_reach(module_name: str) -> SourceReach | None:
+    """:class:`SourceReach` of ``module_name``'s source, or ``None`` when it does not import,
+    has no source or does not parse."""
+    source = _module_source(module_name)
+    if source is None:
+        return None
+    try:
+        return SourceReach(source)
+    except SyntaxError:
+        return None
 
 
 def _trampoline(bridge: str, global_name: str, name: str) -> Callable[..., Any]:
@@ -47,22 +102,40 @@ def _trampoline(bridge: str, global_name: str, name: str) -> Callable[..., Any]:
     return trampoline
 
 
-def rebind_global(host_module: str, name: str, bridge: str, global_name: str) -> None:
+def is_rebound(host_module: str, name: str, global_name: str) -> bool:
+    """Whether ``host_module.<name>`` is now a trampoline to ``global_name`` (an undone
+    rebind, or a module not imported, is not)."""
+    module = sys.modules.get(host_module)
+    bound = getattr(module, name, None) if module is not None else None
+    return getattr(bound, "_moewire_trampoline", None) == global_name
+
+
+def rebind_global(
+    host_module: str, name: str, bridge: str, global_name: str, versions: str = ""
+) -> None:
     """Make ``host_module.<name>`` call ``bridge.<global_name>``, which holds the original.
 
     Idempotent (a live trampoline is left as is); both writes go through the undo ledger.
+
+    Args:
+        host_module: the host module whose functions read ``name`` from their globals.
+        name: the global to rebind (a staging function).
+        bridge: the moewire module that holds the original as ``global_name``.
+        global_name: the name of that global.
+        versions: where the supported host versions are listed, for the refusal
+            (``" (docs/vllm.md, version table)"``).
 
     Raises:
         RuntimeError: ``host_module`` has no callable ``name``.
     """
     module = importlib.import_module(host_module)
-    current = getattr(module, name, None)
-    if getattr(current, "_moewire_trampoline", None) == global_name:
+    if is_rebound(host_module, name, global_name):
         return
+    current = getattr(module, name, None)
     if not callable(current):
         raise RuntimeError(
             f"{host_module}: no function {name!r} to interpose on; this build differs from "
-            "the versions moewire supports"
+            f"the versions moewire supports{versions}"
         )
     patches.patch_attr(sys.modules[bridge], global_name, current)
     patches.patch_attr(module, name, _trampoline(bridge, global_name, name))
@@ -71,3 +144,30 @@ def rebind_global(host_module: str, name: str, bridge: str, global_name: str) ->
 def rank_path(scales_path: str, rank: int) -> str:
     """``scales_path`` with ``{rank}`` replaced by ``rank`` (each EP rank saves its own file)."""
     return scales_path.replace("{rank}", str(rank))
+
+
+def begin_calibration(owner: Any, calibration: contextlib.AbstractContextManager) -> None:
+    """Enter ``calibration`` (``moewire.megamoe.api.calibrating``) and keep it open on
+    ``owner`` (a host's worker or scheduler) across the two calibration RPCs."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(calibration)
+    owner._moewire_calibration = stack
+
+
+def finish_calibration(owner: Any, how: str) -> None:
+    """Close the calibration :func:`begin_calibration` left open on ``owner`` (each amax is
+    max-reduced and loaded on close).
+
+    Args:
+        owner: the host's worker or scheduler.
+        how: how the user begins one, for the refusal (``"call moewire_begin_calibration
+            first"``).
+
+    Raises:
+        RuntimeError: no calibration is in progress on ``owner``.
+    """
+    stack = getattr(owner, "_moewire_calibration", None)
+    if stack is None:
+        raise RuntimeError(f"moewire_finish_calibration: no calibration in progress; {how}")
+    stack.close()
+    owner._moewire_calibration = None

@@ -9,7 +9,8 @@ names one module (this one) for both, as ``docs/architecture.md`` asks:
 
 - ``deep_gemm``: the namespace vLLM's ``_import_deep_gemm()`` returns, resolved on first
   use (never at plugin load: importing DeepGEMM may initialise CUDA);
-- ``stage__<site>``: the staging function of one vLLM forward module.
+- ``stage__<site>``: the staging function of one vLLM forward module, rebound by
+  :func:`moewire.integrations._host.rebind_global` (the rebind the SGLang integration uses).
 
 Both rebinds keep behaviour: outside a quantized module's forward vLLM gets exactly what it
 got before. Both go through moewire's undo ledger (:mod:`moewire.patches`), so
@@ -19,11 +20,11 @@ got before. Both go through moewire's undo ledger (:mod:`moewire.patches`), so
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from moewire import patches
+from moewire.integrations._host import is_rebound, rebind_global
 
 _resolver: dict[str, Callable[[], Any] | None] = {"vllm": None, "override": None}
 # Every staging function rebound so far: (forward module, function) -> global name here
@@ -100,27 +101,12 @@ def stage_global_name(forward_module: str) -> str:
     return "stage__" + forward_module.replace(".", "_")
 
 
-def _stage_trampoline(global_name: str) -> Callable[..., Any]:
-    def prepare_megamoe_inputs(*args: Any, **kwargs: Any) -> Any:
-        return getattr(sys.modules[__name__], global_name)(*args, **kwargs)
-
-    prepare_megamoe_inputs._moewire_trampoline = global_name  # type: ignore[attr-defined]
-    return prepare_megamoe_inputs
-
-
-def _is_live(forward_module: str, stage_fn: str, name: str) -> bool:
-    """Whether ``forward_module.<stage_fn>`` is this module's trampoline to ``name``."""
-    module = sys.modules.get(forward_module)
-    bound = getattr(module, stage_fn, None) if module is not None else None
-    return getattr(bound, "_moewire_trampoline", None) == name
-
-
 def installed_stage_globals() -> list[tuple[str, str, str]]:
     """The staging functions rebound now: ``(forward module, function, global name here)``."""
     return [
         (module, fn, name)
         for (module, fn), name in _installed.items()
-        if _is_live(module, fn, name)
+        if is_rebound(module, fn, name)
     ]
 
 
@@ -178,18 +164,6 @@ def install(forward_module: str, stage_fn: str) -> str:
     name = stage_global_name(forward_module)
     if stage_fn != PRIMARY_STAGE_FN:
         name = f"{name}__{stage_fn}"
-    if _is_live(forward_module, stage_fn, name):
-        return name
-    module = importlib.import_module(forward_module)
-    original = getattr(module, stage_fn, None)
-    if original is None or not callable(original):
-        raise RuntimeError(
-            f"{forward_module}: no staging function {stage_fn!r} to interpose on; this vLLM "
-            "build differs from the versions moewire supports (docs/vllm.md, version table)"
-        )
-    patches.patch_attr(sys.modules[__name__], name, original)
-    trampoline = _stage_trampoline(name)
-    trampoline.__name__ = stage_fn
-    patches.patch_attr(module, stage_fn, trampoline)
+    rebind_global(forward_module, stage_fn, __name__, name, " (docs/vllm.md, version table)")
     _installed[(forward_module, stage_fn)] = name
     return name

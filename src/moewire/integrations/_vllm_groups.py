@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["data_parallel", "dp_device_group", "ep_device_group", "rank_path"]
+__all__ = ["data_parallel", "dp_device_group", "ep_device_group", "ep_rank"]
 
 
 def ep_device_group() -> Any:
@@ -45,11 +45,9 @@ def data_parallel() -> tuple[Any, int, int]:
     return group, dp.world_size, dp.rank_in_group
 
 
-def rank_path(scales_path: str) -> str:
-    """``scales_path`` with ``{rank}`` replaced by this process's EP rank (0 without EP)."""
-    # Every EP rank holds different experts; after the max-reduce the amax are equal, but
-    # each rank saves its own file so loading never depends on the EP layout.
+def ep_rank() -> int:
+    """This process's rank in vLLM's EP group (0 without EP): the ``{rank}`` of a scales
+    path (``moewire.integrations._host.rank_path``)."""
     from vllm.distributed import parallel_state
 
-    rank = parallel_state.get_ep_group().rank_in_group if parallel_state._EP is not None else 0
-    return scales_path.replace("{rank}", str(rank))
+    return parallel_state.get_ep_group().rank_in_group if parallel_state._EP is not None else 0

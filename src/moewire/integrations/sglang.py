@@ -12,6 +12,9 @@ Where SGLang runs its Mega-MoE experts is one declarative entry per site in
   ``mega_moe_pre_dispatch``, rebound here) and for ``deep_gemm``; DeepGEMM's own staging
   functions (``mega_moe_pre_dispatch_sm90``, ``mega_moe_pre_dispatch``) and kernels are
   hooked on its module object (the ``sgl-deep-gemm-*`` builds name them);
+- on nvfp4xnvfp4 and mxf4xmxf4 the dispatch quantizer runs before
+  ``deep_gemm.mega_moe_pre_dispatch``'s own 4-bit cast (a hooked staging cast): the wire
+  carries ``NVFP4(q(x))`` / ``MXFP4(q(x))``, as vLLM's NVFP4 staging does;
 - the buffer of the call in progress (an argument on SM90, ``_get_mega_moe_symm_buffer``'s
   result on SM100) is what the adapter's ``get_symm_buffer`` returns.
 
@@ -36,8 +39,15 @@ from typing import Any
 from torch import nn
 
 from moewire import patches
-from moewire.integrations._host import rank_path, rebind_global
-from moewire.integrations.sglang_sites import MEGA_MOE, SITES, W4A4, SglangSite
+from moewire.integrations._host import (
+    ENV_RECIPE,
+    ENV_SCALES,
+    begin_calibration,
+    finish_calibration,
+    rank_path,
+    rebind_global,
+)
+from moewire.integrations.sglang_sites import MEGA_MOE, SITES, SglangSite
 from moewire.integrations.sglang_sites import recognise as recognise_site
 from moewire.megamoe.registry import ExpertsAdapter
 
@@ -56,8 +66,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENV_RECIPE = "MOEWIRE_RECIPE"
-ENV_SCALES = "MOEWIRE_SCALES"
 #: sgl-deep-gemm's switch to FP8 combine rows (impls/sm100_fp8_fp4_mega_moe.cuh).
 ENV_FP8_COMBINE = "DG_USE_FP8_COMBINE"
 #: SGLang's Mega-Gate switch (``sglang/srt/layers/moe/mega_gate.py``).
@@ -138,14 +146,6 @@ def _refusal(site: SglangSite, experts: nn.Module, args: dict[str, Any]) -> str 
             f"{name}: SGLang runs this layer with mma_type={mma!r}, which moewire does not "
             f"know for {site.path} (known: {', '.join(site.mma_types)}); use an FP8 "
             "(fp8xfp4) checkpoint for the layer, or disable its quantizers"
-        )
-    if mma in W4A4 and experts.dispatch_quantizer.mode != "disabled":
-        return (
-            f"{name}: the dispatch quantizer is enabled, but with mma_type={mma!r} the "
-            f"kernel's staging (deep_gemm.mega_moe_pre_dispatch) already quantizes the "
-            f"dispatch to {W4A4[mma]}; a second quantizer before it would not model the "
-            "wire. Use a combine-only recipe (moe_combine_fp8, moe_combine_mxfp8, "
-            "moe_combine_nvfp4, moe_combine_logfmt10), or disable dispatch_quantizer"
         )
     return None
 
@@ -426,22 +426,13 @@ class SchedulerCalibration:
 
         model = self.tp_worker.model_runner.model  # type: ignore[attr-defined]
         quantize_sglang_model(model, recipe)
-        stack = contextlib.ExitStack()
-        stack.enter_context(api.calibrating(model))
-        self._moewire_calibration = stack
+        begin_calibration(self, api.calibrating(model))
 
     def moewire_finish_calibration(self, scales_path: str) -> None:
         """Leave calibrate mode (amaxes max-reduced over the EP group), save the scales."""
         from moewire.megamoe import api
 
-        stack = getattr(self, "_moewire_calibration", None)
-        if stack is None:
-            raise RuntimeError(
-                "moewire_finish_calibration: no calibration in progress; call "
-                "moewire_begin_calibration first"
-            )
-        stack.close()
-        self._moewire_calibration = None
+        finish_calibration(self, "call moewire_begin_calibration first")
         model = self.tp_worker.model_runner.model  # type: ignore[attr-defined]
         api.save_scales(model, rank_path(scales_path, _ep_rank()))
 

@@ -32,16 +32,13 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from moewire.integrations._host import calls, module_source
+from moewire.integrations._host import source_reach
 
-__all__ = ["MEGA_MOE", "MMA_TYPES", "SITES", "SglangSite", "W4A4", "recognise"]
+__all__ = ["MEGA_MOE", "MMA_TYPES", "SITES", "SglangSite", "recognise"]
 
 MEGA_MOE = "sglang.srt.layers.moe.mega_moe"
 #: The ``mma_type`` values SGLang 0.5.23 derives (``_mega_moe_mma_type``).
 MMA_TYPES = ("fp8xfp4", "nvfp4xnvfp4", "mxf4xmxf4")
-#: The kinds whose dispatch the kernel's staging already casts to 4 bits -> that format.
-W4A4 = {"nvfp4xnvfp4": "NVFP4 (E2M1, one UE4M3 scale per 16, a per-token FP32 scale)",
-        "mxf4xmxf4": "MXFP4 (E2M1, one UE8M0 scale per 32)"}
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,8 @@ def recognise(site: SglangSite) -> str | None:
     """Why SGLang lacks ``site``'s structure, or ``None`` if it has it.
 
     The structure: the module imports, defines the function (taking the experts first),
-    and its source makes every call of ``site.calls``. Versions play no part.
+    and its source makes every call of ``site.calls`` (read from its syntax tree). Versions
+    play no part.
     """
     try:
         module = importlib.import_module(site.module)
@@ -105,10 +103,10 @@ def recognise(site: SglangSite) -> str | None:
         return f"{site.module} does not import ({exc})"
     if not callable(getattr(module, site.function, None)):
         return f"{site.module} has no function {site.function}"
-    source = module_source(site.module)
-    if source is None:
+    reach = source_reach(site.module)
+    if reach is None:
         return f"the source of {site.module} cannot be read"
     for call in site.calls:
-        if not calls(source, call):
+        if not reach.calls(call):
             return f"{site.module} never calls {call.lstrip('.')}...)"
     return None

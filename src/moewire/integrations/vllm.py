@@ -14,7 +14,6 @@ copied. The CPU stand-ins the tests run vLLM's classes on live in ``tests/vllm/`
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
@@ -24,11 +23,18 @@ from torch import nn
 
 from moewire import patches
 from moewire.integrations import _vllm_bridge
+from moewire.integrations._host import (
+    ENV_RECIPE,
+    ENV_SCALES,
+    begin_calibration,
+    finish_calibration,
+    rank_path,
+)
 from moewire.integrations._vllm_groups import (
     data_parallel,
     dp_device_group,
     ep_device_group,
-    rank_path,
+    ep_rank,
 )
 from moewire.integrations.vllm_sites import (
     KERNEL_ACCESS,
@@ -63,8 +69,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENV_RECIPE = "MOEWIRE_RECIPE"
-ENV_SCALES = "MOEWIRE_SCALES"
 
 
 def vllm_version() -> str:
@@ -258,7 +262,7 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
         )
     api.quantize(model, recipe)
     if scales_path:
-        api.load_scales(model, rank_path(scales_path))
+        api.load_scales(model, rank_path(scales_path, ep_rank()))
     return count
 
 
@@ -354,9 +358,7 @@ class MoewireWorkerExtension:
         # One calibration (moewire.quantizer.calibration), spanning the two RPCs: on
         # close it max-reduces every amax over the EP group, then vLLM's DP group, then
         # loads it, as the one-launch worker does.
-        stack = contextlib.ExitStack()
-        stack.enter_context(api.calibrating(model, extra_groups=(data_parallel()[0],)))
-        self._moewire_calibration = stack
+        begin_calibration(self, api.calibrating(model, extra_groups=(data_parallel()[0],)))
         return count
 
     def moewire_finish_calibration(self, scales_path: str) -> str:
@@ -364,16 +366,10 @@ class MoewireWorkerExtension:
         it), save the scales."""
         from moewire.megamoe import api
 
-        stack = getattr(self, "_moewire_calibration", None)
-        if stack is None:
-            raise RuntimeError(
-                "moewire_finish_calibration: no calibration in progress; call "
-                "moewire_begin_calibration first (or use moewire.integrations.vllm.calibrate)"
-            )
-        stack.close()
-        self._moewire_calibration = None
+        finish_calibration(self, "call moewire_begin_calibration first (or use "
+                           "moewire.integrations.vllm.calibrate)")
         model = self.model_runner.get_model()
-        path = rank_path(scales_path)
+        path = rank_path(scales_path, ep_rank())
         api.save_scales(model, path)
         return path
 

@@ -53,7 +53,8 @@ Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored 
   ``vllm.foundation...`` and ``vllm.runtime...``: a class is looked up at every path of its
   entry (``also_at``) and recognised by its own module's source, wherever it is defined.
 
-May import: the standard library, torch and ``moewire.megamoe.registry`` (nothing of vLLM).
+May import: the standard library, torch, ``moewire.integrations._host`` and
+``moewire.megamoe.registry`` (nothing of vLLM).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from typing import Any
 
 from torch import nn
 
+from moewire.integrations._host import SourceReach, source_reach
 from moewire.megamoe.registry import ExpertsAdapter
 
 __all__ = [
@@ -382,54 +384,12 @@ def prove_plain_copy(cls: type, plain: PlainCopy, stage_fns: tuple[str, ...] = (
     return None
 
 
-def _source(module_name: str) -> str | None:
-    try:
-        return inspect.getsource(importlib.import_module(module_name))
-    except (ImportError, OSError, TypeError):
-        return None
-
-
-class _Reach:
-    """What a module's source does, read from its syntax tree (comments, strings and
-    definitions are no calls): the names it calls, bare (``fn(...)``) and as attributes
-    (``obj.fn(...)``), and the modules it imports with ``import``."""
-
-    def __init__(self, source: str) -> None:
-        self.bare: set[str] = set()
-        self.attributes: set[str] = set()
-        self.imports: set[str] = set()
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Call):
-                if isinstance(node.func, ast.Name):
-                    self.bare.add(node.func.id)
-                elif isinstance(node.func, ast.Attribute):
-                    self.attributes.add(node.func.attr)
-            elif isinstance(node, ast.Import):
-                self.imports.update(alias.name for alias in node.names)
-
-    def calls(self, call: str) -> bool:
-        """Whether the source calls ``call``: ``"name("`` bare or as an attribute,
-        ``".name("`` as an attribute only."""
-        name = call.strip(".(")
-        return name in self.attributes or (not call.startswith(".") and name in self.bare)
-
-    def reaches(self, access: str) -> bool:
-        """Whether the source reaches DeepGEMM through ``access``: calls
-        :data:`KERNEL_ACCESS`, or imports ``deep_gemm`` (:data:`IMPORT_ACCESS`)."""
-        if access == IMPORT_ACCESS:
-            module = IMPORT_ACCESS.split()[1]
-            return any(m == module or m.startswith(module + ".") for m in self.imports)
-        return self.calls(f"{access}(")
-
-
-def _reach(module_name: str) -> _Reach | None:
-    source = _source(module_name)
-    if source is None:
-        return None
-    try:
-        return _Reach(source)
-    except SyntaxError:
-        return None
+def _reaches(reach: SourceReach, access: str) -> bool:
+    """Whether a module's source reaches DeepGEMM through ``access``: calls
+    :data:`KERNEL_ACCESS`, or imports ``deep_gemm`` (:data:`IMPORT_ACCESS`)."""
+    if access == IMPORT_ACCESS:
+        return reach.imports_module(IMPORT_ACCESS.split()[1])
+    return reach.calls(f"{access}(")
 
 
 def recognise(cls: Any, site: ExpertsSite) -> str | None:
@@ -448,7 +408,7 @@ def recognise(cls: Any, site: ExpertsSite) -> str | None:
     for fn in site.stage_fns:
         if not callable(getattr(module, fn, None)):
             return f"{cls.__module__} has no staging function {fn}"
-    reach = _reach(cls.__module__)
+    reach = source_reach(cls.__module__)
     if reach is None:
         return f"the source of {cls.__module__} cannot be read"
     wanted = [f"{fn}(" for fn in site.stage_fns[:1]] + (
@@ -457,8 +417,8 @@ def recognise(cls: Any, site: ExpertsSite) -> str | None:
     for call in wanted:
         if not reach.calls(call):
             return f"{cls.__module__} never calls {call.lstrip('.')}...)"
-    reaches = [reach, *(r for r in map(_reach, site.access_modules) if r)]
-    if not any(r.reaches(site.kernel_access) for r in reaches):
+    reaches = [reach, *(r for r in map(source_reach, site.access_modules) if r)]
+    if not any(_reaches(r, site.kernel_access) for r in reaches):
         return f"{cls.__module__} does not reach DeepGEMM through {site.kernel_access}" + (
             "()" if site.kernel_access == KERNEL_ACCESS else ""
         )

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moewire.integrations._vllm_groups import data_parallel, rank_path
+from moewire.integrations._host import rank_path
+from moewire.integrations._vllm_groups import data_parallel, ep_rank
 from moewire.integrations.vllm import (
     ENV_RECIPE,
     ENV_SCALES,
@@ -562,7 +563,7 @@ def calibrate_in_worker(worker: Any, plan: CalibrationPlan) -> str:
         _run_step(worker, step_output([], finished))
     saved = ""
     if plan.save is not None:
-        saved = f"; saved {api.save_scales(model, rank_path(plan.save))}"
+        saved = f"; saved {api.save_scales(model, rank_path(plan.save, ep_rank()))}"
     active = [q for _, _, q in api.quantizers(model) if q.mode != "disabled"]
     amaxes = [float(q.static_amax) for q in active if q.static_amax is not None]
     line = (
