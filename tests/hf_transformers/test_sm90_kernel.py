@@ -51,7 +51,7 @@ def stand_in_package(monkeypatch):
     return pkg
 
 
-def _model(mt, implementation: str = "moewire", hidden: int = 256, intermediate: int = 128):
+def _model(mt, implementation: str = "moewire", hidden: int = 512, intermediate: int = 256):
     import transformers as tf
 
     cfg = _tiny.config("qwen3_moe", hidden=hidden, intermediate=intermediate, layers=1)
@@ -164,15 +164,17 @@ def _no_package(monkeypatch):
         (None, {"mma_type": "bf16xbf16"}, ValueError,
          "kernel 'deepgemm-sm90' has the builds \\('fp8xfp8',\\), got mma_type='bf16xbf16'"),
         (None, {"kernel": "cutlass"}, ValueError, "kernel must be one of"),
-        (None, {"hidden": 192}, ValueError, "H=192 and I=128 must be multiples of 128"),
+        (None, {"hidden": 192}, ValueError, "H=192 and I=256 must be multiples of 128"),
+        (None, {"hidden": 256}, ValueError,
+         "H must be a multiple of 512 and I of 256; got H=256, I=256"),
     ],
-    ids=["no-package", "stand-in-build", "unknown-kernel", "hidden-not-128"],
+    ids=["no-package", "stand-in-build", "unknown-kernel", "hidden-not-128", "hidden-not-512"],
 )
 def test_sm90_refusals(setup, kwargs, error, message, stand_in_package, moewire_registered,
                        monkeypatch):
     if setup is not None:
         setup(monkeypatch)
-    model, _ = _model(moewire_registered, hidden=kwargs.pop("hidden", 256))
+    model, _ = _model(moewire_registered, hidden=kwargs.pop("hidden", 512))
     kwargs.setdefault("kernel", "deepgemm-sm90")
     with pytest.raises(error, match=message):
         moewire_registered.prepare(model, **kwargs)

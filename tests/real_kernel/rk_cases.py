@@ -125,9 +125,12 @@ def rows_of(symm_buffer, num_tokens: int) -> torch.Tensor:
 
 def oracle(rows, topk_ids, fmt=None, amax=None, descending=False) -> torch.Tensor:
     """DeepGEMM's combine: per token, FP32 from +0.0 over the valid slots in order (each row through
-    ``fmt``'s torch reference first), one BF16 rounding."""
+    ``fmt``'s torch reference first: its BF16 QDQ, or its FP32 dequantized values for a format
+    whose real combine accumulates in FP32), one BF16 rounding."""
     k, t, h = rows.shape
-    rows = rows if fmt is None else formats.fake_quant(rows, fmt, amax)
+    if fmt is not None:
+        f = formats.get(fmt)
+        rows = f.dequantize(rows, amax) if f.combine_accumulate == "fp32" else f.qdq(rows, amax)
     acc = torch.zeros(t, h, dtype=torch.float32, device=rows.device)
     valid = topk_ids[:t] >= 0
     for s in (range(k - 1, -1, -1) if descending else range(k)):

@@ -398,6 +398,23 @@ def _stand_in_form(module: nn.Module, mma_type: str, l1: torch.Tensor, l2: torch
     return buffer, *weights
 
 
+def _check_sm90_alignment(module: nn.Module, hidden: int, intermediate: int) -> None:
+    """Refuse shapes whose per-token scale rows the SM90 kernel cannot place.
+
+    DeepGEMM PR #323 (8ddf7f9) ``impls/sm90_fp8_mega_moe.cuh`` lays out the staged scales as
+    ``layout::Data(kHidden / 32)`` and the intermediate ones as
+    ``layout::Data(kIntermediateHidden / 16)`` bytes per token, and ``layout/mega_moe.cuh``
+    (``Data``) asserts TMA alignment, ``num_bytes % 16 == 0``, when the buffer is sized: so H
+    must be a multiple of 512 and I of 256 (seen on an H200: H 256 fails that assert).
+    """
+    if hidden % 512 or intermediate % 256:
+        raise ValueError(
+            f"{_where(module)}: DeepGEMM's SM90 fp8_mega_moe keeps H/32 and I/16 scale bytes per "
+            f"token in 16-byte (TMA) rows, so H must be a multiple of 512 and I of 256; got "
+            f"H={hidden}, I={intermediate}; use kernel='stand-in' for this model"
+        )
+
+
 def _sm90_form(module: nn.Module, l1: torch.Tensor, l2: torch.Tensor, top_k: int,
                max_num_tokens: int, group: Any) -> tuple[Any, Any, Any]:
     """DeepGEMM's SM90 buffer and FP8 128x128 block-scaled weights: ``(buffer, l1, l2)``."""
@@ -422,6 +439,7 @@ def _sm90_form(module: nn.Module, l1: torch.Tensor, l2: torch.Tensor, top_k: int
         ) from exc
     group = sm90.one_rank_group() if group is None else group
     num_experts, two_i, hidden = l1.shape
+    _check_sm90_alignment(module, hidden, two_i // 2)
     buffer = sm90.deep_gemm.get_symm_buffer_for_sm90_mega_moe(
         group, num_experts, max_num_tokens, top_k, hidden, two_i // 2
     )
