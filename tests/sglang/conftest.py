@@ -7,7 +7,7 @@ import contextlib
 import sys
 
 import _released
-import _standin
+import _sgl_standin
 import pytest
 
 from moewire import patches
@@ -43,13 +43,13 @@ def _sglang(monkeypatch, device_sm: int, deep_gemm):
 def sglang_sm90(monkeypatch):
     """SGLang's released modules as on a Hopper (``_device_sm`` 90), on the SM90 stand-in;
     yields ``mega_moe_sm90``."""
-    with _sglang(monkeypatch, 90, _standin.module()):
+    with _sglang(monkeypatch, 90, _sgl_standin.module()):
         yield sys.modules[_released.MEGA_MOE_SM90]
 
 
 @pytest.fixture
 def sglang_sm100(monkeypatch):
     """SGLang's released modules as on a Blackwell (``_device_sm`` 100), on the SM100
-    stand-in (``_standin.sm100_module``); yields ``mega_moe``."""
-    with _standin.sm100_module(monkeypatch) as deep_gemm, _sglang(monkeypatch, 100, deep_gemm):
+    stand-in (``_sgl_standin.sm100_module``); yields ``mega_moe``."""
+    with _sgl_standin.sm100_module(monkeypatch) as deep_gemm, _sglang(monkeypatch, 100, deep_gemm):
         yield sys.modules[_released.MEGA_MOE]

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's released Mega-MoE path on a Hopper (``mega_moe.run_mega_routed_experts``
 handing over to ``mega_moe_sm90.run_sm90_mega_routed``) quantized through moewire's SGLang
-integration, on the CPU stand-in of sgl-deep-gemm (``_standin``)."""
+integration, on the CPU stand-in of sgl-deep-gemm (``_sgl_standin``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's released SM100 Mega-MoE path (``mega_moe.run_mega_routed_experts``:
 SGLang's own fp8xfp4 cast, then ``deep_gemm.fp8_fp4_mega_moe``) quantized through moewire's
-SGLang integration, on the CPU stand-ins (``_standin.sm100_module``)."""
+SGLang integration, on the CPU stand-ins (``_sgl_standin.sm100_module``)."""
 
 from __future__ import annotations
 
