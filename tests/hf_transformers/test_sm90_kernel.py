@@ -191,8 +191,15 @@ def test_real_sm90_kernel_against_the_fp8_oracle(moewire_registered):
     model, experts = _model(mt)
     x, idx, w = _routing(experts)
     oracle = _fp8_oracle(experts, x, idx, w)
+    with torch.no_grad():
+        eager = _model(mt, "eager")[1](x, idx, w)
     model.cuda()
     with torch.no_grad():
         mt.prepare(model, kernel="deepgemm-sm90")
         y = experts(x.cuda(), idx.cuda(), w.cuda()).cpu()
-    assert _rel(y, oracle) < 0.03
+    to_oracle, to_eager = _rel(y, oracle), _rel(y, eager)
+    # The real kernel rounds its L1 output to BF16 and takes a fast-math SiLU before the FP8
+    # cast of the activations, which the float64 oracle does not: looser than the stand-in's
+    # 3%, still well inside the FP8 error that separates it from the BF16 experts.
+    assert to_oracle < 0.05, (to_oracle, to_eager)
+    assert to_eager > 1.5 * to_oracle, (to_oracle, to_eager)
