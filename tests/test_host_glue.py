@@ -95,3 +95,17 @@ def test_calibration_held_across_two_calls():
     with pytest.raises(RuntimeError, match="^moewire_finish_calibration: no calibration in "
                                            "progress; call moewire_begin_calibration first$"):
         _host.finish_calibration(owner, "call moewire_begin_calibration first")
+
+
+@pytest.mark.parametrize(
+    ("source", "calls"),
+    [
+        ("kernel = dg.bf16_mega_moe if bf16 else dg.fp8_fp4_mega_moe\nkernel(y)\n", True),
+        ("kernel = dg.fp8_fp4_mega_moe\nkernel(y)\n", True),
+        ("kernel = dg.fp8_fp4_mega_moe\n", False),
+        ("kernel = dg.fp8_fp4_mega_moe\nother(y)\n", False),
+    ],
+    ids=["conditional-alias-called", "alias-called", "alias-never-called", "other-name-called"],
+)
+def test_a_called_alias_of_an_attribute_is_a_call(source, calls):
+    assert _host.SourceReach(source).calls("fp8_fp4_mega_moe(") is calls

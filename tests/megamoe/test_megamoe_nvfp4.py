@@ -28,9 +28,9 @@ def _seed(name: str) -> int:
     return zlib.crc32(name.encode()) % 100_000
 
 
-def _batch(t: int, name: str, masked: float = 0.25):
+def _batch(t: int, name: str, masked: float = 0.25, hidden: int = H):
     g = torch.Generator().manual_seed(_seed(name))
-    x = torch.randn((t, H), generator=g).bfloat16()
+    x = torch.randn((t, hidden), generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
     ids = ids.masked_fill(torch.rand((t, K), generator=g) < masked, -1)
     w = torch.rand((t, K), generator=g) + 0.1
@@ -39,11 +39,12 @@ def _batch(t: int, name: str, masked: float = 0.25):
 
 class _Model(nn.Module):
     def __init__(
-        self, fused: int = 0, shared_dtype=torch.float8_e4m3fn, seed: int = 0, device="cpu"
+        self, fused: int = 0, shared_dtype=torch.float8_e4m3fn, seed: int = 0, device="cpu",
+        hidden: int = H,
     ):
         super().__init__()
         self.experts = NVFP4MegaMoEExperts(
-            E, K, H, INTER, TMAX, num_fused_shared_experts=fused, shared_dtype=shared_dtype,
+            E, K, hidden, INTER, TMAX, num_fused_shared_experts=fused, shared_dtype=shared_dtype,
             l2_activation_scale=0.5, seed=seed, device=device,
         )
 
@@ -306,8 +307,10 @@ def _fp8xfp4_model():
 
 @pytest.mark.parametrize("suffix", [".json", ".safetensors"])
 def test_load_scales_refuses_an_nvfp4_combine_amax_on_fp8xfp4_rows(tmp_path, suffix):
-    nv = _Model()
-    x, w, ids = _batch(12, "scales")
+    # Both kernels at one layer shape (fp8xfp4 needs H % 512): scales load only into a layer
+    # of the shape they were calibrated on, so the refusal seen is the rows' weighting.
+    nv = _Model(hidden=512)
+    x, w, ids = _batch(12, "scales", hidden=512)
     moewire.quantize(nv, _combine_recipe("nvfp4"), forward_loop=lambda m: m(x, w, ids))
     path = moewire.save_scales(nv, tmp_path / f"nv{suffix}")
 
@@ -329,7 +332,7 @@ def test_load_scales_refuses_an_nvfp4_combine_amax_on_fp8xfp4_rows(tmp_path, suf
     with pytest.raises(RuntimeError, match="amax was calibrated on unweighted combine rows"):
         fresh(x8, w, ids)
 
-    again = _Model()
+    again = _Model(hidden=512)
     moewire.quantize(again, _combine_recipe("nvfp4"))
     moewire.load_scales(again, path)
     again(x, w, ids)

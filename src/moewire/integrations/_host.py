@@ -52,15 +52,32 @@ def _module_source(module_name: str) -> str | None:
         return None
 
 
+def _attributes_named(value: ast.expr) -> set[str]:
+    """The attribute names an expression evaluates to: ``obj.a`` gives ``{"a"}``, a
+    conditional ``obj.a if c else obj.b`` gives ``{"a", "b"}``, anything else nothing."""
+    if isinstance(value, ast.Attribute):
+        return {value.attr}
+    if isinstance(value, ast.IfExp):
+        return _attributes_named(value.body) | _attributes_named(value.orelse)
+    return set()
+
+
 class SourceReach:
     """What a module's source does, read from its syntax tree (comments, strings and
     definitions are no calls): the names it calls, bare (``fn(...)``) and as attributes
-    (``obj.fn(...)``), and the modules it imports with ``import``."""
+    (``obj.fn(...)``), and the modules it imports with ``import``.
+
+    A local name bound to attributes and then called counts as a call of each of them:
+    vLLM main's ``vllm/models/common/deep_gemm_mega_moe.py`` (6dfb263) picks its kernel as
+    ``kernel = deep_gemm.bf16_mega_moe if ... else deep_gemm.fp8_fp4_mega_moe`` and calls
+    ``kernel(...)``. A name bound but never called is no call.
+    """
 
     def __init__(self, source: str) -> None:
         self.bare: set[str] = set()
         self.attributes: set[str] = set()
         self.imports: set[str] = set()
+        bound: dict[str, set[str]] = {}
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call):
                 if isinstance(node.func, ast.Name):
@@ -69,6 +86,12 @@ class SourceReach:
                     self.attributes.add(node.func.attr)
             elif isinstance(node, ast.Import):
                 self.imports.update(alias.name for alias in node.names)
+            elif (isinstance(node, ast.Assign) and len(node.targets) == 1
+                  and isinstance(node.targets[0], ast.Name)):
+                bound.setdefault(node.targets[0].id, set()).update(
+                    _attributes_named(node.value))
+        for name in self.bare & bound.keys():
+            self.attributes |= bound[name]
 
     def calls(self, call: str) -> bool:
         """Whether the source calls ``call``: ``"name("`` bare or as an attribute,
