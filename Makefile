@@ -23,9 +23,15 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 # In a random order (pytest-randomly prints "Using --randomly-seed=N" first: rerun that
 # order with `$(BIN)/python -m pytest -p randomly --randomly-seed=N`; SEED=N here does it).
 SEED ?=
+# A random order each run, its seed printed (pytest's -q hides pytest-randomly's own header).
+ifeq ($(SEED),)
+SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d " ")
+endif
+
 test: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
-	$(BIN)/python -m pytest -q -p randomly $(if $(SEED),--randomly-seed=$(SEED))
+	@echo "make test: the CPU suite in random order, seed $(SEED) (replay: make test SEED=$(SEED))"
+	$(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED)
 
 # The edit-test loop (under 2 minutes on 2 cores): the CPU suites of the formats, the
 # quantizer, recipes, the megamoe API, the robustness suite and the study's fast checks;
