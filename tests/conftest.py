@@ -49,13 +49,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Import ModelOpt before the first test when a collected file uses it.
+    """Import ModelOpt (when a collected file uses it) and moewire's SM90 integration
+    before the first test.
 
     ModelOpt's first import keeps the call stack that imported it alive (a frame of that
     stack stays referenced after the import returns), so a test that first imports it
     inside its body keeps its own locals, a converted model among them, for the rest of
     the process. Imported here, the frames kept are the session's, holding nothing.
     """
+    # moewire's SM90 integration registers its experts class when first imported; imported
+    # here, that registration is the session's, not the first test's that reaches it.
+    importlib.import_module("moewire.integrations.deepgemm_sm90")
     if importlib.util.find_spec("modelopt") is None:
         return
     files = {Path(str(item.path)) for item in session.items}
