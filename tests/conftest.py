@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import os
 import sys
 import types
 import weakref
@@ -31,7 +32,13 @@ from typing import Any
 import pytest
 import torch
 
-from moewire import patches
+# Triton's interpreter on a machine without CUDA: TRITON_INTERPRET must be set before Triton
+# is first imported (``triton.jit`` reads it when a kernel is defined), and a test module
+# collected before tests/kernels (transformers' model classes, for one) may import Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moewire import patches  # noqa: E402
 from moewire.formats import base as formats_base
 from moewire.integrations import _vllm_bridge
 from moewire.megamoe import active, builds, flavours, hooks, registry
