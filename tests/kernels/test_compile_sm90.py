@@ -78,7 +78,7 @@ def _combine(fmt: str, hidden: int, unroll: bool):
     """Every mode at once (weighted, check, calibration, a shared row last), the format's
     default block and warps, the slot loop unrolled or rolled (the default picks either by
     format, k and the check: ``kernels.tuning.unroll``)."""
-    from moewire import kernels
+    from moewire import formats, kernels
     from moewire.kernels import _triton
 
     ptr = {n: "*bf16" for n in ("rows_ptr", "out_ptr", "check_ptr")}
@@ -89,7 +89,9 @@ def _combine(fmt: str, hidden: int, unroll: bool):
     bh = kernels.tuning.block_h(fmt, hidden, None)
     constants = dict(K=8, SHARED=2, FMT=_triton.FORMAT_CODES[fmt],
                      HAS_AMAX=fmt in _triton.NEEDS_AMAX, WEIGHTED=True, CHECK=True, CALIB=True,
-                     BLOCK_H=bh, HW_CAST=True, UNROLL=unroll)
+                     BLOCK_H=bh, HW_CAST=True, UNROLL=unroll,
+                     # The format's own accumulation mode (what the combine launches with).
+                     ACC_F32=formats.get(fmt).combine_accumulate == "fp32")
     return _compile(_triton.combine_kernel, {**ptr, **ints}, constants,
                     [*ptr, "H", "stride_rt", "stride_it", "stride_o", "stride_c"],
                     kernels.tuning.num_warps(fmt, bh, None))
