@@ -223,7 +223,8 @@ def trtllm_16e2m1xbf16(x: np.ndarray, amax=None) -> np.ndarray:
     xb, a, finite = _block_amax(x, 16)
     ds = (a.astype(ml_dtypes.bfloat16).astype(F32) * recip32(6.0)).astype(F32)
     with np.errstate(divide="ignore"):
-        enc = np.where(ds > 0, F32(1) / ds, F32(0)).astype(F32)
+        # A subnormal decode scale is flushed (the encoder's rcp.approx.ftz): zeros.
+        enc = np.where(ds >= np.finfo(F32).tiny, F32(1) / ds, F32(0)).astype(F32)
     v = (xb * enc).astype(F32)
     q = e2m1(v)
     q = np.where(q == 0, 0.0, q)

@@ -281,3 +281,22 @@ def test_cuda_reference_and_kernel_equal_cpu(name, dtype):
     fmt_oracle.assert_bits_equal(ref.cpu(), cpu, f"{name} CUDA reference vs CPU")
     fast = fmt.qdq(x.cuda(), None if amax is None else torch.tensor(amax, device="cuda"))
     fmt_oracle.assert_bits_equal(fast.cpu(), cpu, f"{name} CUDA qdq vs CPU")
+
+
+def test_trtllm_fp4_block_with_a_subnormal_decode_scale_encodes_to_zeros():
+    """A block whose decode scale ``bf16(amax) / 6`` is subnormal (the encoder's
+    ``rcp.approx.ftz`` flushes it) encodes to zeros, never ``0 * inf = NaN`` for its zero
+    element; the independent oracle agrees bit for bit."""
+    tiny = float(np.finfo(np.float32).tiny)
+    x = torch.full((1, 16), tiny)
+    x[0, 0] = 0.0
+    x[0, 1] = -tiny
+    fmt = formats.get("trtllm_16e2m1xbf16")
+    out = fmt.qdq(x)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, torch.zeros_like(out))
+    fmt_oracle.assert_bits_equal(out, fmt_oracle.expected("trtllm_16e2m1xbf16", x, None),
+                                 "trtllm_16e2m1xbf16")
+    # A block just above the flush keeps its values.
+    y = torch.full((1, 16), 8 * tiny)
+    assert torch.equal(fmt.qdq(y), y)

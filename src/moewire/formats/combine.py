@@ -221,7 +221,8 @@ class TRTLLMFP4Combine(_CombineFormat):
 
         a    = bf16(max|x_b|)                        # stored as BF16 (exact for BF16 rows)
         ds   = fl(a * fl(1/6))                       # decode scale, * Nvfp4E2M1RcpLimit
-        enc  = fl(1 / ds) if ds > 0 else 0           # the encoder's reciprocal
+        enc  = fl(1 / ds) if ds >= 2^-126 else 0     # the encoder's reciprocal; its
+                                                     # .ftz flushes a subnormal ds
         q    = e2m1(fl(x_b * enc))                   # nearest, ties to even, saturating
                                                      # at 6; a zero result is +0.0
         out  = fl(q * ds)                            # "plain unpack * stored_scale"
@@ -232,8 +233,10 @@ class TRTLLMFP4Combine(_CombineFormat):
 
     Not modelled: the device encoder takes ``enc`` with ``rcp.approx.ftz.f32``, which may
     differ from the correctly rounded reciprocal by one ulp (an element within an ulp of
-    an E2M1 rounding midpoint can then round the other way), and flushes a subnormal
-    ``ds`` (``a < 6 * 2^-126``) to zero. The oracle's nearest-value table lists the
+    an E2M1 rounding midpoint can then round the other way). Its ``.ftz`` flushes a
+    subnormal ``ds`` (``a < 6 * 2^-126``) to zero, and moewire encodes such a block as
+    zeros, as for ``ds = 0`` (the host oracle's ``0 * inf`` would give NaN for a zero
+    element, from a finite input). The oracle's nearest-value table lists the
     even-mantissa values and +0 first, which is what makes its ties go to even and its
     zeros positive.
     """
@@ -251,7 +254,8 @@ class TRTLLMFP4Combine(_CombineFormat):
         finite = torch.isfinite(block_amax)
         a = torch.where(finite, block_amax, torch.zeros_like(block_amax))
         ds = mul_recip(a.to(torch.bfloat16).to(torch.float32), E2M1_MAX)
-        enc = torch.where(ds > 0, torch.reciprocal(ds), torch.zeros_like(ds))
+        normal = ds >= torch.finfo(torch.float32).tiny
+        enc = torch.where(normal, torch.reciprocal(ds), torch.zeros_like(ds))
         v = xb * enc
         mag = e2m1_magnitude(v.abs().clamp(max=E2M1_MAX))
         q = torch.where(mag == 0, torch.zeros_like(mag), torch.copysign(mag, v))

@@ -71,6 +71,7 @@ _INV_2688 = tl.constexpr(float(np.float32(1.0) / np.float32(2688.0)))
 _INV_6 = tl.constexpr(float(np.float32(1.0) / np.float32(6.0)))
 # TensorRT-LLM's floor of the block amax (torch.clamp(min=1e-30) on an FP32 tensor).
 _TRTLLM_FLOOR = tl.constexpr(float(np.float32(1e-30)))
+_FLT_MIN = tl.constexpr(float(np.finfo(np.float32).tiny))
 
 _NAN = tl.constexpr(tl.PropagateNan.ALL)
 
@@ -374,7 +375,9 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
         finite = bmax < float("inf")
         a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
         ds = a * _INV_6
-        enc = tl.where(ds > 0.0, tl.math.div_rn(tl.full(ds.shape, 1.0, tl.float32), ds), 0.0)
+        # A subnormal decode scale is flushed (the encoder's rcp.approx.ftz): zeros.
+        enc = tl.where(ds >= _FLT_MIN, tl.math.div_rn(tl.full(ds.shape, 1.0, tl.float32), ds),
+                       0.0)
         v = xb * enc
         mag = _e2m1_magnitude(tl.abs(v), HW_CAST, False)
         sign_bit = tl.where(mag == 0.0, 0, v.to(tl.int32, bitcast=True) & -2147483648)
