@@ -138,13 +138,13 @@ def _register_reference() -> None:
     from moewire.megamoe.flavours import detect
     from moewire.reference import deep_gemm
     from moewire.reference.experts import MegaMoEExperts
+    from moewire.reference.nvfp4_experts import NVFP4MegaMoEExperts
 
-    register_experts_class(
-        MegaMoEExperts,
-        ExpertsAdapter(
-            name="reference",
-            forward_module="moewire.reference.experts",
-            stage_fn="stage_mega_moe_inputs",
+    def stand_in(name: str, forward_module: str, stage_fn: str, **extra) -> ExpertsAdapter:
+        return ExpertsAdapter(
+            name=name,
+            forward_module=forward_module,
+            stage_fn=stage_fn,
             stage_hidden_arg=0,
             kernel_ns="deep_gemm",
             get_symm_buffer=lambda m: m.get_symm_buffer(),
@@ -153,23 +153,24 @@ def _register_reference() -> None:
             flavour=lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name,
             fused_shared=lambda m: m.fused_shared,
             ep_group=lambda m: m.ep_group,
+            **extra,
+        )
+
+    register_experts_class(
+        MegaMoEExperts,
+        stand_in(
+            "reference",
+            "moewire.reference.experts",
+            "stage_mega_moe_inputs",
             runtime=lambda: "moewire's stand-in experts",
         ),
     )
-    from moewire.reference.nvfp4_experts import NVFP4MegaMoEExperts
-
     register_experts_class(
         NVFP4MegaMoEExperts,
-        ExpertsAdapter(
-            name="reference-nvfp4",
-            forward_module="moewire.reference.nvfp4_experts",
-            stage_fn="prepare_megamoe_nvfp4_inputs",
-            stage_hidden_arg=0,
-            kernel_ns="deep_gemm",
-            get_symm_buffer=lambda m: m.get_symm_buffer(),
-            flavour=lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name,
-            fused_shared=lambda m: m.fused_shared,
-            ep_group=lambda m: m.ep_group,
+        stand_in(
+            "reference-nvfp4",
+            "moewire.reference.nvfp4_experts",
+            "prepare_megamoe_nvfp4_inputs",
         ),
     )
 

@@ -229,16 +229,22 @@ def _read_safetensors(path: Path) -> dict[str, Scale]:
     return out
 
 
+def _document_entries(path: Path, data: Any) -> dict[str, Mapping[str, Any]]:
+    """The checked quantizer entries of a JSON or torch scales document (a dict holding
+    the format version under the metadata key and the entries under ``quantizers``)."""
+    if not isinstance(data, dict) or _METADATA_KEY not in data:
+        raise _bad(path, f"no '{_METADATA_KEY}' key")
+    version = _check_version(path, data[_METADATA_KEY])
+    return _check_entries(path, data.get("quantizers"), version)
+
+
 def _read_json(path: Path) -> dict[str, Scale]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _bad(path, f"not JSON ({exc}); a safetensors file needs the .safetensors "
                          "suffix") from None
-    if not isinstance(data, dict) or _METADATA_KEY not in data:
-        raise _bad(path, f"no '{_METADATA_KEY}' key")
-    version = _check_version(path, data[_METADATA_KEY])
-    entries = _check_entries(path, data.get("quantizers"), version)
+    entries = _document_entries(path, data)
     out = {}
     for name, entry in entries.items():
         amax, values = None, entry.get("amax")
@@ -264,10 +270,7 @@ def _read_pt(path: Path) -> dict[str, Scale]:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle, zip and torch errors alike mean the same fix
         raise _bad(path, f"not a readable torch file ({type(exc).__name__}: {exc})") from None
-    if not isinstance(data, dict) or _METADATA_KEY not in data:
-        raise _bad(path, f"no '{_METADATA_KEY}' key")
-    version = _check_version(path, data[_METADATA_KEY])
-    entries = _check_entries(path, data.get("quantizers"), version)
+    entries = _document_entries(path, data)
     out = {}
     for name, entry in entries.items():
         amax = entry.get("amax")
