@@ -12,51 +12,41 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
+def _bounded(kind: type, minimum: float, *, strict: bool = False):
+    """An argparse type: ``kind(text)`` (``int`` or ``float``) at least ``minimum``, or
+    above it with ``strict``; a float must also be finite. Its name and messages say the
+    bound (``must be >= 1, got 0``)."""
+    op = ">" if strict else ">="
+    noun = "an integer" if kind is int else "a number"
+    bound = f"{op} {minimum:g}" if kind is float else f"{op} {minimum}"
+
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {minimum}, got {text!r}"
-            ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {noun} {bound}, got {text!r}") from None
+        within = value > minimum if strict else value >= minimum
+        if kind is int:
+            if not within:
+                raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        elif not within or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = f"{noun.split()[1]} {bound}"
     return parse
+
+
+def _int_at_least(minimum: int):
+    return _bounded(int, minimum)
 
 
 def _float_at_least(minimum: float):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {text!r}"
-                                             ) from None
-        if not value >= minimum or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {minimum}, got {text}")
-        return value
-
-    parse.__name__ = f"number >= {minimum}"
-    return parse
+    return _bounded(float, minimum)
 
 
 def _float_above(minimum: float):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number > {minimum:g}, got {text!r}"
-                                             ) from None
-        if not value > minimum or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number > {minimum:g}, got "
-                                             f"{text}")
-        return value
-
-    parse.__name__ = f"number > {minimum:g}"
-    return parse
+    return _bounded(float, minimum, strict=True)
 
 
 def _study_parser(sub) -> argparse.ArgumentParser:
