@@ -57,19 +57,41 @@ def _exponent_fields(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (bits >> 23) & 0xFF, ((bits & 0x7FFFFF) != 0).to(torch.int32)
 
 
-def _nan_where_nonfinite(out: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return torch.where(torch.isfinite(block_amax), out, torch.full_like(out, float("nan")))
-
-
 class _CombineFormat(WireFormat):
     """Shared facts of the real-kernel combine formats: row-local, no amax, no ModelOpt
-    spelling (a cfg names them with ``format``), FP32 accumulation in the kernel."""
+    spelling (a cfg names them with ``format``), FP32 accumulation in the kernel.
+
+    :meth:`reference` is the part every format here shares: split the row into blocks of
+    ``block_size``, take each block's amax, let :meth:`_qdq_blocks` quantize and dequantize
+    the blocks with the format's own math, and set every block holding NaN or ±inf to NaN.
+    """
 
     needs_amax = False
     row_local = True
     combine_accumulate = "fp32"
+
+    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
+        xb = split_blocks(x, self.block_size)
+        block_amax = xb.abs().amax(dim=-1, keepdim=True)
+        finite = torch.isfinite(block_amax)
+        out = self._qdq_blocks(xb, torch.where(finite, block_amax, torch.zeros_like(block_amax)))
+        out = torch.where(finite, out, torch.full_like(out, float("nan")))
+        return out.reshape(x.shape).to(x.dtype)
+
+    def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
+        """The format's fake quant of its blocks (the math in the class docstring).
+
+        Args:
+            xb: FP32 ``[..., H // block_size, block_size]``, read only.
+            block_amax: FP32 ``[..., H // block_size, 1]``, ``max|x_b|``; ``0`` for a block
+                holding NaN or ±inf, whose result :meth:`reference` replaces by NaN.
+
+        Returns:
+            FP32, the shape of ``xb``: the dequantized blocks.
+        """
+        raise NotImplementedError
 
 
 class DeepGEMMFP8Combine(_CombineFormat):
@@ -107,19 +129,15 @@ class DeepGEMMFP8Combine(_CombineFormat):
     block_size = 128
     scale_bits = 8
 
-    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+    def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
 
-        xb = split_blocks(x, self.block_size)
-        block_amax = xb.abs().amax(dim=-1, keepdim=True)
-        finite = torch.isfinite(block_amax)
-        s = mul_recip(torch.where(finite, block_amax, torch.zeros_like(block_amax)), E4M3_MAX)
+        s = mul_recip(block_amax, E4M3_MAX)
         biased, inexact = _exponent_fields(s)
         e = biased - 127 + inexact
         q = e4m3(xb * pow2(-e))
         sf = torch.where(e == -127, torch.zeros_like(s), pow2(e))
-        out = _nan_where_nonfinite(q * sf, block_amax)
-        return out.reshape(x.shape).to(x.dtype)
+        return q * sf
 
 
 class TRTLLMMXFP8Combine(_CombineFormat):
@@ -153,21 +171,16 @@ class TRTLLMMXFP8Combine(_CombineFormat):
     block_size = 32
     scale_bits = 8
 
-    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+    def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
 
-        xb = split_blocks(x, self.block_size)
-        block_amax = xb.abs().amax(dim=-1, keepdim=True)
-        finite = torch.isfinite(block_amax)
-        usable = torch.where(finite, block_amax, torch.zeros_like(block_amax))
         floor = torch.tensor(_TRTLLM_AMAX_FLOOR, dtype=torch.float32)
-        s = mul_recip(torch.maximum(usable, floor.to(usable.device)), E4M3_MAX)
+        s = mul_recip(torch.maximum(block_amax, floor.to(block_amax.device)), E4M3_MAX)
         biased, inexact = _exponent_fields(s)
         e = (biased - 127 + inexact).clamp(-127, 127)
-        e = torch.where(usable == 0, torch.full_like(e, -127), e)
+        e = torch.where(block_amax == 0, torch.full_like(e, -127), e)
         q = e4m3(xb * pow2(-e))
-        out = _nan_where_nonfinite(q * pow2(e), block_amax)
-        return out.reshape(x.shape).to(x.dtype)
+        return q * pow2(e)
 
 
 class TEMXFP8Combine(_CombineFormat):
@@ -196,21 +209,17 @@ class TEMXFP8Combine(_CombineFormat):
     block_size = 32
     scale_bits = 8
 
-    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+    def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
 
-        xb = split_blocks(x, self.block_size)
-        block_amax = xb.abs().amax(dim=-1, keepdim=True)
-        finite = torch.isfinite(block_amax)
-        v = mul_recip(torch.where(finite, block_amax, torch.zeros_like(block_amax)), E4M3_MAX)
+        v = mul_recip(block_amax, E4M3_MAX)
         biased, inexact = _exponent_fields(v)
         mantissa = v.view(torch.int32) & 0x7FFFFF
         subnormal_byte = (mantissa > 0x400000).to(torch.int32)
         byte = torch.where(biased == 0, subnormal_byte, (biased + inexact).clamp(max=254))
         recip = torch.where(byte == 0, torch.ones_like(v), pow2(127 - byte))
         q = e4m3(xb * recip)
-        out = _nan_where_nonfinite(q * pow2(byte - 127), block_amax)
-        return out.reshape(x.shape).to(x.dtype)
+        return q * pow2(byte - 127)
 
 
 class TRTLLMFP4Combine(_CombineFormat):
@@ -246,21 +255,16 @@ class TRTLLMFP4Combine(_CombineFormat):
     block_size = 16
     scale_bits = 16
 
-    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+    def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
 
-        xb = split_blocks(x, self.block_size)
-        block_amax = xb.abs().amax(dim=-1, keepdim=True)
-        finite = torch.isfinite(block_amax)
-        a = torch.where(finite, block_amax, torch.zeros_like(block_amax))
-        ds = mul_recip(a.to(torch.bfloat16).to(torch.float32), E2M1_MAX)
+        ds = mul_recip(block_amax.to(torch.bfloat16).to(torch.float32), E2M1_MAX)
         normal = ds >= torch.finfo(torch.float32).tiny
         enc = torch.where(normal, torch.reciprocal(ds), torch.zeros_like(ds))
         v = xb * enc
         mag = e2m1_magnitude(v.abs().clamp(max=E2M1_MAX))
         q = torch.where(mag == 0, torch.zeros_like(mag), torch.copysign(mag, v))
-        out = _nan_where_nonfinite(q * ds, block_amax)
-        return out.reshape(x.shape).to(x.dtype)
+        return q * ds
 
 
 register(DeepGEMMFP8Combine)

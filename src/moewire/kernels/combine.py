@@ -22,6 +22,11 @@ from moewire.kernels.launch import (
 __all__ = ["check_combine_args", "fused_combine"]
 
 
+def _is_tensor(t: object, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``t`` is a tensor of ``dtype`` on ``device`` (the rows' device)."""
+    return isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == device
+
+
 def check_combine_args(
     where: str,
     rows: torch.Tensor,
@@ -76,12 +81,10 @@ def check_combine_args(
     if topk_idx.device != rows.device:
         raise ValueError(f"{where}: topk_idx is on {topk_idx.device}, rows on {rows.device}")
     if weights is not None and (
-        not isinstance(weights, torch.Tensor)
-        or weights.dtype != torch.float32
+        not _is_tensor(weights, torch.float32, rows.device)
         or weights.dim() != 2
         or weights.shape[1] != k
         or weights.shape[0] < num_tokens
-        or weights.device != rows.device
     ):
         raise ValueError(
             f"{where}: weights must be the staged router weights, FP32 [>= {num_tokens}, {k}] "
@@ -89,12 +92,7 @@ def check_combine_args(
         )
     if out is not None:
         want = (num_tokens, rows.shape[2])
-        if (
-            not isinstance(out, torch.Tensor)
-            or out.dtype != torch.bfloat16
-            or tuple(out.shape) != want
-            or out.device != rows.device
-        ):
+        if not _is_tensor(out, torch.bfloat16, rows.device) or tuple(out.shape) != want:
             raise ValueError(
                 f"{where}: out must be BF16 {list(want)} on {rows.device} (the kernel's y), "
                 f"got {_desc(out)}"
@@ -127,10 +125,8 @@ def _check_kernel_args(
         if t is None:
             continue
         if (
-            not isinstance(t, torch.Tensor)
-            or t.dtype != torch.bfloat16
+            not _is_tensor(t, torch.bfloat16, rows.device)
             or tuple(t.shape) != want
-            or t.device != rows.device
             or t.stride(1) != 1
         ):
             raise ValueError(
@@ -141,12 +137,7 @@ def _check_kernel_args(
         raise ValueError(f"{where}: pass check_against and check_flag together, or neither")
     for name, t, dtype in (("check_flag", check_flag, torch.int32),
                            ("calib_amax", calib_amax, torch.float32)):
-        if t is not None and (
-            not isinstance(t, torch.Tensor)
-            or t.dtype != dtype
-            or t.numel() < 1
-            or t.device != rows.device
-        ):
+        if t is not None and (not _is_tensor(t, dtype, rows.device) or t.numel() < 1):
             raise ValueError(
                 f"{where}: {name} must be a {dtype} device tensor (one element is used) on "
                 f"{rows.device}, got {_desc(t)}"

@@ -160,12 +160,16 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     return idx | (negative.to(torch.uint8) << 3)
 
 
+def _ceil_exponent(raw: torch.Tensor) -> torch.Tensor:
+    """The biased exponent field of FP32 ``raw >= 0``, plus 1 if its mantissa is non-zero
+    (int32, not clamped): the exponent byte of the smallest power of two >= ``raw``."""
+    bits = raw.view(torch.int32)
+    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
 def _ue8m0_byte(raw: torch.Tensor) -> torch.Tensor:
     """``pre_dispatch_cast_to_ue8m0``: the exponent byte of the smallest power of two >= raw."""
-    bits = raw.view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return exp.clamp(1, 254)
+    return _ceil_exponent(raw).clamp(1, 254)
 
 
 def mega_moe_pre_dispatch(
@@ -321,8 +325,7 @@ def sglang_mega_moe_pre_dispatch(
     g = x.float().view(t, groups, quant_group_size)
     amax = g.abs().amax(dim=-1).clamp_min(1e-10)
     raw = amax / torch.full_like(amax, E4M3_MAX)
-    bits = raw.view(torch.int32)
-    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    exp = _ceil_exponent(raw)
     inv = ((254 - exp) << 23).view(torch.float32)
     scaled = (g * inv[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(t, h)
     buf_x.view(torch.float8_e4m3fn)[:t] = scaled.to(torch.float8_e4m3fn)
