@@ -8,7 +8,7 @@ namespace are module globals looked up at call time (``stage_mega_moe_inputs`` a
 ``deep_gemm``), which is where a quantization wrapper interposes.
 
 May import: torch, ``moewire.reference.deep_gemm`` (the API, as vLLM calls it),
-``_alloc``, ``_ep_experts`` and ``weights``.
+``_ep_experts`` and ``weights``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 
 from moewire.reference import deep_gemm
-from moewire.reference._alloc import default_device
 from moewire.reference._ep_experts import EPExperts
 from moewire.reference.deep_gemm import per_token_cast_to_fp8
 from moewire.reference.weights import MegaMoEWeights, make_weights
@@ -189,9 +188,7 @@ class MegaMoEExperts(EPExperts):
         self.activation_clamp = activation_clamp
         self.dtype = dtype
         self.kernel_name = "fp8_fp4_mega_moe" if mma_type == "fp8xfp4" else "bf16_mega_moe"
-        if device is None:
-            device = default_device(group)
-        device = torch.device(device)
+        device = self._device(device)
         self.symm_buffer = self._build_symm_buffer(device)
         if weights is None:
             weights = make_weights(
@@ -292,10 +289,9 @@ class MegaMoEExperts(EPExperts):
         y = torch.empty(
             (num_tokens, self.hidden), dtype=torch.bfloat16, device=hidden_states.device
         )
-        kwargs: dict[str, Any] = {"activation_clamp": self.activation_clamp}
-        if self.fused_shared:
-            kwargs["shared_l1_weights"] = self.shared_l1_weights
-            kwargs["shared_l2_weights"] = self.shared_l2_weights
+        kwargs: dict[str, Any] = {
+            "activation_clamp": self.activation_clamp, **self._fused_shared_kwargs()
+        }
         getattr(deep_gemm, self.kernel_name)(
             y, self.l1_weights, self.l2_weights, symm_buffer, **kwargs
         )
