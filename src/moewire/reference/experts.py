@@ -236,27 +236,19 @@ class MegaMoEExperts(EPExperts):
 
     @property
     def l1_weights(self) -> Any:
-        if self.w13_weight_scale is None:
-            return self.w13_weight
-        return (self.w13_weight, self.w13_weight_scale)
+        return _kernel_weights(self.w13_weight, self.w13_weight_scale)
 
     @property
     def l2_weights(self) -> Any:
-        if self.w2_weight_scale is None:
-            return self.w2_weight
-        return (self.w2_weight, self.w2_weight_scale)
+        return _kernel_weights(self.w2_weight, self.w2_weight_scale)
 
     @property
     def shared_l1_weights(self) -> Any:
-        if self.shared_w13_weight_scale is None:
-            return self.shared_w13_weight
-        return (self.shared_w13_weight, self.shared_w13_weight_scale)
+        return _kernel_weights(self.shared_w13_weight, self.shared_w13_weight_scale)
 
     @property
     def shared_l2_weights(self) -> Any:
-        if self.shared_w2_weight_scale is None:
-            return self.shared_w2_weight
-        return (self.shared_w2_weight, self.shared_w2_weight_scale)
+        return _kernel_weights(self.shared_w2_weight, self.shared_w2_weight_scale)
 
     def forward(
         self,
@@ -298,6 +290,12 @@ class MegaMoEExperts(EPExperts):
         if shared_experts is not None:
             y += shared_experts(hidden_states)
         return y
+
+
+def _kernel_weights(weight: torch.Tensor | None, scale: torch.Tensor | None) -> Any:
+    """The kernel's weights argument: ``(weight, scale)`` for ``fp8xfp4``, the BF16 weight
+    alone for ``bf16xbf16`` (no scale), ``None`` for an absent shared expert."""
+    return weight if scale is None else (weight, scale)
 
 
 def _part(weights: Any, index: int, fp8: bool, present: bool) -> torch.Tensor | None:
