@@ -1,12 +1,13 @@
-"""What the stand-in experts modules share: the EP partition of the experts, the buffer
-cache, and the checks of the weights' experts and of the token count.
+"""What the stand-in experts modules share: the EP partition of the experts, the default
+device, the buffer cache, the checks of the weights' experts and of the token count, and
+the fused shared expert's kernel arguments.
 
 vLLM caches one symmetric buffer per (EP group, device, shapes, shared count, ...), and
 layers of the same shapes share it; so does the stand-in, in one cache that holds
 buffers weakly and keys them by the group object itself (never its ``id()``: a freed
 group's id could come back for a new one).
 
-May import: torch.
+May import: torch and ``moewire.reference._alloc``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
+
+from moewire.reference._alloc import default_device
 
 __all__ = ["EPExperts"]
 
@@ -30,7 +34,9 @@ class EPExperts(nn.Module):
     ``intermediate``, ``max_num_tokens``, ``ep_group``, ``ep_size``, ``ep_rank``,
     ``num_local_experts``, ``local_experts`` (this rank's global expert ids),
     ``num_fused_shared_experts``, ``fused_shared``; :meth:`get_symm_buffer` returns
-    ``symm_buffer``, which the subclass sets from :meth:`_cached_buffer`.
+    ``symm_buffer``, which the subclass sets from :meth:`_cached_buffer`. With a fused shared
+    expert the subclass holds its kernel weights in ``shared_l1_weights`` and
+    ``shared_l2_weights`` (read by :meth:`_fused_shared_kwargs`).
     """
 
     symm_buffer: Any
@@ -67,6 +73,13 @@ class EPExperts(nn.Module):
         self.num_fused_shared_experts = num_fused_shared_experts
         self.fused_shared = num_fused_shared_experts > 0
 
+    def _device(self, device: torch.device | str | None) -> torch.device:
+        """``device``, by default CUDA when available and the EP group is NCCL or None, else
+        the CPU."""
+        if device is None:
+            device = default_device(self.ep_group)
+        return torch.device(device)
+
     def _check_experts(self, experts: Any, maker: str) -> None:
         """The weights hold this rank's experts; ``maker`` names the builder in the fix.
 
@@ -97,6 +110,16 @@ class EPExperts(nn.Module):
     def get_symm_buffer(self) -> Any:
         """The layer's symmetric buffer (shared by layers of the same shapes and group)."""
         return self.symm_buffer
+
+    def _fused_shared_kwargs(self) -> dict[str, Any]:
+        """The kernel's ``shared_l1_weights`` and ``shared_l2_weights`` keywords with a fused
+        shared expert, else none."""
+        if not self.fused_shared:
+            return {}
+        return {
+            "shared_l1_weights": self.shared_l1_weights,
+            "shared_l2_weights": self.shared_l2_weights,
+        }
 
     def _check_num_tokens(self, num_tokens: int) -> None:
         """Raises ``ValueError`` for more tokens than the buffer holds (vLLM's check)."""

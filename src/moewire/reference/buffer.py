@@ -39,10 +39,11 @@ Region = tuple[str, "torch.dtype | None", "tuple[int, ...] | None"]
 class RegionBuffer:
     """A flat int8 ``.buffer`` laid out as the regions of :meth:`_regions`, in order.
 
-    Subclasses set ``num_slots``, ``num_max_tokens_per_rank`` and ``hidden`` (the combine
-    region is BF16 ``[num_slots, Tmax, H]``), list their regions in :meth:`_regions`, and
-    call :meth:`_lay_out`, then :meth:`_allocate` (or share another buffer's bytes), then
-    :meth:`_slice_views`. Regions named in ``_HIDDEN`` get no view, as in the real builds.
+    Subclasses set the sizes every build's buffer has with :meth:`_set_sizes` and then
+    ``num_slots`` (the combine region is BF16 ``[num_slots, Tmax, H]``), list their regions
+    in :meth:`_regions`, and call :meth:`_lay_out`, then :meth:`_allocate` (or share another
+    buffer's bytes), then :meth:`_slice_views`. Regions named in ``_HIDDEN`` get no view, as
+    in the real builds.
 
     Attributes:
         buffer: int8 ``[nbytes]``; handle: the symmetric-memory handle or None.
@@ -53,6 +54,20 @@ class RegionBuffer:
 
     def _regions(self) -> list[Region]:
         raise NotImplementedError
+
+    def _set_sizes(
+        self, group: Any, where: str, num_experts: int, num_max_tokens_per_rank: int,
+        num_topk: int, hidden: int, intermediate_hidden: int,
+    ) -> None:
+        """Set ``group``, ``num_ranks``, ``rank`` and the sizes as given (``Tmax`` already
+        aligned); ``where`` names the call in the error for a bad group."""
+        self.group = group
+        self.num_ranks, self.rank = group_size_rank(group, where)
+        self.num_experts = num_experts
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_topk = num_topk
+        self.hidden = hidden
+        self.intermediate_hidden = intermediate_hidden
 
     @property
     def _dlpack_views(self) -> bool:
@@ -174,15 +189,12 @@ class SymmBuffer(RegionBuffer):
         device: torch.device,
         use_fp8_combine: bool = False,
     ) -> None:
-        self.group = group
+        self._set_sizes(
+            group, "get_symm_buffer_for_mega_moe", num_experts, num_max_tokens_per_rank,
+            num_topk, hidden, intermediate_hidden,
+        )
         self.use_fp8_combine = use_fp8_combine
-        self.num_ranks, self.rank = group_size_rank(group, "get_symm_buffer_for_mega_moe")
-        self.num_experts = num_experts
         self.num_experts_per_rank = num_experts // self.num_ranks
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.num_topk = num_topk
-        self.hidden = hidden
-        self.intermediate_hidden = intermediate_hidden
         self.num_shared_experts = num_shared_experts
         self.mma_type = mma_type
         self.activation = activation

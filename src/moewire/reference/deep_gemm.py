@@ -310,17 +310,33 @@ def transform_weights_for_mega_moe(
     return back(_interleave_gate_up(w1), q1), l2
 
 
-def _defaults(
-    activation: str | None, alpha: float | None, beta: float | None
-) -> tuple[str, float, float]:
-    """``None`` for an activation argument means its default: vLLM main's
+def _mega_moe(
+    kernel: str, y: torch.Tensor, l1_weights: Any, l2_weights: Any, sym_buffer: SymmBuffer,
+    shared_l1_weights: Any, shared_l2_weights: Any, recipe: tuple[int, int, int] | None,
+    activation: str | None, activation_clamp: float | None, activation_alpha: float | None,
+    activation_beta: float | None, stats: torch.Tensor | None,
+) -> None:
+    """Hand one call of ``kernel`` to the kernel body, its activation arguments defaulted.
+
+    ``None`` for an activation argument means its default: vLLM main's
     ``DeepGemmSm100MegaMoEBackend.run_mega_moe`` (``fused_moe/deep_gemm_mega_moe.py``,
     4083b32) passes ``activation``, ``activation_alpha`` and ``activation_beta`` by keyword,
-    ``None`` when the model gave none (0.32's drops them instead)."""
-    return (
-        "swiglu" if activation is None else activation,
-        1.0 if alpha is None else alpha,
-        0.0 if beta is None else beta,
+    ``None`` when the model gave none (0.32's drops them instead).
+    """
+    _kernel.mega_moe(
+        kernel,
+        y,
+        l1_weights,
+        l2_weights,
+        sym_buffer,
+        shared_l1_weights,
+        shared_l2_weights,
+        recipe=recipe,
+        activation="swiglu" if activation is None else activation,
+        activation_clamp=activation_clamp,
+        stats=stats,
+        activation_alpha=1.0 if activation_alpha is None else activation_alpha,
+        activation_beta=0.0 if activation_beta is None else activation_beta,
     )
 
 
@@ -378,23 +394,10 @@ def fp8_fp4_mega_moe(
         cumulative_local_expert_recv_stats: optional int32 ``[E_local]``, incremented by the
             number of (token, slot) rows each local expert received.
     """
-    activation, activation_alpha, activation_beta = _defaults(
-        activation, activation_alpha, activation_beta
-    )
-    _kernel.mega_moe(
-        "fp8_fp4_mega_moe",
-        y,
-        l1_weights,
-        l2_weights,
-        sym_buffer,
-        shared_l1_weights,
-        shared_l2_weights,
-        recipe=recipe,
-        activation=activation,
-        activation_clamp=activation_clamp,
-        stats=cumulative_local_expert_recv_stats,
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
+    _mega_moe(
+        "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer, shared_l1_weights,
+        shared_l2_weights, recipe, activation, activation_clamp, activation_alpha,
+        activation_beta, cumulative_local_expert_recv_stats,
     )
 
 
@@ -427,21 +430,8 @@ def bf16_mega_moe(
         activation, activation_clamp, fast_math, cumulative_local_expert_recv_stats: as
             :func:`fp8_fp4_mega_moe`.
     """
-    activation, activation_alpha, activation_beta = _defaults(
-        activation, activation_alpha, activation_beta
-    )
-    _kernel.mega_moe(
-        "bf16_mega_moe",
-        y,
-        l1_weights,
-        l2_weights,
-        sym_buffer,
-        shared_l1_weights,
-        shared_l2_weights,
-        recipe=None,
-        activation=activation,
-        activation_clamp=activation_clamp,
-        stats=cumulative_local_expert_recv_stats,
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
+    _mega_moe(
+        "bf16_mega_moe", y, l1_weights, l2_weights, sym_buffer, shared_l1_weights,
+        shared_l2_weights, None, activation, activation_clamp, activation_alpha,
+        activation_beta, cumulative_local_expert_recv_stats,
     )

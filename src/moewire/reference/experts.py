@@ -8,7 +8,7 @@ namespace are module globals looked up at call time (``stage_mega_moe_inputs`` a
 ``deep_gemm``), which is where a quantization wrapper interposes.
 
 May import: torch, ``moewire.reference.deep_gemm`` (the API, as vLLM calls it),
-``_alloc``, ``_ep_experts`` and ``weights``.
+``_ep_experts`` and ``weights``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 
 from moewire.reference import deep_gemm
-from moewire.reference._alloc import default_device
 from moewire.reference._ep_experts import EPExperts
 from moewire.reference.deep_gemm import per_token_cast_to_fp8
 from moewire.reference.weights import MegaMoEWeights, make_weights
@@ -189,9 +188,7 @@ class MegaMoEExperts(EPExperts):
         self.activation_clamp = activation_clamp
         self.dtype = dtype
         self.kernel_name = "fp8_fp4_mega_moe" if mma_type == "fp8xfp4" else "bf16_mega_moe"
-        if device is None:
-            device = default_device(group)
-        device = torch.device(device)
+        device = self._device(device)
         self.symm_buffer = self._build_symm_buffer(device)
         if weights is None:
             weights = make_weights(
@@ -239,27 +236,19 @@ class MegaMoEExperts(EPExperts):
 
     @property
     def l1_weights(self) -> Any:
-        if self.w13_weight_scale is None:
-            return self.w13_weight
-        return (self.w13_weight, self.w13_weight_scale)
+        return _kernel_weights(self.w13_weight, self.w13_weight_scale)
 
     @property
     def l2_weights(self) -> Any:
-        if self.w2_weight_scale is None:
-            return self.w2_weight
-        return (self.w2_weight, self.w2_weight_scale)
+        return _kernel_weights(self.w2_weight, self.w2_weight_scale)
 
     @property
     def shared_l1_weights(self) -> Any:
-        if self.shared_w13_weight_scale is None:
-            return self.shared_w13_weight
-        return (self.shared_w13_weight, self.shared_w13_weight_scale)
+        return _kernel_weights(self.shared_w13_weight, self.shared_w13_weight_scale)
 
     @property
     def shared_l2_weights(self) -> Any:
-        if self.shared_w2_weight_scale is None:
-            return self.shared_w2_weight
-        return (self.shared_w2_weight, self.shared_w2_weight_scale)
+        return _kernel_weights(self.shared_w2_weight, self.shared_w2_weight_scale)
 
     def forward(
         self,
@@ -292,16 +281,21 @@ class MegaMoEExperts(EPExperts):
         y = torch.empty(
             (num_tokens, self.hidden), dtype=torch.bfloat16, device=hidden_states.device
         )
-        kwargs: dict[str, Any] = {"activation_clamp": self.activation_clamp}
-        if self.fused_shared:
-            kwargs["shared_l1_weights"] = self.shared_l1_weights
-            kwargs["shared_l2_weights"] = self.shared_l2_weights
+        kwargs: dict[str, Any] = {
+            "activation_clamp": self.activation_clamp, **self._fused_shared_kwargs()
+        }
         getattr(deep_gemm, self.kernel_name)(
             y, self.l1_weights, self.l2_weights, symm_buffer, **kwargs
         )
         if shared_experts is not None:
             y += shared_experts(hidden_states)
         return y
+
+
+def _kernel_weights(weight: torch.Tensor | None, scale: torch.Tensor | None) -> Any:
+    """The kernel's weights argument: ``(weight, scale)`` for ``fp8xfp4``, the BF16 weight
+    alone for ``bf16xbf16`` (no scale), ``None`` for an absent shared expert."""
+    return weight if scale is None else (weight, scale)
 
 
 def _part(weights: Any, index: int, fp8: bool, present: bool) -> torch.Tensor | None:

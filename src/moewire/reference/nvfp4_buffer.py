@@ -122,7 +122,7 @@ class NVFP4SymmBuffer(RegionBuffer):
         device: torch.device | str | None = None,
     ) -> None:
         where = "NVFP4SymmBuffer"
-        num_ranks, rank = _group_size_rank(group, where)
+        num_ranks, _ = _group_size_rank(group, where)
         for name, value in (
             ("num_experts", num_experts),
             ("num_max_tokens_per_rank", num_max_tokens_per_rank),
@@ -152,14 +152,11 @@ class NVFP4SymmBuffer(RegionBuffer):
                 f"torch.bfloat16, got {shared_dtype!r}",
             )
 
-        self.group = group
-        self.num_ranks, self.rank = num_ranks, rank
-        self.num_experts = num_experts
+        self._set_sizes(
+            group, where, num_experts, _align(num_max_tokens_per_rank, TOKEN_ALIGNMENT),
+            num_topk, hidden, intermediate_hidden,
+        )
         self.num_experts_per_rank = num_experts // num_ranks
-        self.num_max_tokens_per_rank = _align(num_max_tokens_per_rank, TOKEN_ALIGNMENT)
-        self.num_topk = num_topk
-        self.hidden = hidden
-        self.intermediate_hidden = intermediate_hidden
         self.num_shared_experts = num_shared_experts
         self.mma_type = "nvfp4"
         self.activation = "swiglu"

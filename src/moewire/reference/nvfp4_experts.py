@@ -10,7 +10,7 @@ MXFP8 or BF16 input, ``l2_alpha = w2_weight_scale_2 * l2_activation_scale``), ca
 ``l1_alpha = w13_weight_scale_2`` and ``use_x_scales=True``, then add an unfused shared
 expert. Those two globals are where a quantization wrapper interposes.
 
-May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_alloc``, ``_ep_experts``,
+May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_ep_experts``,
 ``experts``, ``nvfp4_staging`` and ``nvfp4_weights``.
 """
 
@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from moewire.reference import deep_gemm
-from moewire.reference._alloc import default_device
 from moewire.reference._ep_experts import EPExperts
 from moewire.reference.experts import get_forward_context
 from moewire.reference.nvfp4_staging import prepare_megamoe_nvfp4_inputs
@@ -93,9 +92,7 @@ class NVFP4MegaMoEExperts(EPExperts):
         self.activation_clamp = activation_clamp
         self.l2_activation_scale = float(l2_activation_scale)
         self.kernel_name = "nvfp4_mega_moe"
-        if device is None:
-            device = default_device(group)
-        device = torch.device(device)
+        device = self._device(device)
         self.symm_buffer = self._build_symm_buffer(device)
         if weights is None:
             weights = make_nvfp4_weights(
@@ -190,11 +187,8 @@ class NVFP4MegaMoEExperts(EPExperts):
         kwargs: dict[str, Any] = {
             "activation_clamp": self.activation_clamp, "l1_alpha": self.w13_weight_scale_2,
             "l2_alpha": self._l2_alpha, "l2_activation_scale": self.l2_activation_scale,
-            "use_x_scales": True,
+            "use_x_scales": True, **self._fused_shared_kwargs(),
         }
-        if self.fused_shared:
-            kwargs["shared_l1_weights"] = self.shared_l1_weights
-            kwargs["shared_l2_weights"] = self.shared_l2_weights
         y = torch.empty((num_tokens, self.hidden), dtype=torch.bfloat16,
                         device=hidden_states.device)
         getattr(deep_gemm, self.kernel_name)(

@@ -72,13 +72,10 @@ class SM90ForkSymmBuffer(RegionBuffer):
         self, group: Any, num_experts: int, tmax: int, num_topk: int, hidden: int,
         intermediate_hidden: int, device: torch.device,
     ) -> None:
-        self.group = group
-        self.num_ranks, self.rank = group_size_rank(group, "get_symm_buffer_for_sm90_mega_moe")
-        self.num_experts = num_experts
-        self.num_max_tokens_per_rank = tmax
-        self.num_topk = num_topk
-        self.hidden = hidden
-        self.intermediate_hidden = intermediate_hidden
+        self._set_sizes(
+            group, "get_symm_buffer_for_sm90_mega_moe", num_experts, tmax, num_topk, hidden,
+            intermediate_hidden,
+        )
         self.num_slots = num_topk
         self._allocate(self._lay_out(), device)
         self._slice_views()
