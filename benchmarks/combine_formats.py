@@ -45,9 +45,13 @@ CASES = (
     ("trtllm_16e2m1xbf16", "bf16"),
 )
 TOKENS = (1024, 8192)
+# --grid: (block_h, num_warps, unroll) tried for the split-tile formats besides the default.
+GRID = ((1024, 2, False), (1024, 2, True), (512, 1, True), (512, 2, False), (256, 1, True))
+SPLIT = ("nvfp4", "trtllm_16e2m1xbf16")
 COLUMNS = [
     ("model", "model", ""), ("T", "T", ""), ("k", "k", ""), ("H", "H", ""),
-    ("fmt", "format", ""), ("accumulate", "acc", ""), ("copy_us", "copy us", ".1f"),
+    ("fmt", "format", ""), ("accumulate", "acc", ""), ("tuning", "tuning", ""),
+    ("copy_us", "copy us", ".1f"),
     ("fused_us", "fused us", ".1f"), ("fused_gbps", "GB/s", ".0f"),
     ("frac_copy", "of copy", ".2f"), ("x_nvfp4", "x nvfp4", ".2f"), ("exact", "exact", ""),
 ]
@@ -61,7 +65,8 @@ def _inputs(k: int, t: int, h: int, copies: int, device: str):
     return rows, idx
 
 
-def bench_shape(name: str, k: int, h: int, t: int, device: str) -> list[dict]:
+def bench_shape(name: str, k: int, h: int, t: int, device: str,
+                grid: bool = False) -> list[dict]:
     nbytes = k * t * h * 2 + t * h * 2 + t * k * 8
     copies = copies_for(nbytes, device)
     rows, idx = _inputs(k, t, h, copies, device)
@@ -79,27 +84,32 @@ def bench_shape(name: str, k: int, h: int, t: int, device: str) -> list[dict]:
             return fmt.dequantize(r, amax) if mode == "fp32" else fmt.qdq(r, amax)
 
         want = resum(rows[0], idx, t, row_quantizer=quantize, accumulate=mode)
-        if device == "cuda":
-            y = resum(rows[0], idx, t)  # the layout check compares the unquantized sum
-            kernels.fused_combine(rows[0], idx, t, out, fmt_name, amax, None, y, flag,
-                                  accumulate=mode)
-            exact = bool(torch.equal(out, want)) and int(flag) == 0
+        tunings = ((None, None, None),) + (GRID if grid and fmt_name in SPLIT else ())
+        for bh, nw, unroll in tunings:
+            tune = {"block_h": bh, "num_warps": nw, "unroll": unroll}
+            if device == "cuda":
+                y = resum(rows[0], idx, t)  # the layout check compares the unquantized sum
+                flag.zero_()
+                kernels.fused_combine(rows[0], idx, t, out, fmt_name, amax, None, y, flag,
+                                      accumulate=mode, **tune)
+                exact = bool(torch.equal(out, want)) and int(flag) == 0
 
-            def call(i, fmt_name=fmt_name, amax=amax, mode=mode, y=y):
-                kernels.fused_combine(rows[i % copies], idx, t, out, fmt_name, amax, None,
-                                      y, flag, accumulate=mode)
+                def call(i, fmt_name=fmt_name, amax=amax, mode=mode, y=y, tune=tune):
+                    kernels.fused_combine(rows[i % copies], idx, t, out, fmt_name, amax,
+                                          None, y, flag, accumulate=mode, **tune)
 
-            fused_us = time_graph(call, 20, device=device)
-        else:
-            exact, fused_us = True, None
-        results.append({
-            "model": name, "T": t, "k": k, "H": h, "fmt": fmt_name, "accumulate": mode,
-            "bytes": nbytes, "copy_us": copy_us, "fused_us": fused_us,
-            "fused_gbps": gbps(nbytes, fused_us),
-            "frac_copy": copy_us / fused_us if fused_us else None, "exact": exact,
-        })
+                fused_us = time_graph(call, 20, device=device)
+            else:
+                exact, fused_us = True, None
+            results.append({
+                "model": name, "T": t, "k": k, "H": h, "fmt": fmt_name, "accumulate": mode,
+                "tuning": "default" if bh is None else f"{bh}/{nw}/{'u' if unroll else 'r'}",
+                "bytes": nbytes, "copy_us": copy_us, "fused_us": fused_us,
+                "fused_gbps": gbps(nbytes, fused_us),
+                "frac_copy": copy_us / fused_us if fused_us else None, "exact": exact,
+            })
     base = next(r["fused_us"] for r in results if r["fmt"] == "nvfp4" and
-                r["accumulate"] == "bf16")
+                r["accumulate"] == "bf16" and r["tuning"] == "default")
     for r in results:
         r["x_nvfp4"] = r["fused_us"] / base if base and r["fused_us"] else None
     return results
@@ -110,14 +120,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--tokens", type=int, nargs="*", default=None)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--grid", action="store_true",
+                        help="also time the split-tile formats at each tuning of GRID")
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=None)
     args = parser.parse_args()
     cpu = args.device == "cpu"
-    models = SMOKE_MODELS if cpu else MODELS
+    models = SMOKE_MODELS if cpu else {m: MODELS[m] for m in (args.models or MODELS)}
     tokens = tuple(args.tokens) if args.tokens else ((16,) if cpu else TOKENS)
     results = []
     for name, (_, k, h) in models.items():
         for t in tokens:
-            results.extend(bench_shape(name, k, h, t, args.device))
+            results.extend(bench_shape(name, k, h, t, args.device, args.grid))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     print_table(results, COLUMNS)
