@@ -113,6 +113,15 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
     return torch.where(k >= -126, normal, subnormal).view(torch.float32)
 
 
+def exponent_fields(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Biased exponent and mantissa-is-nonzero of FP32 ``v >= 0`` (int32 each): their sum
+    is the exponent field of the smallest power of two >= ``v`` (before any clamp)."""
+    import torch
+
+    bits = v.view(torch.int32)
+    return (bits >> 23) & 0xFF, ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
 def ceil_pow2_ue8m0(v: torch.Tensor) -> torch.Tensor:
     """DeepGEMM's ``ceil_to_ue8m0``: the smallest power of two >= |v|, as FP32.
 
@@ -122,9 +131,8 @@ def ceil_pow2_ue8m0(v: torch.Tensor) -> torch.Tensor:
     """
     import torch
 
-    bits = v.abs().view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exponent.clamp(1, 254) << 23).view(torch.float32)
+    biased, inexact = exponent_fields(v.abs())
+    return ((biased + inexact).clamp(1, 254) << 23).view(torch.float32)
 
 
 def split_blocks(x: torch.Tensor, block: int) -> torch.Tensor:

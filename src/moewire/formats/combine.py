@@ -39,6 +39,7 @@ from moewire.formats._numerics import (
     E4M3_MAX,
     e2m1_magnitude,
     e4m3,
+    exponent_fields,
     mul_recip,
     pow2,
     split_blocks,
@@ -47,14 +48,6 @@ from moewire.formats.base import WireFormat, register
 
 # TensorRT-LLM's host oracle clamps the block amax to this before the scale (FP32 value).
 _TRTLLM_AMAX_FLOOR = 1e-30
-
-
-def _exponent_fields(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Biased exponent and mantissa-is-nonzero of FP32 ``v >= 0`` (int32 each)."""
-    import torch
-
-    bits = v.view(torch.int32)
-    return (bits >> 23) & 0xFF, ((bits & 0x7FFFFF) != 0).to(torch.int32)
 
 
 class _CombineFormat(WireFormat):
@@ -133,7 +126,7 @@ class DeepGEMMFP8Combine(_CombineFormat):
         import torch
 
         s = mul_recip(block_amax, E4M3_MAX)
-        biased, inexact = _exponent_fields(s)
+        biased, inexact = exponent_fields(s)
         e = biased - 127 + inexact
         q = e4m3(xb * pow2(-e))
         sf = torch.where(e == -127, torch.zeros_like(s), pow2(e))
@@ -176,7 +169,7 @@ class TRTLLMMXFP8Combine(_CombineFormat):
 
         floor = torch.tensor(_TRTLLM_AMAX_FLOOR, dtype=torch.float32)
         s = mul_recip(torch.maximum(block_amax, floor.to(block_amax.device)), E4M3_MAX)
-        biased, inexact = _exponent_fields(s)
+        biased, inexact = exponent_fields(s)
         e = (biased - 127 + inexact).clamp(-127, 127)
         e = torch.where(block_amax == 0, torch.full_like(e, -127), e)
         q = e4m3(xb * pow2(-e))
@@ -213,7 +206,7 @@ class TEMXFP8Combine(_CombineFormat):
         import torch
 
         v = mul_recip(block_amax, E4M3_MAX)
-        biased, inexact = _exponent_fields(v)
+        biased, inexact = exponent_fields(v)
         mantissa = v.view(torch.int32) & 0x7FFFFF
         subnormal_byte = (mantissa > 0x400000).to(torch.int32)
         byte = torch.where(biased == 0, subnormal_byte, (biased + inexact).clamp(max=254))

@@ -28,6 +28,13 @@ _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_GOES_UP = (False, True, False, True, False, True, False)
 
 
+def ceil_exponent(x: torch.Tensor) -> torch.Tensor:
+    """The exponent field of the smallest power of two >= FP32 ``x >= 0``, not clamped
+    (int32): the biased exponent of ``x``, plus one when its mantissa is non-zero."""
+    bits = x.view(torch.int32)
+    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
 def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
     """Round positive FP32 values up to a power of two, as UE8M0 scales.
 
@@ -40,8 +47,7 @@ def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
     Returns:
         FP32 tensor of powers of two, same shape.
     """
-    bits = x.float().abs().contiguous().view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    exponent = ceil_exponent(x.float().abs().contiguous())
     return (exponent.clamp(1, 254) << 23).view(torch.float32)
 
 
@@ -185,8 +191,7 @@ def fp8_combine_encode(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     x = rows.float().reshape(*rows.shape[:-1], -1, FP8_COMBINE_GRAN)
     s = x.abs().amax(-1, keepdim=True) * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
-    bits = s.view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    e = ceil_exponent(s) - 127
     inv = ((127 - e) << 23).view(torch.float32)  # fast_pow2(-e)
     q = (x * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(rows.shape)
     return q, (e + 127).to(torch.uint8).squeeze(-1)

@@ -27,12 +27,14 @@ Rows ``num_tokens <= t < padded_max`` of ``buf_topk_idx`` / ``buf_topk_weights``
 ``-1`` / ``0.0`` (padding: no valid slot), where ``padded_max`` is the buffer's row count;
 ``buf_x`` and ``buf_x_sf`` of those rows are left as they were.
 
-May import: torch.
+May import: torch and ``moewire.reference._numerics``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from moewire.reference._numerics import ceil_exponent
 
 __all__ = [
     "E4M3_MAX",
@@ -160,16 +162,9 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     return idx | (negative.to(torch.uint8) << 3)
 
 
-def _ceil_exponent(raw: torch.Tensor) -> torch.Tensor:
-    """The biased exponent field of FP32 ``raw >= 0``, plus 1 if its mantissa is non-zero
-    (int32, not clamped): the exponent byte of the smallest power of two >= ``raw``."""
-    bits = raw.view(torch.int32)
-    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-
-
 def _ue8m0_byte(raw: torch.Tensor) -> torch.Tensor:
     """``pre_dispatch_cast_to_ue8m0``: the exponent byte of the smallest power of two >= raw."""
-    return _ceil_exponent(raw).clamp(1, 254)
+    return ceil_exponent(raw).clamp(1, 254)
 
 
 def mega_moe_pre_dispatch(
@@ -325,7 +320,7 @@ def sglang_mega_moe_pre_dispatch(
     g = x.float().view(t, groups, quant_group_size)
     amax = g.abs().amax(dim=-1).clamp_min(1e-10)
     raw = amax / torch.full_like(amax, E4M3_MAX)
-    exp = _ceil_exponent(raw)
+    exp = ceil_exponent(raw)
     inv = ((254 - exp) << 23).view(torch.float32)
     scaled = (g * inv[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(t, h)
     buf_x.view(torch.float8_e4m3fn)[:t] = scaled.to(torch.float8_e4m3fn)
