@@ -312,7 +312,7 @@ def transform_weights_for_mega_moe(
 
 def _mega_moe(
     kernel: str, y: torch.Tensor, l1_weights: Any, l2_weights: Any, sym_buffer: SymmBuffer,
-    shared_l1_weights: Any, shared_l2_weights: Any, recipe: tuple[int, int, int] | None,
+    shared_l1_weights: Any, shared_l2_weights: Any, *, recipe: tuple[int, int, int] | None,
     activation: str | None, activation_clamp: float | None, activation_alpha: float | None,
     activation_beta: float | None, stats: torch.Tensor | None,
 ) -> None:
@@ -396,8 +396,9 @@ def fp8_fp4_mega_moe(
     """
     _mega_moe(
         "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer, shared_l1_weights,
-        shared_l2_weights, recipe, activation, activation_clamp, activation_alpha,
-        activation_beta, cumulative_local_expert_recv_stats,
+        shared_l2_weights, recipe=recipe, activation=activation,
+        activation_clamp=activation_clamp, activation_alpha=activation_alpha,
+        activation_beta=activation_beta, stats=cumulative_local_expert_recv_stats,
     )
 
 
@@ -432,6 +433,7 @@ def bf16_mega_moe(
     """
     _mega_moe(
         "bf16_mega_moe", y, l1_weights, l2_weights, sym_buffer, shared_l1_weights,
-        shared_l2_weights, None, activation, activation_clamp, activation_alpha,
-        activation_beta, cumulative_local_expert_recv_stats,
+        shared_l2_weights, recipe=None, activation=activation,
+        activation_clamp=activation_clamp, activation_alpha=activation_alpha,
+        activation_beta=activation_beta, stats=cumulative_local_expert_recv_stats,
     )
