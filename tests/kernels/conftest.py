@@ -1,16 +1,8 @@
-"""Kernel tests: on a machine without CUDA they run under Triton's interpreter.
-
-``TRITON_INTERPRET`` must be set before Triton is first imported (``triton.jit`` reads it
-when a kernel is defined), so it is set here, at collection, when there is no GPU.
-"""
-
-import os
+"""Kernel tests: on a machine without CUDA they run under Triton's interpreter
+(``TRITON_INTERPRET``, set by the suite's root ``tests/conftest.py`` before any test module,
+and so Triton, is imported)."""
 
 import pytest
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
