@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
 
 from moewire import patches  # noqa: E402
 from moewire.formats import base as formats_base
-from moewire.integrations import _vllm_bridge
+from moewire.integrations.vllm import bridge as _vllm_bridge
 from moewire.megamoe import active, builds, flavours, hooks, registry
 from moewire.megamoe import convert as convert_module
 from moewire.reference import experts as reference_experts
@@ -215,8 +215,8 @@ _REGISTRIES: dict[str, dict | list] = {
     "refused kernels (megamoe.flavours)": flavours._REFUSED,
     "combine base rules (megamoe.builds)": builds.BASE_RULES,
     "wire formats (formats)": formats_base._REGISTRY,
-    "vLLM bridge resolvers (integrations._vllm_bridge)": _vllm_bridge._resolver,
-    "vLLM bridge rebinds (integrations._vllm_bridge)": _vllm_bridge._installed,
+    "vLLM bridge resolvers (integrations.vllm.bridge)": _vllm_bridge._resolver,
+    "vLLM bridge rebinds (integrations.vllm.bridge)": _vllm_bridge._installed,
     "forward contexts (reference.experts)": reference_experts._CONTEXTS,
 }
 

@@ -1,6 +1,7 @@
 """The glue every host integration shares (``moewire.integrations._host``): the rebind of a
-host module's global through the undo ledger, recognition by source, ``{rank}`` paths and
-the calibration held open across two RPCs."""
+host module's global through the undo ledger, recognition by source, ``{rank}`` paths, the
+calibration held open across two RPCs, and one host reaching another's experts classes
+through an entry point."""
 
 from __future__ import annotations
 
@@ -109,3 +110,29 @@ def test_calibration_held_across_two_calls():
 )
 def test_a_called_alias_of_an_attribute_is_a_call(source, calls):
     assert _host.SourceReach(source).calls("fp8_fp4_mega_moe(") is calls
+
+
+def test_another_hosts_classes_come_through_the_entry_point(monkeypatch):
+    """ModelOpt's registration reaches vLLM's classes through the ``moewire.host_classes``
+    entry point (no host package imports another): the installed metadata names vLLM's
+    registration function, and what that entry point's function returns comes back."""
+    import importlib.metadata
+
+    (vllm,) = [ep for ep in importlib.metadata.entry_points(group=_host.HOST_CLASSES)
+               if ep.name == "vllm"]
+    assert vllm.value == "moewire.integrations.vllm:register_vllm_experts"
+
+    class Registered:
+        pass
+
+    fake = types.SimpleNamespace(name="vllm", load=lambda: lambda: [Registered])
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [fake])
+    assert _host.register_host_classes("vllm") == [Registered]
+
+
+def test_a_host_without_an_entry_point_is_refused_with_the_fix(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    with pytest.raises(RuntimeError, match=r"no entry point 'vllm'.*pip install -e \."):
+        _host.register_host_classes("vllm")

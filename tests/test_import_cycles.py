@@ -1,88 +1,151 @@
-"""No import cycle anywhere in ``src/moewire`` (the project's style guide: "No import cycles,
-also not inside a package: a shared type gets its own module below both users").
+"""The shape of moewire's imports, read from the sources (tests/import_graph.py):
 
-Read with ``ast`` from the sources, imports inside functions included (a lazy import is a
-cycle too, only hidden until the call). ``from P import x`` is an edge to ``P.x`` when that
-is a module, else to ``P``. A package's ``__init__`` is the package's node; importing a
-submodule does not add an edge to its package (Python runs the package first, but a
-package that imports its own submodule is no cycle).
+- no import cycle anywhere in ``src/moewire`` (the project's style guide: "No import cycles,
+  also not inside a package: a shared type gets its own module below both users");
+- no upward arrow: data flows integrations -> megamoe -> quantizer -> formats -> kernels,
+  and each part of the package imports only its own layer or the layers below
+  (:data:`LAYERS`);
+- inside ``integrations/``, no host package imports another host package, and the modules
+  every host shares import no host (``integrations/__init__.py`` draws the layout).
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+import pytest
 
-import moewire
-from import_graph import find_cycle
+from import_graph import find_cycle, src_graph
 
-ROOT = Path(moewire.__file__).parent
-
-
-def _modules() -> dict[str, Path]:
-    """``{dotted name: file}`` of every module of the package (packages by ``__init__``)."""
-    found = {}
-    for path in ROOT.rglob("*.py"):
-        parts = ("moewire", *path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = path
-    return found
-
-
-def _imports(module: str, path: Path, known: set[str]) -> set[str]:
-    is_package = path.name == "__init__.py"
-    package = module if is_package else module.rsplit(".", 1)[0]
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{base}.{node.module}" if node.module else base
-            else:
-                base = node.module or ""
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                names.add(sub if sub in known else base)
-    edges = set()
-    for name in names:
-        # `import moewire.a.b` imports the deepest known module on that path.
-        while name and name not in known:
-            name = name.rpartition(".")[0]
-        if name and name != module:
-            edges.add(name)
-    return edges
+#: The parts of moewire from the bottom up; an import may go to its own layer or below.
+#: ``reference`` (the stand-in kernel) and ``patches`` (the undo ledger) import nothing of
+#: moewire, so anything may use them. ``moewire`` is the package's public API.
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
+    {"moewire.patches", "moewire.reference"},
+    {"moewire.kernels"},
+    {"moewire.formats"},
+    {"moewire.config", "moewire.calibration"},
+    {"moewire.quantizer"},
+    {"moewire.recipes"},
+    {"moewire.megamoe"},
+    {"moewire.integrations"},
+    {"moewire"},
+    {"moewire.study", "moewire.eval"},
+    {"moewire.cli", "moewire.__main__"},
+))
+#: The host packages of ``integrations/``.
+HOSTS = ("vllm", "sglang", "transformers", "modelopt")
+_INTEGRATIONS = "moewire.integrations"
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = _modules()
-    return {m: _imports(m, p, set(modules)) for m, p in modules.items()}
+def _part(module: str) -> str:
+    """The part of moewire ``module`` is in (``moewire.megamoe.api``: ``moewire.megamoe``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _layer(module: str) -> int:
+    part = _part(module)
+    found = [i for i, layer in enumerate(LAYERS) if part in layer]
+    assert found, f"{part} is in no layer of LAYERS: add it where it belongs"
+    return found[0]
+
+
+def _host(module: str) -> str | None:
+    """The host package ``module`` belongs to, or None (shared or outside integrations)."""
+    parts = module.split(".")
+    if parts[:2] == _INTEGRATIONS.split(".") and len(parts) > 2 and parts[2] in HOSTS:
+        return parts[2]
+    return None
+
+
+def _is_alias(module: str) -> bool:
+    """A deprecated flat path of moewire 0.1.0 (``integrations/_moved.py``)."""
+    from moewire.integrations._moved import MOVED
+
+    return module in MOVED
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, bs in graph.items() for b in bs if _layer(b) > _layer(a))
+
+
+def cross_host_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of one host package by another, or of a host by a shared integration module
+    (the deprecated aliases excepted: each imports the module it names)."""
+    found = []
+    for a, targets in graph.items():
+        if not a.startswith(_INTEGRATIONS + ".") or _is_alias(a):
+            continue
+        for b in targets:
+            if _host(b) is not None and _host(b) != _host(a):
+                found.append((a, b))
+    return sorted(found)
 
 
 def test_the_cycle_finder_finds_the_old_vllm_cycle():
     """An earlier shape: vllm.py imported ``_parallel`` from vllm_worker.py
     (inside a method), which imports vllm.py."""
     old = {
-        "moewire.integrations.vllm": {"moewire.integrations.vllm_worker"},
-        "moewire.integrations.vllm_worker": {"moewire.integrations.vllm"},
+        "moewire.integrations.vllm": {"moewire.integrations.vllm.worker"},
+        "moewire.integrations.vllm.worker": {"moewire.integrations.vllm"},
     }
     assert find_cycle(old) == [
-        "moewire.integrations.vllm", "moewire.integrations.vllm_worker",
+        "moewire.integrations.vllm", "moewire.integrations.vllm.worker",
         "moewire.integrations.vllm",
     ]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_lazy_imports_and_from_imports_are_edges():
-    graph = _graph()
-    # A lazy import (inside a function) is an edge: api is imported inside vllm.py's calls.
+    graph = src_graph()
+    # A lazy import (inside a function) is an edge: api is imported inside the vLLM glue's calls.
     assert "moewire.megamoe.api" in graph["moewire.integrations.vllm"]
     # `from moewire.megamoe import resum` names the submodule.
     assert "moewire.megamoe.resum" in graph["moewire.megamoe"]
 
 
 def test_no_import_cycle_in_src():
-    cycle = find_cycle(_graph())
+    cycle = find_cycle(src_graph())
     assert cycle is None, f"import cycle in src/moewire: {' -> '.join(cycle)}"
+
+
+@pytest.mark.parametrize("edge", [
+    ("moewire.formats.base", "moewire.quantizer"),
+    ("moewire.quantizer", "moewire.megamoe.resum"),
+    ("moewire.megamoe.hooks", "moewire.integrations.vllm"),
+    ("moewire.kernels.launch", "moewire.formats"),
+], ids=["formats->quantizer", "quantizer->megamoe", "megamoe->integrations", "kernels->formats"])
+def test_the_layer_check_finds_an_upward_import(edge):
+    a, b = edge
+    assert upward_imports({a: {b}}) == [edge]
+
+
+def test_no_upward_import_in_src():
+    up = upward_imports(src_graph())
+    assert not up, "imports against the flow (integrations -> megamoe -> quantizer -> " \
+        f"formats -> kernels): {up}"
+
+
+@pytest.mark.parametrize("edge", [
+    ("moewire.integrations.modelopt", "moewire.integrations.vllm"),
+    ("moewire.integrations.transformers", "moewire.integrations.sglang.sites"),
+    ("moewire.integrations._host", "moewire.integrations.vllm.bridge"),
+], ids=["modelopt->vllm", "transformers->sglang.sites", "shared->host"])
+def test_the_host_check_finds_a_host_importing_another(edge):
+    a, b = edge
+    assert cross_host_imports({a: {b}}) == [edge]
+
+
+def test_a_host_may_import_itself_and_the_shared_modules():
+    graph = {
+        "moewire.integrations.vllm.worker": {"moewire.integrations.vllm",
+                                             "moewire.integrations._host"},
+        "moewire.integrations.transformers": {"moewire.integrations.deepgemm_sm90"},
+    }
+    assert cross_host_imports(graph) == []
+
+
+def test_every_host_is_a_package_and_no_host_imports_another():
+    graph = src_graph()
+    for host in HOSTS:
+        assert f"{_INTEGRATIONS}.{host}" in graph, f"no package integrations/{host}/"
+    crossing = cross_host_imports(graph)
+    assert not crossing, f"a host package imports another host: {crossing}"

@@ -1,4 +1,4 @@
-"""Site recognition (``moewire.integrations.vllm_sites.recognise``) reads calls, not text.
+"""Site recognition (``moewire.integrations.vllm.sites.recognise``) reads calls, not text.
 
 Each negative source differs from a recognised one only in that the staging function, the
 staging cast, a required call or DeepGEMM's access is *defined*, named in a comment or a
@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-from moewire.integrations import _host, vllm_sites
-from moewire.integrations.vllm_sites import IMPORT_ACCESS, ExpertsSite
+from moewire.integrations import _host
+from moewire.integrations.vllm import sites as vllm_sites
+from moewire.integrations.vllm.sites import IMPORT_ACCESS, ExpertsSite
 
 _COUNTER = itertools.count()
 

@@ -3,7 +3,7 @@
 moewire interposes on other packages' objects: the call-time globals of an experts
 forward's module (:mod:`moewire.megamoe.hooks`), the class of DeepGEMM's module objects
 (``_HookedModule``), vLLM's ``_import_deep_gemm`` and staging globals
-(:mod:`moewire.integrations._vllm_bridge`) and ``BaseModelLoader.load_model``
+(:mod:`moewire.integrations.vllm.bridge`) and ``BaseModelLoader.load_model``
 (:mod:`moewire.integrations.vllm`). Each such change goes through :func:`patch_attr` or
 :func:`patch_class`, which record the original value first; :func:`undo_all` puts every
 original back (``moewire.unquantize`` calls it once no converted module remains).

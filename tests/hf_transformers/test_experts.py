@@ -12,7 +12,7 @@ import _tiny  # noqa: E402
 import torch  # noqa: E402
 
 import moewire
-from moewire.integrations.vllm_sites import SITES
+from moewire.integrations.vllm.sites import SITES
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 T = 64

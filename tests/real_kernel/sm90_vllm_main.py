@@ -18,7 +18,7 @@ This module (moewire's own code) keeps the parts of that contract moewire depend
 :func:`use_kernel` sets the DeepGEMM the forward gets: ``moewire.reference.sm90_fork`` on
 CPU, ``moewire.integrations.deepgemm_sm90.fork_names()`` (PR #323 under the fork's names) on
 the H200. :func:`register` registers the class through moewire's vLLM site entry for that
-class (``moewire.integrations.vllm_sites``), with this module in the bridge's place.
+class (``moewire.integrations.vllm.sites``), with this module in the bridge's place.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moewire.integrations import vllm_sites
+from moewire.integrations.vllm import sites as vllm_sites
 from moewire.megamoe import flavours
 from moewire.megamoe.registry import register_experts_class
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import moewire
 from moewire.integrations import sglang as sg
-from moewire.integrations.sglang_sites import SITES
+from moewire.integrations.sglang.sites import SITES
 from moewire.megamoe import layout_check
 from moewire.megamoe.flavours import get
 from moewire.megamoe.layout import combine_rows

@@ -1,7 +1,7 @@
 """Stand-ins of vLLM's scheduler types in the releases the installed vLLM (0.32) is not.
 
 The one-launch worker builds each calibration step as vLLM's scheduler would
-(``moewire.integrations.vllm_worker.scheduler_output``); these dataclasses have the
+(``moewire.integrations.vllm.worker.scheduler_output``); these dataclasses have the
 constructor shapes (field names, order, which have defaults) of
 ``vllm/v1/core/sched/output.py`` as read from:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moewire.integrations.vllm_worker import SchedulerTypes
+from moewire.integrations.vllm.worker import SchedulerTypes
 
 __all__ = ["SHAPES", "SamplingParams"]
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from moewire.integrations import _vllm_bridge
 from moewire.integrations.vllm import NVFP4_STAGE_FN
+from moewire.integrations.vllm import bridge as _vllm_bridge
 from moewire.reference._numerics import cast_to_fp8_ue8m0, pack_ue8m0
 from moewire.reference.nvfp4_mega_moe import shared_sf_row
 

@@ -280,7 +280,7 @@ def test_bridge_keeps_vllm_behaviour_without_deep_gemm():
     from vllm.models.deepseek_v4.nvidia import model as dsv4
     from vllm.models.deepseek_v4.nvidia.ops.prepare_megamoe import prepare_megamoe_inputs
 
-    from moewire.integrations import _vllm_bridge
+    from moewire.integrations.vllm import bridge as _vllm_bridge
 
     vllm_mod.register_vllm_experts()
     assert vllm_deep_gemm._import_deep_gemm is _vllm_bridge.import_deep_gemm

@@ -2,7 +2,7 @@
 
 No vLLM needed (these run in ``make test``): each stand-in module plays both the experts'
 module and the bridge, and is registered through moewire's own site entry for the path
-(``moewire.integrations.vllm_sites.SITES``, module name replaced), with the stand-in
+(``moewire.integrations.vllm.sites.SITES``, module name replaced), with the stand-in
 kernel ``moewire.reference.deep_gemm`` as the DeepGEMM build:
 
 - the backend shape (``DeepGemmSm100MegaMoEBackend.run_mega_moe``): ``_main_backend``;
@@ -30,7 +30,7 @@ from torch import nn
 
 import moewire
 from moewire import formats
-from moewire.integrations import vllm_sites
+from moewire.integrations.vllm import sites as vllm_sites
 from moewire.megamoe import flavours, layout_check
 from moewire.megamoe.convert import is_converted
 from moewire.megamoe.registry import register_experts_class

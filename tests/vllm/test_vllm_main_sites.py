@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import moewire
-from moewire.integrations import _vllm_bridge, vllm_sites
+from moewire.integrations.vllm import bridge as _vllm_bridge
+from moewire.integrations.vllm import sites as vllm_sites
 from moewire.megamoe import flavours, layout_check
 from moewire.reference import sm90_fork
 

@@ -2,7 +2,7 @@
 
 No vLLM needed (these run in ``make test``). The stand-in modules play both the experts'
 module and the bridge and are registered through moewire's own site entries
-(``moewire.integrations.vllm_sites.SITES``, module name replaced), on the stand-in kernel:
+(``moewire.integrations.vllm.sites.SITES``, module name replaced), on the stand-in kernel:
 
 - the common ``DeepGemmMegaMoEExperts`` (``vllm/models/common/deep_gemm_mega_moe.py``,
   6dfb263): fp8xfp4 through the staging global, bf16xbf16 by a plain copy whose dispatch
@@ -26,7 +26,7 @@ from torch import nn
 
 import moewire
 from moewire import formats
-from moewire.integrations import vllm_sites
+from moewire.integrations.vllm import sites as vllm_sites
 from moewire.megamoe import api, flavours, layout_check, registry
 from moewire.megamoe.registry import register_experts_class
 from moewire.reference import deep_gemm

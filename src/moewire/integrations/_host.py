@@ -1,4 +1,5 @@
-"""Host-neutral glue that every serving-engine integration needs (vLLM, SGLang).
+"""Host-neutral glue that every host integration needs (vLLM, SGLang, transformers,
+ModelOpt): the one place below the host packages, which never import each other.
 
 - :func:`rebind_global`: make a host module's global (a staging function its forward
   reads at call time) a trampoline to a global of a moewire bridge module, so that one
@@ -10,6 +11,9 @@
   scales path with ``{rank}`` replaced.
 - :func:`begin_calibration` and :func:`finish_calibration`: one calibration held open on
   a host's worker or scheduler across the two calibration RPCs.
+- :func:`register_host_classes`: register another host's experts classes through moewire's
+  entry point group :data:`HOST_CLASSES` (ModelOpt's registration takes vLLM's classes so,
+  without importing the vLLM host package).
 
 May import: the standard library and ``moewire.patches``.
 """
@@ -30,16 +34,21 @@ from moewire import patches
 ENV_RECIPE = "MOEWIRE_RECIPE"
 #: Saved scales the plugins load after quantizing (``{rank}``: the EP rank).
 ENV_SCALES = "MOEWIRE_SCALES"
+#: The entry point group where each host names the function that registers its Mega-MoE
+#: experts classes with moewire and returns them (pyproject.toml).
+HOST_CLASSES = "moewire.host_classes"
 
 __all__ = [
     "ENV_RECIPE",
     "ENV_SCALES",
+    "HOST_CLASSES",
     "SourceReach",
     "begin_calibration",
     "finish_calibration",
     "is_rebound",
     "rank_path",
     "rebind_global",
+    "register_host_classes",
     "source_reach",
 ]
 
@@ -194,3 +203,29 @@ def finish_calibration(owner: Any, how: str) -> None:
         raise RuntimeError(f"moewire_finish_calibration: no calibration in progress; {how}")
     stack.close()
     owner._moewire_calibration = None
+
+
+def register_host_classes(host: str) -> list[type]:
+    """Register the Mega-MoE experts classes of ``host`` with moewire and return them.
+
+    The function comes from the entry point ``host`` of the group :data:`HOST_CLASSES`, so a
+    host package that needs another host's classes (ModelOpt's ``register`` wants vLLM's)
+    reaches them the way the engines reach plugins, without importing that host package.
+
+    Args:
+        host: the entry point's name (``"vllm"``).
+
+    Raises:
+        RuntimeError: moewire's distribution declares no such entry point (moewire is on
+            ``sys.path`` but not installed: ``pip install -e .`` in its checkout).
+    """
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=HOST_CLASSES) if ep.name == host]
+    if not found:
+        raise RuntimeError(
+            f"moewire: no entry point {host!r} in the group {HOST_CLASSES!r}: moewire is "
+            "imported from a source tree that is not installed; run `pip install -e .` in "
+            "its checkout (pyproject.toml declares the group)"
+        )
+    return list(found[0].load()())

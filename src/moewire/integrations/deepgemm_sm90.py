@@ -27,6 +27,15 @@ Two ways in:
 
 Then ``moewire.quantize(model, recipe, forward_loop)`` works as on any Mega-MoE module.
 Build the package with ``scripts/real_kernel/build_kit.sh``; see docs/real-kernel.md.
+
+Why this module sits beside ``_host`` and in no host package: it is no host (no framework
+calls it; it is moewire's own experts module on a real kernel), and three users above or
+beside the hosts need it: the transformers host (``prepare(kernel="deepgemm-sm90")``), the
+study (``moewire study --kernel deepgemm-sm90``) and the evaluation (``moewire eval --kernel
+deepgemm-sm90``), besides the real-kernel tests. In a host package, the other users would
+import that host; here, every host may import it as shared glue.
+
+May import: the standard library, torch and ``moewire.megamoe.registry``.
 """
 
 from __future__ import annotations

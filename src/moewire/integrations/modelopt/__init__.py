@@ -20,7 +20,7 @@ modules part of that workflow (ModelOpt PR #2767, on top of #2660):
   attribute set (INT8, MX, per-channel...) uses ModelOpt's ``TensorQuantizer`` math;
   ``backend_extra_args={"math": "modelopt" | "moewire"}`` overrides the choice, and the
   registered quant backend :data:`BACKEND` gives any ``TensorQuantizer`` moewire's math.
-- The quantizer and the backend live in :mod:`moewire.integrations.modelopt_quantizer`
+- The quantizer and the backend live in :mod:`moewire.integrations.modelopt.quantizer`
   (re-exported here); this module holds the registration and the scales interchange.
 - Scales interchange: :func:`to_modelopt_state` / :func:`from_modelopt_state` move amax
   values between moewire's quantizers and a ModelOpt-converted model (``mto.save`` /
@@ -41,7 +41,7 @@ import torch
 # isort: off
 # modelopt_quantizer first: without nvidia-modelopt it raises the ImportError that says
 # what to install, before the plain imports of ModelOpt below.
-from moewire.integrations.modelopt_quantizer import (
+from moewire.integrations.modelopt.quantizer import (
     BACKEND,
     BIT_EXACT,
     WireTensorQuantizer,
@@ -55,6 +55,7 @@ from modelopt.torch.utils.distributed import ParallelState
 # isort: on
 from moewire.calibration import WireQuantizerLike
 from moewire.formats.base import amax_is_valid
+from moewire.integrations._host import register_host_classes
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES
 from moewire.quantizer import WireQuantizer
 
@@ -201,10 +202,8 @@ def register(vllm: bool | None = None) -> list[type]:
     if optional:
         vllm = importlib.util.find_spec("vllm") is not None
     if vllm:
-        from moewire.integrations.vllm import register_vllm_experts
-
         try:
-            register_vllm_experts()
+            register_host_classes("vllm")
         except RuntimeError as exc:
             if not optional:
                 raise

@@ -1,7 +1,7 @@
 """moewire in SGLang's Mega-MoE path (``--moe-a2a-backend megamoe``).
 
 Where SGLang runs its Mega-MoE experts is one declarative entry per site in
-:mod:`moewire.integrations.sglang_sites`; this module derives the rest:
+:mod:`moewire.integrations.sglang.sites`; this module derives the rest:
 
 - each site's function is rebound, in every module SGLang calls it through, to a
   trampoline to a global of this module (:func:`moewire.integrations._host.rebind_global`)
@@ -47,8 +47,8 @@ from moewire.integrations._host import (
     rank_path,
     rebind_global,
 )
-from moewire.integrations.sglang_sites import MEGA_MOE, SITES, SglangSite
-from moewire.integrations.sglang_sites import recognise as recognise_site
+from moewire.integrations.sglang.sites import MEGA_MOE, SITES, SglangSite
+from moewire.integrations.sglang.sites import recognise as recognise_site
 from moewire.megamoe.registry import ExpertsAdapter
 
 __all__ = [

@@ -1,11 +1,11 @@
 """moewire in vLLM's native Mega-MoE path (``--moe-backend deep_gemm_mega_moe``).
 
 Where vLLM keeps its Mega-MoE experts is one declarative entry per site in
-:mod:`moewire.integrations.vllm_sites` (``SITES``: the classes of 0.32 to 0.34, main's
+:mod:`moewire.integrations.vllm.sites` (``SITES``: the classes of 0.32 to 0.34, main's
 backend shape, main's Hopper ``DeepseekV4MegaMoESM90Experts`` and gpt-oss's modular
 ``DeepGemmMegaExperts``; docs/vllm.md has the table). This module derives everything from
 those entries: discovery by structure (:func:`experts_sites`, never a version), the bridge
-(:mod:`moewire.integrations._vllm_bridge`: vLLM's ``_import_deep_gemm()`` and each staging
+(:mod:`moewire.integrations.vllm.bridge`: vLLM's ``_import_deep_gemm()`` and each staging
 global made globals of one module, which the experts adapters name) and the adapters
 (:func:`register_site`). Forwards that stage inline (no staging global) are hooked on the
 DeepGEMM module object: its staging cast and its kernels. Nothing of vLLM's forward is
@@ -22,7 +22,6 @@ from typing import Any
 from torch import nn
 
 from moewire import patches
-from moewire.integrations import _vllm_bridge
 from moewire.integrations._host import (
     ENV_RECIPE,
     ENV_SCALES,
@@ -30,13 +29,14 @@ from moewire.integrations._host import (
     finish_calibration,
     rank_path,
 )
-from moewire.integrations._vllm_groups import (
+from moewire.integrations.vllm import bridge
+from moewire.integrations.vllm.groups import (
     data_parallel,
     dp_device_group,
     ep_device_group,
     ep_rank,
 )
-from moewire.integrations.vllm_sites import (
+from moewire.integrations.vllm.sites import (
     KERNEL_ACCESS,
     NVFP4_STAGE_FN,
     SITES,
@@ -156,7 +156,7 @@ def kernel_flavour(module: nn.Module) -> str:
     Raises:
         RuntimeError: vLLM finds no DeepGEMM, or one moewire cannot place.
     """
-    namespace = _vllm_bridge.kernel_source()
+    namespace = bridge.kernel_source()
     if namespace is None:
         raise RuntimeError(
             f"{getattr(module, 'prefix', type(module).__name__)}: vLLM imports no DeepGEMM "
@@ -179,7 +179,7 @@ def _dp_group(module: nn.Module) -> Any:
 def register_site(cls: type, site: ExpertsSite) -> None:
     """Install the bridge for ``site`` and register ``cls`` with moewire's wrapper.
 
-    Everything comes from the site entry (``moewire.integrations.vllm_sites``): the staging
+    Everything comes from the site entry (``moewire.integrations.vllm.sites``): the staging
     globals rebound through the bridge (none for inline staging: the cast and the kernel
     are hooked on the DeepGEMM module object vLLM's ``_import_deep_gemm()`` returns), the
     buffer, the group, and for an experts object that is no ``nn.Module`` the class holding
@@ -192,15 +192,15 @@ def register_site(cls: type, site: ExpertsSite) -> None:
     """
     from moewire.megamoe.registry import register_experts_class
 
-    _vllm_bridge.install_access()
-    stage_globals = tuple(_vllm_bridge.install(cls.__module__, fn) for fn in site.stage_fns)
+    bridge.install_access()
+    stage_globals = tuple(bridge.install(cls.__module__, fn) for fn in site.stage_fns)
     target = cls if site.holder is None else holder_class(site)
     register_experts_class(
         target,
         site_adapter(
             site,
             cls,
-            forward_module=_vllm_bridge.__name__,
+            forward_module=bridge.__name__,
             stage_globals=stage_globals,
             flavour=kernel_flavour,
             ep_group=_ep_group if site.group == "ep" else _dp_group,
@@ -254,7 +254,7 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
             f"{[c.__qualname__ for c in classes]}; serve with --moe-backend "
             "deep_gemm_mega_moe --enable-expert-parallel"
         )
-    if _vllm_bridge.kernel_source() is None:
+    if bridge.kernel_source() is None:
         raise RuntimeError(
             "moewire: vLLM imports no DeepGEMM (neither `deep_gemm` nor "
             "`vllm.third_party.deep_gemm`), so its Mega-MoE experts cannot run; install "

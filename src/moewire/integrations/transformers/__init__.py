@@ -125,7 +125,7 @@ class Architecture:
         vllm: vLLM's module path of the layer's experts, ``{n}`` the layer index, or
             ``None`` where vLLM has no Mega-MoE experts for the family.
         vllm_site: ``(module, class)`` of vLLM's Mega-MoE experts for the family (an entry
-            of ``moewire.integrations.vllm_sites.SITES``), or ``None``.
+            of ``moewire.integrations.vllm.sites.SITES``), or ``None``.
         sglang: SGLang's module path of the layer's experts, or ``None``.
         refused: why the kernel cannot run this family's experts, or ``None``.
         read_from: the sources the entry was read from.

