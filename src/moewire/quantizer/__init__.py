@@ -15,9 +15,9 @@ holds for it. One class, built in three layers, one file each:
   constructor and ``from_cfg``, ``scale_amax`` / ``is_static_scale``, ``forward`` /
   ``dequantize``, the format saved with the ``state_dict`` (extra state), and the repr.
 
-``forward`` and ``collect`` never synchronise with the host, so both can be captured in a
-CUDA graph; every check that has to read a value runs on the host in ``load_calib_amax``,
-``load_amax`` and ``sync_amax``.
+``forward`` and ``collect`` never synchronise with the host (no ``.item()``, no Python
+branch on a tensor value), so both can be captured in a CUDA graph; every check that has to
+read a value runs on the host in ``load_calib_amax``, ``load_amax`` and ``sync_amax``.
 
 What callers may use is written down once, as the Protocol
 :class:`~moewire.calibration.WireQuantizerLike` (ModelOpt's ``WireTensorQuantizer``

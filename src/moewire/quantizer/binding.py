@@ -9,9 +9,6 @@ state (``get_extra_state``, ``set_extra_state``, ``_load_from_state_dict``). Its
 :class:`~moewire.quantizer.state.QuantizerState`'s, its calibration
 :class:`~moewire.quantizer.calibrate.QuantizerCalibration`'s.
 
-``forward`` never synchronises with the host (no ``.item()``, no Python branch on a tensor
-value), so it can be captured in a CUDA graph.
-
 May import: torch, ``moewire.formats``, ``moewire.config``, ``moewire.quantizer.state`` and
 ``moewire.quantizer.calibrate``; nothing else of moewire.
 """

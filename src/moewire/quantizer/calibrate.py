@@ -7,10 +7,6 @@ collect, then sync across ranks, then load): :meth:`~QuantizerCalibration.collec
 :meth:`~QuantizerCalibration.sync_amax`, :meth:`~QuantizerCalibration.load_calib_amax`, and
 :meth:`~QuantizerCalibration.calibrating` for one quantizer alone.
 
-``collect`` never synchronises with the host (no ``.item()``, no Python branch on a tensor
-value), so it can be captured in a CUDA graph; every check that has to read a value runs on
-the host in ``load_calib_amax`` and ``sync_amax``.
-
 NaN during calibration: ModelOpt's ``MaxCalibrator`` asserts (a host sync) when a
 collected amax is NaN or inf. moewire cannot read values while collecting, so
 ``collect`` skips NaN elements (a NaN never turns a finite max into NaN) and counts them;
