@@ -36,8 +36,9 @@ test: $(VENV)/.installed
 # The edit-test loop (under 2 minutes on 2 cores): the CPU suites of the formats, the
 # quantizer, recipes, the megamoe API, the robustness suite and the study's fast checks;
 # `make test` (about 10 minutes on 2 cores) runs everything.
-FAST := tests/formats tests/test_quantizer.py tests/test_recipes.py \
-	tests/megamoe/test_megamoe_api.py tests/robustness tests/study/test_first_hour.py
+FAST := tests/formats tests/test_quantizer.py tests/test_quantizer_package.py \
+	tests/test_recipes.py tests/megamoe/test_megamoe_api.py tests/robustness \
+	tests/study/test_first_hour.py
 
 test-fast: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
