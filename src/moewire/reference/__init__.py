@@ -50,13 +50,13 @@ __all__ = [
 
 # The NVFP4 Mega-MoE stand-in (vLLM 0.33/0.34): `deep_gemm.nvfp4_mega_moe`, its staging and
 # weights.
-from moewire.reference.nvfp4_staging import prepare_megamoe_nvfp4_inputs  # noqa: E402
-from moewire.reference.nvfp4_weights import (  # noqa: E402
+from moewire.reference.nvfp4.staging import prepare_megamoe_nvfp4_inputs  # noqa: E402
+from moewire.reference.nvfp4.weights import (  # noqa: E402
     NVFP4MegaMoEWeights,
     make_nvfp4_weights,
 )
 
 __all__ += ["NVFP4MegaMoEWeights", "make_nvfp4_weights", "prepare_megamoe_nvfp4_inputs"]
-from moewire.reference.nvfp4_experts import NVFP4MegaMoEExperts  # noqa: E402
+from moewire.reference.nvfp4.experts import NVFP4MegaMoEExperts  # noqa: E402
 
 __all__ += ["NVFP4MegaMoEExperts"]

@@ -25,7 +25,7 @@ import torch
 
 from moewire.reference import deep_gemm
 from moewire.reference._numerics import FP4_MAX, FP8_MAX, quantize_e2m1
-from moewire.reference._nvfp4_numerics import (
+from moewire.reference.nvfp4._numerics import (
     E4M3_MIN,
     NVFP4_RANGE,
     e4m3,

@@ -25,8 +25,8 @@ from torch import nn
 from moewire.reference import deep_gemm
 from moewire.reference._ep_experts import EPExperts
 from moewire.reference.experts import get_forward_context
-from moewire.reference.nvfp4_staging import prepare_megamoe_nvfp4_inputs
-from moewire.reference.nvfp4_weights import NVFP4MegaMoEWeights, make_nvfp4_weights
+from moewire.reference.nvfp4.staging import prepare_megamoe_nvfp4_inputs
+from moewire.reference.nvfp4.weights import NVFP4MegaMoEWeights, make_nvfp4_weights
 
 __all__ = ["NVFP4MegaMoEExperts", "prepare_megamoe_nvfp4_inputs"]
 
