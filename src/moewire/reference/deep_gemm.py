@@ -33,7 +33,7 @@ built with in ``_moewire_flavour``. :func:`moewire_flavour` says which build the
 imitates now (how ``moewire.megamoe.flavours.detect`` recognises it).
 
 May import: torch and the reference modules below the API (``_alloc``, ``_numerics``,
-``deep_gemm_utils``, ``builds``, ``buffer``, ``_kernel``, ``nvfp4_buffer``, ``nvfp4_mega_moe``);
+``deep_gemm_utils``, ``builds``, ``buffer``, ``_kernel``, ``nvfp4.buffer``, ``nvfp4.mega_moe``);
 none of them imports it.
 """
 

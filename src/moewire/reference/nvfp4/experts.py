@@ -10,8 +10,9 @@ MXFP8 or BF16 input, ``l2_alpha = w2_weight_scale_2 * l2_activation_scale``), ca
 ``l1_alpha = w13_weight_scale_2`` and ``use_x_scales=True``, then add an unfused shared
 expert. Those two globals are where a quantization wrapper interposes.
 
-May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_ep_experts``,
-``experts``, ``nvfp4_staging`` and ``nvfp4_weights``.
+May import: torch, ``moewire.reference.deep_gemm`` (the API), ``moewire.reference._ep_experts``
+and ``moewire.reference.experts`` (the forward context), and the family's ``staging`` and
+``weights``.
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ Where it differs from ``fp8_fp4_mega_moe`` (vLLM 0.34.0's bundled `impls/sm100_n
   starts where the L2 scale region (``l2_acts_sf``) ends, and the per-token ``x_scales``
   regions **follow** it, so the combine region is not the buffer's last region.
 
-Its buffer is in ``nvfp4_buffer`` and vLLM's staging in ``nvfp4_staging``; the names above
-are re-exported here.
+Its buffer is in the family's ``buffer`` and vLLM's staging in its ``staging``; the names
+above are re-exported here.
 
-May import: torch and the reference modules below the ``deep_gemm`` API (``_numerics``,
-``_nvfp4_numerics``, ``_weights_cache``, ``_kernel``, ``nvfp4_buffer``, ``nvfp4_staging``);
-``deep_gemm`` re-exports it.
+May import: torch, the reference modules below the ``deep_gemm`` API
+(``moewire.reference._numerics``, ``_weights_cache``, ``_kernel``) and the family's
+``_numerics``, ``buffer`` and ``staging``; ``deep_gemm`` re-exports it.
 """
 
 from __future__ import annotations

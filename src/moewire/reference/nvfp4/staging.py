@@ -2,8 +2,8 @@
 (``model_executor/layers/fused_moe/prepare_megamoe.py``), which writes the routed tokens
 as NVFP4 (and a fused shared expert's MXFP8 or BF16 input) into an ``NVFP4SymmBuffer``.
 
-May import: torch and the reference modules below the ``deep_gemm`` API (``_numerics``,
-``_nvfp4_numerics``, ``nvfp4_buffer``).
+May import: torch and the reference modules below the ``deep_gemm`` API
+(``moewire.reference._numerics``, and the family's ``_numerics`` and ``buffer``).
 """
 
 from __future__ import annotations
