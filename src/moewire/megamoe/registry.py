@@ -138,6 +138,7 @@ def _register_reference() -> None:
     from moewire.megamoe.flavours import detect
     from moewire.reference import deep_gemm
     from moewire.reference.experts import MegaMoEExperts
+    from moewire.reference.fp4_fp4.experts import FP4MegaMoEExperts
     from moewire.reference.nvfp4.experts import NVFP4MegaMoEExperts
 
     def stand_in(name: str, forward_module: str, stage_fn: str, **extra) -> ExpertsAdapter:
@@ -170,6 +171,14 @@ def _register_reference() -> None:
         stand_in(
             "reference-nvfp4",
             "moewire.reference.nvfp4.experts",
+            "prepare_megamoe_nvfp4_inputs",
+        ),
+    )
+    register_experts_class(
+        FP4MegaMoEExperts,
+        stand_in(
+            "reference-fp4-fp4",
+            "moewire.reference.fp4_fp4.experts",
             "prepare_megamoe_nvfp4_inputs",
         ),
     )

@@ -1,7 +1,8 @@
 """The DeepGEMM kernel builds the stand-in imitates, and which one new buffers get.
 
-A *flavour* names a kernel build (DeepGEMM main, vLLM 0.32-0.34's bundled copies, DeepGEMM PR #323):
-``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33`` (the default) or ``deepgemm-sm90``;
+A *flavour* names a kernel build (DeepGEMM main, vLLM 0.32-0.34's bundled copies, DeepGEMM PR #323,
+DeepGEMM 2.8.0): ``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33`` (the default), ``deepgemm-sm90``
+or ``deepgemm-2.8`` (its NVFP4 x NVFP4 ``fp4_fp4_mega_moe`` only, ``reference.fp4_fp4``);
 :class:`KernelBuild` is what the stand-in needs to know of one (its kernels, where a fused shared
 expert is added, its buffer's extra regions and kind of views). ``moewire.megamoe.flavours`` is
 moewire's own, independent description of the same builds under the same names; the layout check is
@@ -29,7 +30,11 @@ RENAMED = {
     "vllm": "vllm-0.32 (shared expert added last) or vllm-0.33 (added first)",
     "sgl": "deepgemm-sm90",
 }
-MMA_OF_KERNEL = {"fp8_fp4_mega_moe": "fp8xfp4", "bf16_mega_moe": "bf16xbf16"}
+MMA_OF_KERNEL = {
+    "fp8_fp4_mega_moe": "fp8xfp4",
+    "bf16_mega_moe": "bf16xbf16",
+    "fp4_fp4_mega_moe": "fp4xfp4",
+}
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,8 @@ class KernelBuild:
     """A kernel build, as the stand-in imitates it.
 
     Attributes:
-        name: the flavour: ``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33`` or
-            ``deepgemm-sm90``.
+        name: the flavour: ``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33``,
+            ``deepgemm-sm90`` or ``deepgemm-2.8``.
         kernels: the Mega-MoE kernel functions the build has.
         shared_position: where a fused shared expert's row (stored at slot ``k``) is added
             in the sum: ``"first"``, ``"last"``, or ``None`` (fusion refused).
@@ -69,6 +74,10 @@ KERNEL_BUILDS: dict[str, KernelBuild] = {
     "deepgemm-sm90": KernelBuild(
         "deepgemm-sm90", ("fp8_fp4_mega_moe",), None, dlpack_views=True
     ),
+    # DeepGEMM 2.8.0 (deepseek-ai/DeepGEMM 0274ad7): the stand-in has its NVFP4 x NVFP4
+    # kernel only (reference.fp4_fp4); a BF16 shared expert's row (slot k) is added last,
+    # after the routed sum was rounded to BF16 (impls/sm100_fp4_fp4_mega_moe.cuh, 794783a).
+    "deepgemm-2.8": KernelBuild("deepgemm-2.8", ("fp4_fp4_mega_moe",), "last"),
 }
 
 _flavour_setting: str | None = None
