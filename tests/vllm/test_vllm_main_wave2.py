@@ -23,6 +23,7 @@ import types
 import zlib
 
 import _main_common
+import _main_modelopt
 import pytest
 import torch
 from torch import nn
@@ -426,3 +427,82 @@ def test_a_model_holding_flashinfer_experts_is_refused_before_conversion():
     with pytest.raises(RuntimeError, match="experts is a vllm.models.deepseek_v4.nvidia.fi_moe"):
         vllm_mod._refuse_sites(model, [(_FlashInferExperts, site)])
     vllm_mod._refuse_sites(model, [(_FlashInferExperts, COMMON_SITE)])
+
+
+# -- vLLM main's ModelOpt NVFP4 quant method on fp4_fp4_mega_moe ----------------------------
+
+MODELOPT_SITE = _site("vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4MegaMoE",
+                      module=_main_modelopt.__name__,
+                      holder_class=f"{_main_modelopt.__name__}:MoELayer")
+
+
+def _modelopt_layer(shared: bool):
+    cls = _main_modelopt.ModelOptNvFp4MegaMoE
+    assert vllm_sites.recognise(cls, MODELOPT_SITE) is None
+    register_experts_class(_main_modelopt.MoELayer, vllm_sites.site_adapter(
+        MODELOPT_SITE, cls, forward_module=_main_modelopt.__name__,
+        stage_globals=MODELOPT_SITE.stage_fns,
+        flavour=lambda m: flavours.detect(_main_modelopt.deep_gemm).name,
+        ep_group=lambda m: None, runtime=lambda: "a vLLM main stand-in"))
+    return _main_modelopt.MoELayer(E, K, H, INTER, T, shared=shared)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "fused-shared-rsf"])
+def test_modelopt_nvfp4_mega_moe_combine_is_quantized(shared, fp4_build):
+    """The quant method held by the MoE layer: the layer is converted, its combine re-summed
+    in the kernel's order (with a fused BF16 shared expert, the routed sum rounded and scaled
+    by routed_scaling_factor before the shared row: a BF16 combine reproduces y bit for
+    bit). Break: drop the site's fused_shared_attr (the shared row is then not read)."""
+    layer = _modelopt_layer(shared)
+    x, w, ids = _batch(f"modelopt-{shared}")
+    y_plain = layer(x, w, ids)
+    moewire.quantize(layer, _combine("bf16"))
+    assert _same(layer(x, w, ids), y_plain)
+    assert layer._moewire_adapter.fused_shared(layer) is shared
+    assert layout_check.layout_checked(layer.quant_method._symm_buffer)
+    moewire.quantize(layer, _combine("fp8", 4.0))
+    assert not _same(layer(x, w, ids), y_plain)
+
+
+def test_modelopt_dispatch_quantizes_the_staged_tokens(fp4_build):
+    layer = _modelopt_layer(False)
+    x, w, ids = _batch("modelopt-dispatch")
+    amax = float(x.float().abs().max())
+    y_on_xq = layer(formats.fake_quant(x, "fp8", torch.tensor(amax)), w, ids)
+    moewire.quantize(layer, _dispatch("fp8", amax))
+    assert _same(layer(x, w, ids), y_on_xq)
+
+
+def test_modelopt_dispatch_with_a_fused_shared_expert_is_refused(fp4_build):
+    """A fused shared expert fails the dispatch quantizer closed (moewire does not tell the
+    kernels whose shared expert reads the staged tokens from those reading x_bf16)."""
+    layer = _modelopt_layer(True)
+    moewire.quantize(layer, _dispatch("fp8", 4.0))
+    with pytest.raises(RuntimeError, match="shared expert is fused"):
+        layer(*_batch("modelopt-refused"))
+
+
+def test_two_holder_sites_share_the_layer_class():
+    """vLLM main's MoE layer holds gpt-oss's modular experts or ModelOpt's NVFP4 quant method:
+    both adapters stay registered on the one class, each taking its own instances."""
+    class Layer(nn.Module):
+        def __init__(self, held):
+            super().__init__()
+            self.quant_method = held
+
+    class A: ...
+
+    class B: ...
+
+    def adapter(name, kind):
+        return registry.ExpertsAdapter(
+            name=name, forward_module=COMMON, stage_fn=(), stage_hidden_arg=0,
+            kernel_ns="deep_gemm", get_symm_buffer=lambda m: None, flavour=lambda m: "x",
+            fused_shared=lambda m: False, ep_group=lambda m: None,
+            applies=lambda m: isinstance(m.quant_method, kind))
+
+    register_experts_class(Layer, adapter("a", A))
+    register_experts_class(Layer, adapter("b", B))
+    assert registry.adapter_for(Layer(A())).name == "a"
+    assert registry.adapter_for(Layer(B())).name == "b"
+    assert registry.adapter_for(Layer(object())) is None

@@ -80,14 +80,19 @@ class ExpertsAdapter:
     refusal: str | None = None
 
 
-_ADAPTERS: dict[type, ExpertsAdapter] = {}
+# Adapters by class. Several adapters on one class each say which instances are theirs
+# (``applies``): vLLM main's MoE layer holds gpt-oss's modular experts or ModelOpt's NVFP4
+# Mega-MoE quant method.
+_ADAPTERS: dict[type, tuple[ExpertsAdapter, ...]] = {}
 
 
 def register_experts_class(cls: type, adapter: ExpertsAdapter) -> None:
     """Register ``adapter`` for ``cls`` (and its subclasses without their own adapter).
 
     Registering a class again replaces its adapter: integrations re-register when a
-    plugin is loaded twice, and tests register variants.
+    plugin is loaded twice, and tests register variants. Adapters that each have an
+    ``applies`` predicate share the class (one per name); the first that applies to a
+    module wins.
 
     Raises:
         TypeError: ``cls`` is not an ``nn.Module`` subclass or ``adapter`` not an
@@ -105,11 +110,15 @@ def register_experts_class(cls: type, adapter: ExpertsAdapter) -> None:
             f"register_experts_class: {cls.__name__} is a class moewire generated; register "
             "the original experts class"
         )
-    _ADAPTERS[cls] = adapter
+    kept: tuple[ExpertsAdapter, ...] = ()
+    if adapter.applies is not None:
+        kept = tuple(a for a in _ADAPTERS.get(cls, ())
+                     if a.applies is not None and a.name != adapter.name)
+    _ADAPTERS[cls] = (*kept, adapter)
 
 
 def unregister_experts_class(cls: type) -> None:
-    """Remove ``cls``'s own adapter (a no-op when it has none): an integration that
+    """Remove ``cls``'s own adapters (a no-op when it has none): an integration that
     registers classes on demand undoes it with this."""
     _ADAPTERS.pop(cls, None)
 
@@ -117,9 +126,9 @@ def unregister_experts_class(cls: type) -> None:
 def adapter_for(module: nn.Module) -> ExpertsAdapter | None:
     """The adapter of ``module``'s class or its nearest registered base, else ``None``."""
     for klass in type(module).__mro__:
-        adapter = _ADAPTERS.get(klass)
-        if adapter is not None and (adapter.applies is None or adapter.applies(module)):
-            return adapter
+        for adapter in _ADAPTERS.get(klass, ()):
+            if adapter.applies is None or adapter.applies(module):
+                return adapter
     return None
 
 
@@ -130,8 +139,9 @@ def stage_fn_names(adapter: ExpertsAdapter) -> tuple[str, ...]:
 
 
 def registered_classes() -> dict[type, ExpertsAdapter]:
-    """A copy of the registry: class -> adapter."""
-    return dict(_ADAPTERS)
+    """A copy of the registry: class -> its adapter (the last registered, where several
+    share the class)."""
+    return {cls: adapters[-1] for cls, adapters in _ADAPTERS.items()}
 
 
 def _register_reference() -> None:
