@@ -356,9 +356,11 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kernel", choices=("stand-in", "deepgemm-sm90"), default="stand-in",
                    help="the Mega-MoE kernel (default stand-in; deepgemm-sm90: DeepGEMM's real "
                         "SM90 fp8_mega_moe on a Hopper GPU, FP8 128x128 block-scaled weights)")
-    p.add_argument("--mma", choices=("bf16xbf16", "fp8xfp4", "fp8xfp8"), default=None,
+    p.add_argument("--mma", choices=("bf16xbf16", "fp8xfp4", "fp4xfp4", "fp8xfp8"), default=None,
                    help="the kernel's build (default: bf16xbf16 for the stand-in, the weights "
-                        "stay BF16; fp8xfp8 for deepgemm-sm90)")
+                        "stay BF16; fp4xfp4: DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel, weights "
+                        "and tokens NVFP4, H and I multiples of 512; fp8xfp8 for "
+                        "deepgemm-sm90)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--budget", type=_float_at_least(0.0), default=None,
                    help="mean-KL budget: name the cheapest pair within it")
