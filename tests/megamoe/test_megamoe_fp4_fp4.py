@@ -17,7 +17,7 @@ import torch
 
 import moewire
 from moewire import formats
-from moewire.megamoe import api, flavours, layout_check
+from moewire.megamoe import api, flavours, layout_check, registry
 from moewire.megamoe.resum import resum
 from moewire.reference import deep_gemm
 from moewire.reference.fp4_fp4.experts import FP4MegaMoEExperts
@@ -106,7 +106,9 @@ def test_a_layout_without_the_routed_scale_step_fails_the_check(name, monkeypatc
     wrong = dataclasses.replace(build, name="test-no-routed-scale", kernels={
         **build.kernels, "fp4_fp4_mega_moe": dataclasses.replace(layout, routed_scale=None)})
     monkeypatch.setitem(flavours._REGISTRY, wrong.name, wrong)
-    monkeypatch.setenv(flavours.ENV_FLAVOUR, wrong.name)
+    (adapter,) = registry._ADAPTERS[FP4MegaMoEExperts]
+    monkeypatch.setitem(registry._ADAPTERS, FP4MegaMoEExperts,
+                        (dataclasses.replace(adapter, flavour=lambda m: wrong.name),))
     experts = FP4MegaMoEExperts(E, K, H, INTER, T, device="cpu", **CASES[name])
     moewire.quantize(experts, _combine("bf16"))
     with pytest.raises(RuntimeError, match="layout check failed"):

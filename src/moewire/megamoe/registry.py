@@ -146,12 +146,17 @@ def registered_classes() -> dict[type, ExpertsAdapter]:
 
 def _register_reference() -> None:
     from moewire.megamoe.flavours import detect
-    from moewire.reference import deep_gemm
+    from moewire.reference import deep_gemm, fp4_fp4
     from moewire.reference.experts import MegaMoEExperts
     from moewire.reference.fp4_fp4.experts import FP4MegaMoEExperts
     from moewire.reference.nvfp4.experts import NVFP4MegaMoEExperts
 
     def stand_in(name: str, forward_module: str, stage_fn: str, **extra) -> ExpertsAdapter:
+        # The stand-in's "build" is the flavour selected now (use_flavour / env var), read
+        # from the module as from any DeepGEMM, unless the experts' kernel has one build.
+        extra.setdefault(
+            "flavour", lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name
+        )
         return ExpertsAdapter(
             name=name,
             forward_module=forward_module,
@@ -159,9 +164,6 @@ def _register_reference() -> None:
             stage_hidden_arg=0,
             kernel_ns="deep_gemm",
             get_symm_buffer=lambda m: m.get_symm_buffer(),
-            # The stand-in's "build" is the flavour selected now (use_flavour / env var),
-            # read from the module as from any DeepGEMM.
-            flavour=lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name,
             fused_shared=lambda m: m.fused_shared,
             ep_group=lambda m: m.ep_group,
             **extra,
@@ -190,6 +192,8 @@ def _register_reference() -> None:
             "reference-fp4-fp4",
             "moewire.reference.fp4_fp4.experts",
             "prepare_megamoe_nvfp4_inputs",
+            # Its kernel is DeepGEMM 2.8.0's alone (moewire.reference.fp4_fp4).
+            flavour=lambda m: fp4_fp4.FLAVOUR,
         ),
     )
 

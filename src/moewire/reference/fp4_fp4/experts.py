@@ -50,8 +50,8 @@ class FP4MegaMoEExperts(EPExperts):
         seed: seed of the default weights.
         device: default CUDA when available and the group is NCCL or None, else CPU.
 
-    The stand-in's DeepGEMM must imitate the build that has this kernel:
-    ``deep_gemm.use_flavour("deepgemm-2.8")``.
+    The stand-in models this kernel for DeepGEMM 2.8.0 alone: the module builds its buffer
+    under that flavour (``deepgemm-2.8``) whatever the stand-in's other kernels imitate.
     """
 
     def __init__(
@@ -73,25 +73,22 @@ class FP4MegaMoEExperts(EPExperts):
     ) -> None:
         super().__init__()
         where = type(self).__name__
-        flavour = deep_gemm.moewire_flavour()
-        if flavour != FLAVOUR:
-            raise ValueError(
-                f"{where}: fp4_fp4_mega_moe is modelled for DeepGEMM 2.8.0, but the stand-in "
-                f"imitates {flavour!r} now; select it with deep_gemm.use_flavour({FLAVOUR!r})"
-            )
         self._partition(num_experts, top_k, hidden, intermediate, max_num_tokens, group,
                         num_fused_shared_experts)
         self.activation_clamp = activation_clamp
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.kernel_name = "fp4_fp4_mega_moe"
         device = self._device(device)
-        self.symm_buffer = self._cached_buffer(
-            ("fp4xfp4", device),
-            lambda: deep_gemm.get_symm_buffer_for_mega_moe(
-                self.ep_group, num_experts, max_num_tokens, top_k, hidden, intermediate,
-                num_shared_experts=num_fused_shared_experts, mma_type="fp4xfp4", device=device,
-            ),
-        )
+
+        def build() -> Any:
+            with deep_gemm.use_flavour(FLAVOUR):
+                return deep_gemm.get_symm_buffer_for_mega_moe(
+                    self.ep_group, num_experts, max_num_tokens, top_k, hidden, intermediate,
+                    num_shared_experts=num_fused_shared_experts, mma_type="fp4xfp4",
+                    device=device,
+                )
+
+        self.symm_buffer = self._cached_buffer(("fp4xfp4", device), build)
         if weights is None:
             weights = make_fp4_fp4_weights(
                 num_experts, hidden, intermediate, experts=self.local_experts,
