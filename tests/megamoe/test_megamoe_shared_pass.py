@@ -16,7 +16,7 @@ import mm_oracles as oracles
 import numpy as np
 import pytest
 import torch
-from mm_helpers import SHAPES, Model, batch, region
+from mm_helpers import SHAPES, Model, batch, make_experts, region
 
 from moewire import formats
 from moewire.megamoe import flavours, layout_check
@@ -253,3 +253,75 @@ def _run_refused(cls):
 def test_the_second_launch_is_refused_where_it_cannot_be_made(cls, match):
     with pytest.raises(RuntimeError, match=match):
         _run_refused(cls)
+
+
+# -- CUDA graphs (H200) ----------------------------------------------------------------------
+
+
+def _capturable_fused_kernel(y, l1, l2, buf, shared_l1_weights=None, shared_l2_weights=None,
+                             **kwargs):
+    """A ``bf16_mega_moe`` with no host sync (the stand-in's syncs): routed rows
+    ``bf16(x * gain)`` at the valid slots, the shared row ``bf16(x / 2 + 1)`` at slot k for
+    every token, summed shared first in FP32, one rounding (vLLM 0.33's order)."""
+    t, k = y.shape[0], buf.num_topk
+    idx = buf.topk_idx[:t]
+    valid = (idx >= 0).T.unsqueeze(-1)
+    gain = (1.0 + idx.clamp(min=0).float() / 8.0) * buf.topk_weights[:t]
+    x = buf.x[:t].float()
+    rows = region(buf)
+    rows[:k, :t] = torch.where(valid, (x.unsqueeze(0) * gain.T.unsqueeze(-1)).bfloat16(),
+                               rows[:k, :t])
+    rows[k, :t] = (x * 0.5 + 1.0).bfloat16()
+    acc = torch.zeros((t, y.shape[1]), dtype=torch.float32, device=y.device)
+    acc = acc + rows[k, :t].float()
+    for s in range(k):
+        acc = torch.where(valid[s], acc + rows[s, :t].float(), acc)
+    y.copy_(acc.bfloat16())
+
+
+@pytest.mark.gpu
+def test_the_shared_pass_replays_in_a_cuda_graph_like_eager(monkeypatch):
+    """Both launches, the owed staging and the re-sum are captured: replays equal eager
+    forwards bit for bit, and an eager forward after the check makes no host sync; the
+    shared part of the output is that of the original tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run `pytest -m gpu` on the H200)")
+    monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _capturable_fused_kernel)
+    with deep_gemm.use_flavour("vllm-0.33"):
+        experts = convert(make_experts(fused=1, device="cuda"), "layers.0.experts")
+    experts.dispatch_quantizer = WireQuantizer("fp8", constant_amax=AMAX).cuda()
+    experts.combine_quantizer = WireQuantizer("bf16").cuda()
+    static = [t.cuda() for t in batch(T, experts.hidden, seed=70, scale=3.0)]
+    eager_first = experts(*static).clone()  # the eager checks run here
+    assert layout_check.layout_checked(experts.get_symm_buffer())
+    x, w, ids = (t.cpu() for t in static)
+    xq = formats.fake_quant(x, "fp8", torch.tensor(AMAX))
+    shared = (x.float() * 0.5 + 1.0).bfloat16().float()
+    gain = (1.0 + ids.clamp(min=0).float() / 8.0) * w
+    acc = shared
+    for s in range(ids.shape[1]):
+        routed = (xq.float() * gain[:, s : s + 1]).bfloat16().float()
+        acc = torch.where((ids[:, s] >= 0)[:, None], acc + routed, acc)
+    np.testing.assert_array_equal(oracles.torch_bits(eager_first.cpu()),
+                                  oracles.torch_bits(acc.bfloat16()))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        experts(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = experts(*static)
+    for seed in (71, 72):
+        fresh = [t.cuda() for t in batch(T, experts.hidden, seed=seed, scale=3.0)]
+        for dst, src in zip(static, fresh, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = experts(*fresh)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        np.testing.assert_array_equal(oracles.torch_bits(y_static.cpu()),
+                                      oracles.torch_bits(eager.cpu()))

@@ -47,7 +47,22 @@ Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored 
 - ``vllm/models/deepseek_v4/nvidia/fi_moe.py`` (055e47c): ``DeepseekV4MegaMoEExpertsFI``, a
   subclass of ``DeepseekV4MegaMoEExperts`` that stages through FlashInfer
   (``kernel.stage_inputs(..., quantize_input=True)``) and runs its ``moe_ep`` megakernel:
-  recognised and refused (:data:`FLASHINFER_REFUSAL`).
+  recognised (it imports ``flashinfer.moe_ep`` with ``from ... import`` inside the forward)
+  and refused (:data:`FLASHINFER_REFUSAL`).
+- ``vllm/models/kimi_k3/nvidia/model.py`` (ed51064; 006193b holds the same experts class):
+  main's ``KimiK3MegaMoEExperts`` stages with the global ``prepare_megamoe_inputs`` on the
+  latent tokens and calls ``_import_deep_gemm().fp8_fp4_mega_moe(..., activation_beta=,
+  activation_linear_beta=)`` itself (vllm-project/DeepGEMM's 2.6.1 SiTU spelling); vLLM 0.32's
+  class calls it through the backend (``run_mega_moe(``): one entry each, told apart by the
+  call.
+- ``vllm/models/kimi_k3/nvidia/fi_moe.py`` (a48554, 4cfcde0):
+  ``KimiK3FlashInferMegaMoEExperts``, a subclass of the above running FlashInfer's
+  ``moe_ep`` (``MoEEpTensors`` imported inside the forward): recognised and refused.
+- ``vllm/models/deepseek_v4/amd/mega_moe_experts.py`` with ``mega_moe_runtime.py`` (ed837da)
+  and ``amd/mega_moe.py`` (7a6d2f8, also in vLLM 0.32): aiter's ``MegaMoEV2`` on ROCm
+  (``--moe-backend flydsl_mega_moe``); the first class is named ``DeepseekV4MegaMoEExperts``
+  like the NVIDIA one and is told apart by its module (it imports aiter, stages nothing for
+  DeepGEMM): recognised and refused (:data:`AITER_REFUSAL`).
 - ``vllm/foundation/utilities/deep_gemm.py`` (055e47c): main's new home of
   ``_import_deep_gemm`` (:data:`ACCESS_MODULES`); ``fi_moe.py`` imports
   ``vllm.foundation...`` and ``vllm.runtime...``: a class is looked up at every path of its
