@@ -167,10 +167,13 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
                 "cannot find the tensor to re-sum into"
             )
         module._moewire_collect_cast_calibration()
-        staged = module._moewire_before_kernel(y)
+        # A fused shared expert's own launch on the original tokens, then the owed staging
+        # of the quantized ones (the dispatch quantizer quantizing); None otherwise.
+        shared_row = module._moewire_shared_pass(fn, args, kwargs, name)
+        staged = module._moewire_before_kernel(y, shared_pass=shared_row is not None)
         result = fn(*args, **kwargs)
         if staged is not None:
-            module._moewire_combine(y, staged, name)
+            module._moewire_combine(y, staged, name, shared_row=shared_row)
         return result
 
     kernel.__name__ = getattr(fn, "__name__", name)
