@@ -279,8 +279,10 @@ class FlashInferMXFP8Combine(BlockCombineFormat):
 
     The mask is there so that a zero scale encodes to zero rather than ``0 * inf``; it also
     fires for every tiny block, ``a <= 448 * 2^-100`` (about 3.5e-28, bytes 1 to 27), whose
-    elements are then multiplied by ``1e30`` instead of ``1 / sf`` (0.39 to 0.79 of it):
-    they come back smaller than they were (``q * sf``, with ``q`` of the shrunk value).
+    elements are then multiplied by ``1e30`` instead of ``1 / sf``, i.e. by ``sf * 1e30``
+    too little (0.79 at byte 27, 0.39 at byte 26, halving with each byte below): they
+    come back that much smaller (``q * sf``, with ``q`` of the shrunk value), and at byte
+    8 and below (``a <= 448 * 2^-119``) as zeros.
     Byte 0 (``a <= 448 * 2^-127``): ``sf = 2^-127`` is an FP32 subnormal, which
     ``rcp.approx.ftz`` flushes, so ``enc`` is ``FP32_MAX * fl(2^-127 * 1e30)`` (about 2e30;
     0 if the multiply flushed too) and every ``x_b * enc`` is below E4M3's smallest half
