@@ -345,13 +345,16 @@ class FlashInferNVFP4Combine(BlockCombineFormat):
 
     Not modelled: ``rcp`` is ``rcp.approx.ftz.f32`` on the device (the kernel package's own
     oracle calls the same instruction through Triton, ``_rcp_approx_ftz_f32_cuda``); moewire
-    takes the correctly rounded reciprocal. PTX allows the approximation one ulp of error;
+    takes the correctly rounded reciprocal. PTX allows the approximation one ulp of error,
+    and one ulp matters: BF16 rows put many elements exactly on an E2M1 midpoint of
+    ``x / ds`` (``x = 5a/12`` is a BF16 value whenever ``a``'s significand is a multiple of
+    3), where the last bit of ``enc`` decides the rounding. So this format is the device's
+    bit for bit exactly where the instruction is correctly rounded on the decode scales;
     ``ds`` takes only 128 significands (one per BF16 significand of ``a``), and
-    ``tests/kernels/test_gpu.py`` compares the instruction with the correctly rounded
-    reciprocal on every ``ds`` a BF16 amax gives (on the H200: Hopper's, not Blackwell's,
-    MUFU). An element's code can change only where ``x_b * enc`` lies within an ulp of an
-    E2M1 midpoint. Assumed, not read: that the E2M1 convert keeps the sign of a value that
-    rounds to zero (IEEE's rule; the host oracle's table writes +0.0).
+    ``tests/kernels/test_gpu.py`` checks every BF16 (amax, element) pair on the H200
+    (Hopper's MUFU; the kernel runs on Blackwell's). Assumed, not read: that the E2M1
+    convert keeps the sign of a value that rounds to zero (IEEE's rule; the host oracle's
+    table writes +0.0).
 
     How it differs from ``trtllm_16e2m1xbf16`` (the kernel package's host oracle): the mask
     (blocks with ``a`` below about 6e-30), the sign of a zero, and nothing else.
