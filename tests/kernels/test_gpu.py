@@ -176,6 +176,35 @@ def test_available_on_cuda(monkeypatch):
     assert not kernels.available()
 
 
+def _rcp_approx(x: torch.Tensor) -> torch.Tensor:
+    """``rcp.approx.ftz.f32`` of FP32 CUDA ``x``, elementwise (FlashInfer's encoders'
+    ``cute.arch.rcp_approx``), through Triton's inline PTX."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rcp_approx(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < n, other=1.0)
+        y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [v],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        tl.store(y_ptr + offs, y, mask=offs < n)
+
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rcp_approx[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    return y
+
+
+def test_rcp_approx_is_exact_on_powers_of_two():
+    """``flashinfer_mxfp8`` takes ``rcp.approx.ftz.f32(2^e) = 2^-e`` for its E8M0 scales
+    2^-126 .. 2^126 (2^-127 is flushed, which the format handles apart)."""
+    from moewire.formats._numerics import pow2
+
+    k = torch.arange(-126, 127, device=CUDA, dtype=torch.int32)
+    assert torch.equal(_rcp_approx(pow2(k)), pow2(-k))
+
+
 def test_rcp_approx_changes_no_flashinfer_nvfp4_code_on_bf16_rows():
     """FlashInfer's NVFP4 combine encodes with ``rcp.approx.ftz.f32`` of its decode scale
     ``ds = fl(a * fl(1/6))``; ``flashinfer_nvfp4`` takes the correctly rounded reciprocal.
@@ -185,24 +214,12 @@ def test_rcp_approx_changes_no_flashinfer_nvfp4_code_on_bf16_rows():
     mask ``min(ds * 1e30, 1)`` included): then the two encoders agree on every BF16 row.
     The instruction runs on this GPU's MUFU (Hopper's on the H200; the kernel runs on
     Blackwell's). Prints how many reciprocals differ at all."""
-    import triton
-    import triton.language as tl
-
     from moewire.formats._numerics import e2m1_magnitude, mul_recip
-
-    @triton.jit
-    def rcp_approx(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=1.0)
-        y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x],
-                                      dtype=tl.float32, is_pure=True, pack=1)
-        tl.store(y_ptr + offs, y, mask=offs < n)
 
     bits = torch.arange(0x0080, 0x7F80, dtype=torch.int32, device=CUDA)  # positive normals
     a = bits.to(torch.int16).view(torch.bfloat16).float()
     ds = mul_recip(a, 6.0)
-    approx = torch.empty_like(ds)
-    rcp_approx[(triton.cdiv(ds.numel(), 1024),)](ds, approx, ds.numel(), BLOCK=1024)
+    approx = _rcp_approx(ds)
     exact = torch.reciprocal(ds)
     differ = approx != exact
     print(f"rcp.approx.ftz.f32 != 1/ds on {int(differ.sum())} of {ds.numel()} decode scales")
