@@ -237,3 +237,21 @@ def test_cli_eval_prints_the_table(checkpoint, tmp_path, capsys):
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(p["dispatch"], p["combine"]) for p in report["pairs"]] == [
         ("bf16", "bf16"), ("fp8", "fp8"), ("mxfp4", "bf16")]
+
+
+def test_cli_eval_takes_the_shipped_combines_and_fnuz(checkpoint, tmp_path, capsys):
+    """``--pairs`` names FlashInfer's and MoRI's combines and ``fp8_e4m3fnuz`` (calibrated
+    as a dispatch format, like ``fp8``) as any registered format."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    pairs = ["fp8_e4m3fnuz:mori_fp8_blockwise_fnuz", "bf16:flashinfer_nvfp4"]
+    code = main(["eval", str(checkpoint("mixtral")), "--pairs", *pairs, "--text", str(text),
+                 "--max-tokens", "32", "--seq-len", "32", "--device", "cpu",
+                 "--out", str(tmp_path / "out")])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    got = {p["name"]: p for p in report["pairs"]}
+    assert set(got) == {"bf16:bf16", *pairs}
+    for name in pairs:
+        assert got[name]["kl_mean"] > 0.0, name
+        assert got[name]["bytes_per_token"] < got["bf16:bf16"]["bytes_per_token"], name

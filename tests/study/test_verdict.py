@@ -121,6 +121,27 @@ def test_budget_prints_the_verdict_under_the_table(tiny_sweep, tmp_path, capsys)
     assert INTERNAL_REFERENCE.search(text) is None
 
 
+def test_the_verdict_can_name_a_shipped_combine(tmp_path, capsys):
+    """FlashInfer's and MoRI's combines run in the sweep like any format, with their bytes
+    (``flashinfer_nvfp4``: 4 bits an element and a BF16 amax per 16; MoRI's blockwise FP8:
+    8 bits and an FP32 scale per 128), and the verdict names one when it is the cheapest."""
+    capsys.readouterr()
+    argv = ["study", "--model", "tiny", "--tokens", "16", "--calib-batches", "1",
+            "--eval-batches", "1", "--dispatch", "bf16",
+            "--combine", "mori_fp8_blockwise_fnuz,flashinfer_nvfp4", "--budget", "0.5",
+            "--out", str(tmp_path / "shipped")]
+    assert cli.main(argv) == 0
+    doc = json.loads((tmp_path / "shipped" / "results.json").read_text())
+    by_pair = {(r["dispatch"], r["combine"]): r for r in doc["results"]}
+    hidden, k = doc["layer"]["hidden"], doc["layer"]["top_k"]
+    assert by_pair["bf16", "flashinfer_nvfp4"]["bytes_per_token"] == k * (
+        hidden * 2 + (hidden * 4 + hidden // 16 * 16) / 8)
+    assert by_pair["bf16", "mori_fp8_blockwise_fnuz"]["bytes_per_token"] == k * (
+        hidden * 2 + hidden + hidden // 128 * 4)
+    assert doc["verdict"]["bytes_per_token"]["combine"] == "flashinfer_nvfp4"
+    assert "cheapest by bytes: dispatch bf16 x combine flashinfer_nvfp4:" in capsys.readouterr().out
+
+
 def test_from_equals_a_fresh_sweep_at_the_new_interconnect(tiny_sweep, tmp_path, capsys):
     """Re-timing reproduces, number for number, a sweep run at the new settings."""
     time_flags = ["--interconnect", "rdma-cx7", "--ep-size", "16", "--ep-tokens", "64"]
