@@ -93,6 +93,44 @@ def test_the_table_marks_the_fronts():
                      ("nvfp4", "nvfp4"): "time+bytes"}
 
 
+# 1.0 against 1.01005 with the 1% cost tolerance: they differ by 0.995% of the larger value
+# (a tie) and by 1.005% of the smaller (not a tie); 1.0202 is the same edge for the 2% error
+# tolerance; 1.0102 lies beyond the cost tolerance whichever value it is taken from.
+COST_EDGE, ERROR_EDGE, COST_APART = 1.01005, 1.0202, 1.0102
+
+
+@pytest.mark.parametrize(
+    "points, want",
+    [
+        # A tie on cost: the more accurate pair alone (with the tolerance taken from the
+        # smaller cost, the cheaper pair would stay too).
+        ([(100.0, 0.05, "cheap"), (100.0 * COST_EDGE, 0.03, "accurate")], ["accurate"]),
+        # A tie on cost and equal errors: neither is better, both stay (with the tolerance
+        # taken from the first value of each comparison, the cheaper pair would win).
+        ([(100.0, 0.03, "a"), (100.0 * COST_EDGE, 0.03, "b")], ["a", "b"]),
+        # Beyond the tolerance: a real cost, both on the front.
+        ([(100.0, 0.05, "cheap"), (100.0 * COST_APART, 0.03, "accurate")],
+         ["cheap", "accurate"]),
+        # A tie on error: the cheaper pair alone.
+        ([(100.0, 0.03 * ERROR_EDGE, "cheap"), (110.0, 0.03, "accurate")], ["cheap"]),
+    ],
+    ids=["cost-edge", "cost-edge-equal-error", "cost-apart", "error-edge"],
+)
+def test_the_tolerance_is_relative_to_the_larger_value(points, want):
+    """|a - b| <= rtol * max(|a|, |b|): at the edge the larger value decides, in either
+    order of the points."""
+    assert [tag for _, _, tag in pareto(points)] == want
+    assert [tag for _, _, tag in pareto(points[::-1])] == want
+
+
+def test_the_cheapest_pair_takes_the_cost_tie_from_the_larger_cost():
+    """101.005 us ties 100 us (0.995% of 101.005): the more accurate pair is the cheapest."""
+    doc = {"results": [_result("fp8", "fp8", 0.04, 100.0, 49152),
+                       _result("mxfp8", "fp8", 0.03, 100.0 * COST_EDGE, 49920)]}
+    best = cheapest(doc, Budget("rel_l2", 0.05), "comm_us")
+    assert (best["dispatch"], best["combine"]) == ("mxfp8", "fp8")
+
+
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("verdict") / "sweep"
