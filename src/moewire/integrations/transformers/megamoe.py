@@ -23,7 +23,8 @@ SITES` (transformers 5.23.0, ``integrations/deepgemm.py``; the sources are in th
   ``kernels-community/deep-gemm``) and whose other entry points refuse; and the one check
   that would stop it, ``_assert_sm100_requirements`` (which asks the CUDA device for
   Blackwell), is replaced by one that passes only while that stand-in bundle is the one
-  loaded and keeps the checkpoint's condition (FP4 weights need UE8M0 scales). Nothing else
+  loaded and keeps the check it makes on an SM100 GPU (FP32 scales are refused: the kernel
+  reads UE8M0 scales). Nothing else
   of transformers changes: its forward, ``setup_megamoe_weights``, ``_SYMM_BUFFERS`` and
   ``MegaMoeEP`` run unmodified. The opt-in lasts until :func:`remove_stand_in` (called by
   ``unregister()``), not until ``moewire.unquantize``, so an unquantized model still runs.
@@ -298,11 +299,11 @@ def _arch_check(site: MegaMoeSite, original: Callable[..., Any]) -> Callable[...
     def check(weight: torch.Tensor, scale: torch.Tensor) -> None:
         if not stand_in_installed(site):
             return original(weight, scale)
-        ue8m0 = getattr(torch, "float8_e8m0fnu", None)
-        if weight.dtype == torch.int8 and scale.dtype != ue8m0:
+        if scale.dtype == torch.float32:
             raise NotImplementedError(
-                f"{site.module}: FP4 expert weights need UE8M0 (float8_e8m0fnu) scales, as on "
-                f"SM100, got {scale.dtype}; load a checkpoint quantized with scale_fmt='ue8m0'"
+                f"{site.module}: these scales are FP32 and the SM100 Mega-MoE reads UE8M0 "
+                "scales only (transformers' check on SM100, kept by moewire's stand-in); load "
+                "a checkpoint quantized with scale_fmt='ue8m0'"
             )
         return None
 
