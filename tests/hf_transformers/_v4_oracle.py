@@ -32,6 +32,21 @@ import mm_oracles  # noqa: E402  (ModelOpt 0.47's FP8 and NVFP4, NumPy)
 F32 = np.float32
 
 
+def weights(bf16_checkpoint: Path, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 L1 ``[E, 2I, H]`` (``[gate | up]``) and L2 ``[E, H, I]`` of one layer, read
+    from the BF16 twin's file (DeepSeek-V4's ``ffn.experts.E.w{1,3,2}``), which holds the FP4
+    checkpoint's values exactly."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(Path(bf16_checkpoint) / "model.safetensors")
+    prefix = f"model.layers.{layer}.ffn.experts"
+    count = len({k[len(prefix) + 1 :].split(".")[0] for k in tensors if k.startswith(prefix + ".")})
+    l1 = torch.stack([torch.cat([tensors[f"{prefix}.{e}.w1.weight"],
+                                 tensors[f"{prefix}.{e}.w3.weight"]]) for e in range(count)])
+    l2 = torch.stack([tensors[f"{prefix}.{e}.w2.weight"] for e in range(count)])
+    return l1.double(), l2.double()
+
+
 def tokens(t: int, hidden: int, seed: int) -> torch.Tensor:
     """BF16 ``[t, hidden]`` with magnitudes in ``[0.5, 1]`` and random signs."""
     g = torch.Generator().manual_seed(seed)

@@ -39,16 +39,6 @@ def _load_fp4(path, prepare=True, mt=None, implementation="auto"):
     return model
 
 
-def _weights(bf16_path) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 L1 ``[E, 2I, H]`` and L2 ``[E, H, I]`` of layer 0 (the BF16 twin holds the
-    FP4 checkpoint's values exactly)."""
-    import transformers as tf
-
-    experts = tf.AutoModelForCausalLM.from_pretrained(
-        bf16_path, experts_implementation="eager").model.layers[0].mlp.experts
-    return experts.gate_up_proj.detach().double(), experts.down_proj.detach().double()
-
-
 def test_the_checkpoint_loads_as_fp8_experts_in_transformers_layout(v4_checkpoints,
                                                                     moewire_registered):
     """transformers' loader turns DeepSeek-V4-Flash's per-expert FP4 tensors into FP8Experts
@@ -66,7 +56,7 @@ def test_the_checkpoint_loads_as_fp8_experts_in_transformers_layout(v4_checkpoin
     assert experts.gate_up_proj.dtype == torch.int8
     assert tuple(experts.gate_up_proj.shape) == (8, 1024, 256)
     assert experts.gate_up_proj_scale_inv.dtype == torch.float8_e8m0fnu
-    l1, _ = _weights(bf16)
+    l1, _ = oracle.weights(bf16)
     packed = experts.gate_up_proj[3].view(torch.uint8).long()
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
     assert torch.equal(_tiny.decode(codes) * _tiny.L1_SCALE, l1[3])
@@ -83,7 +73,7 @@ def test_quantized_forward_is_what_the_layout_free_oracle_predicts(
     ascending order) bit for bit, the calibrated amaxes are the oracle's, and the logits move."""
     fp4, bf16 = v4_checkpoints
     model = _load_fp4(fp4, mt=moewire_registered)
-    l1, l2 = _weights(bf16)
+    l1, l2 = oracle.weights(bf16)
     experts = model.model.layers[0].mlp.experts
     calls = []
     experts.register_forward_hook(lambda m, args, out: calls.append((args, out)))
@@ -121,7 +111,7 @@ def test_crafted_batch_matches_the_oracle_and_the_moewire_twin(v4_checkpoints,
     twin = tf.AutoModelForCausalLM.from_pretrained(bf16, experts_implementation="moewire")
     _ep.apply_ep(twin, "moewire")
     mt.prepare(twin, "fp8xfp4")
-    l1, l2 = _weights(bf16)
+    l1, l2 = oracle.weights(bf16)
     x = oracle.tokens(9, 512, seed=1)
     idx, w = oracle.routing(9, 8, 2, seed=2)
     recipe = {"quant_cfg": [
