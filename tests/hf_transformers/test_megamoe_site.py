@@ -168,9 +168,17 @@ def test_stand_in_is_an_explicit_opt_in_undone_by_unregister(v4_checkpoints,
     assert detect(deepgemm._DEEPGEMM).name == SITE.build
     with pytest.raises(NotImplementedError, match="Mega-MoE entry points only"):
         deepgemm._DEEPGEMM.fp8_fp4_matmul()
-    weights = torch.zeros(1, dtype=torch.int8)
+    weights, ue8m0 = torch.zeros(1, dtype=torch.int8), torch.ones(1).to(torch.float8_e8m0fnu)
+    deepgemm._assert_sm100_requirements(weights, ue8m0)
     with pytest.raises(NotImplementedError, match="FP32"):
         deepgemm._assert_sm100_requirements(weights, torch.zeros(1))
+    stand_in = deepgemm._DEEPGEMM
+    deepgemm._DEEPGEMM = object()  # another DeepGEMM loaded: transformers' own check runs
+    try:
+        with pytest.raises((RuntimeError, AssertionError, NotImplementedError)):
+            deepgemm._assert_sm100_requirements(weights, ue8m0)
+    finally:
+        deepgemm._DEEPGEMM = stand_in
     mt.unregister()
     assert deepgemm._DEEPGEMM is None and deepgemm._assert_sm100_requirements is original_check
     mt.register()
