@@ -22,6 +22,9 @@ cycle; ``tests/reference/test_reference_imports.py`` checks it), from the bottom
   ``get_symm_buffer_for_sm90_mega_moe``, ``transform_weights_for_mega_moe_sm90``,
   ``fp8_mega_moe_sm90``; one rank): ``_alloc``, ``buffer``, ``deep_gemm_utils``.
 - ``deep_gemm`` (the thin API, re-exporting the public names): the modules above.
+- ``hub_deep_gemm`` (upstream DeepGEMM's Mega-MoE signatures, the build transformers
+  loads from the kernels hub, for ``moewire.integrations.transformers``): ``deep_gemm``
+  and below.
 - ``weights``, ``nvfp4_weights``, ``experts``, ``nvfp4_experts``: ``deep_gemm`` and below.
 """
 
