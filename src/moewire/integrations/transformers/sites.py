@@ -42,6 +42,7 @@ transformers at import).
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 
 from moewire.integrations._host import source_reach
@@ -124,8 +125,6 @@ def recognise(site: MegaMoeSite) -> str | None:
     group argument; every experts class exists and its interface maps ``site.name`` to the
     forward (or to moewire's trampoline of it, once registered).
     """
-    import inspect
-
     try:
         module = importlib.import_module(site.module)
     except ImportError as exc:
