@@ -335,20 +335,22 @@ def _run_study(args: argparse.Namespace) -> int:
 def _eval_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "eval",
-        help="perplexity, KL and top-1 agreement of wire format pairs on a local MoE checkpoint",
+        help="perplexity, KL, top-1 agreement and task accuracy of wire format pairs on a "
+        "local MoE checkpoint",
         description=(
             "Run a local transformers MoE checkpoint (offline) through the Mega-MoE contract "
             "(experts_implementation='moewire') and compare each dispatch:combine pair with "
-            "the same model on a BF16 wire."
+            "the same model on a BF16 wire, window by window (docs/eval.md). Every argument "
+            "and file is checked before the model loads."
         ),
     )
     p.add_argument("checkpoint", help="local checkpoint directory (config.json, safetensors)")
-    p.add_argument("--pairs", nargs="*", default=["fp8:fp8", "fp8:nvfp4", "nvfp4:nvfp4"],
-                   help="DISPATCH:COMBINE format pairs (default fp8:fp8 fp8:nvfp4 nvfp4:nvfp4)")
+    p.add_argument("--pairs", nargs="*", default=None, metavar="DISPATCH:COMBINE",
+                   help="format pairs (default fp8:fp8 fp8:nvfp4 nvfp4:nvfp4)")
     p.add_argument("--recipe", action="append", default=[],
                    help="a recipe name or YAML path to measure as well (repeatable)")
     p.add_argument("--text", type=Path, default=None,
-                   help="text file to evaluate on (default: the embedded calibration text)")
+                   help="UTF-8 text file to evaluate on (default: the embedded calibration text)")
     p.add_argument("--max-tokens", type=_int_at_least(2), default=1024,
                    help="tokens evaluated (default 1024)")
     p.add_argument("--seq-len", type=_int_at_least(2), default=128,
@@ -360,33 +362,90 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
                    help="the kernel's build (default: bf16xbf16 for the stand-in, the weights "
                         "stay BF16; fp8xfp8 for deepgemm-sm90)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--budget", type=_float_at_least(0.0), default=None,
+    p.add_argument("--budget", type=_float_at_least(0.0), default=None, metavar="KL",
                    help="mean-KL budget: name the cheapest pair within it")
     p.add_argument("--per-layer", metavar="DISPATCH:COMBINE", default=None,
-                   help="quantize one layer at a time with this pair; with --budget, write "
-                        "mixed_recipe.yaml")
+                   help="quantize one layer at a time with this pair; with --budget, measure "
+                        "and write mixed_recipe.yaml")
+    t = p.add_argument_group("task accuracy", "lm-evaluation-harness's tasks on each run "
+                             "(pip install 'moewire[eval]'; docs/eval.md)")
+    t.add_argument("--tasks", default=None, metavar="NAME[,NAME]",
+                   help="comma-separated lm-eval task names (e.g. gsm8k,arc_easy)")
+    t.add_argument("--tasks-path", type=Path, default=None, metavar="DIR",
+                   help="a directory of your own task YAML files (lm-eval's --include_path)")
+    t.add_argument("--task-limit", type=_int_at_least(1), default=None, metavar="N",
+                   help="at most N documents per task (lm-eval's --limit)")
     p.add_argument("--out", type=Path, default=Path("moewire-eval"),
                    help="output directory (default ./moewire-eval)")
     return p
 
 
-def _run_eval(args: argparse.Namespace) -> int:
-    from moewire.eval import evaluate, parse_pair, table
+def _eval_progress(bar):
+    """``progress(stage, done, total)`` drawn as one rich bar per stage."""
+    tasks: dict[str, int] = {}
 
-    pairs = [parse_pair(text) for text in args.pairs]
-    per_layer = parse_pair(args.per_layer) if args.per_layer else None
-    text = args.text.read_text() if args.text is not None else None
-    report = evaluate(
-        args.checkpoint, pairs, recipes=args.recipe, text=text, max_tokens=args.max_tokens,
-        seq_len=args.seq_len, mma_type=args.mma, kernel=args.kernel, device=args.device,
-        budget=args.budget,
-        per_layer=per_layer, out_dir=args.out,
-    )
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        bar.update(tasks[stage], completed=done, total=total)
+
+    return progress
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from moewire.eval import EvalError, evaluate, parse_pair, table
+    from moewire.eval.checks import read_text
+
+    if args.pairs is not None and not args.pairs:
+        raise EvalError("--pairs", "the flag is given without a pair; pass one or more (e.g. "
+                        "--pairs fp8:nvfp4 nvfp4:nvfp4), or leave --pairs out for the default "
+                        "three")
+    pairs = [parse_pair(text) for text in (args.pairs or ["fp8:fp8", "fp8:nvfp4",
+                                                           "nvfp4:nvfp4"])]
+    per_layer = parse_pair(args.per_layer, "--per-layer") if args.per_layer else None
+    tasks = [] if args.tasks is None else [t.strip() for t in args.tasks.split(",")
+                                           if t.strip()]
+    if args.tasks is not None and not tasks:
+        raise EvalError("--tasks", f"{args.tasks!r} names no task; pass lm-eval task names, "
+                        "e.g. --tasks gsm8k,arc_easy")
+    text = read_text(args.text) if args.text is not None else None
+    kwargs = dict(recipes=args.recipe, text=text, max_tokens=args.max_tokens,
+                  seq_len=args.seq_len, mma_type=args.mma, kernel=args.kernel,
+                  device=args.device, budget=args.budget, per_layer=per_layer, out_dir=args.out,
+                  tasks=tasks, tasks_path=args.tasks_path, task_limit=args.task_limit)
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+        from rich.progress import Progress as RichProgress
+
+        bar = RichProgress("[progress.description]{task.description}", BarColumn(),
+                           MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                           console=Console(stderr=True), transient=True)
+        with bar:
+            report = evaluate(args.checkpoint, pairs, **kwargs,
+                              log=lambda s: bar.console.print(s, highlight=False, markup=False),
+                              progress=_eval_progress(bar))
+    else:
+        report = evaluate(args.checkpoint, pairs, **kwargs)
     print(table(report))
     if "budget" in report:
         verdict = report["budget"]["verdict"]
         print(f"budget KL {args.budget:g}: " + (verdict or "no pair within budget"))
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'kl.png'}")
+    mixed = report.get("per_layer", {})
+    if mixed.get("recipe"):
+        print(f"mixed recipe: {mixed['pair'][0]}:{mixed['pair'][1]} on layers "
+              f"{mixed['layers']}, {mixed['elsewhere'][0]}:{mixed['elsewhere'][1]} elsewhere, "
+              f"measured KL {mixed['kl_mean']:.3e}, {mixed['bytes_per_token']:.0f} bytes per "
+              "routed token")
+    written = [args.out / "results.json", args.out / "kl.png"]
+    if mixed.get("recipe"):
+        written.append(Path(mixed["recipe"]))
+    print("wrote " + ", ".join(map(str, written)))
     return 0
 
 
