@@ -1,4 +1,5 @@
-"""The ``moewire`` command: ``moewire study`` (the main job) and ``moewire formats``.
+"""The ``moewire`` command: ``moewire study`` (the main job), ``moewire eval`` (a whole model)
+and ``moewire formats``.
 
 Exit codes: 0 on success, 2 on a bad argument (argparse's convention; the message names
 the argument and the fix), 1 on any other failure.
@@ -47,6 +48,19 @@ def _float_at_least(minimum: float):
 
 def _float_above(minimum: float):
     return _bounded(float, minimum, strict=True)
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a relative error in (0, 1] (``0.05`` is 5%)."""
+    value = _float_above(0.0)(text)
+    if value > 1.0:
+        raise argparse.ArgumentTypeError(
+            f"is a fraction (a relative L2 error: 0.05 is 5%), at most 1, got {text}; for "
+            f"{text}% pass {value / 100:g}")
+    return value
+
+
+_fraction.__name__ = "fraction in (0, 1]"
 
 
 def _study_parser(sub) -> argparse.ArgumentParser:
@@ -135,19 +149,21 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--from", dest="from_json", default=None, metavar="results.json",
                    help="re-apply the time estimate (the flags of this group) to a finished "
                    "sweep's results.json, without running the sweep again (the error does not "
-                   "depend on them); writes into --out if given, else beside the file")
+                   "depend on them); writes into --out if given, else into a new directory "
+                   "beside the file's (DIR-<interconnect>-ep<N>), never over the file")
     v = p.add_argument_group(
         "verdict", "the cheapest pair within an error budget, by estimated time and by bytes, "
         "printed under the table (docs/study.md, 'The verdict')")
     budget = v.add_mutually_exclusive_group()
-    budget.add_argument("--budget", type=_float_above(0.0), default=None, metavar="REL_L2",
-                        help="largest acceptable relative L2 error of the layer output, "
-                        "e.g. 0.01")
+    budget.add_argument("--budget", type=_fraction, default=None, metavar="REL_L2",
+                        help="largest acceptable relative L2 error of the layer output, a "
+                        "fraction in (0, 1], e.g. 0.01 for 1%%")
     budget.add_argument("--budget-sqnr", type=_float_above(0.0), default=None,
                         metavar="DB", help="smallest acceptable SQNR (dB), e.g. 40")
     p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
     p.add_argument("--out", default=None, metavar="DIR",
-                   help=f"output directory (default ./{d.out}/; with --from, the file's)")
+                   help=f"output directory (default ./{d.out}/; with --from, a new one beside "
+                   "the file's)")
     p.set_defaults(_sweep_defaults={dest: p.get_default(dest) for dest in _SWEEP_FLAGS})
     return p
 
@@ -190,6 +206,21 @@ def _line_hooks():
         pair_done=lambda done, total, label: print(f"[{done}/{total} pairs done] {label}",
                                                    flush=True),
     )
+
+
+def _rich_bar(console):
+    """A rich progress display with the time so far and the estimated time to go."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.progress import Progress as RichProgress
+
+    return RichProgress("[progress.description]{task.description}", BarColumn(),
+                        MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                        console=console, transient=True)
 
 
 def _rich_hooks(bar):
@@ -260,12 +291,8 @@ def _sweep(args: argparse.Namespace, tty: bool) -> tuple[dict, Path]:
         if not tty:
             return run_study(cfg, _line_hooks()), out
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
-        from rich.progress import Progress as RichProgress
 
-        bar = RichProgress("[progress.description]{task.description}", BarColumn(),
-                           MofNCompleteColumn(), TimeElapsedColumn(), console=Console(),
-                           transient=True)
+        bar = _rich_bar(Console())
         with bar:
             return run_study(cfg, _rich_hooks(bar)), out
 
@@ -291,7 +318,20 @@ def _retimed(args: argparse.Namespace) -> tuple[dict, Path]:
     if args.interconnect is not None:
         changes["interconnect"] = args.interconnect
     doc = retime(doc, **changes)
-    return doc, check_out_dir(args.out or Path(args.from_json).parent)
+    source = Path(args.from_json).resolve().parent
+    if args.out is None:
+        # A new directory beside the sweep's, named for the new time estimate.
+        out = source.with_name(f"{source.name}-{doc['interconnect']['name']}-ep"
+                               f"{doc['routing']['ep']['ep_size']}")
+    else:
+        out = Path(args.out)
+    if out.resolve() == source:
+        raise StudyArgumentError(
+            "--out", f"{args.out} is the directory of --from's {Path(args.from_json).name}, "
+            "whose results and plots it would overwrite; pass another directory, or leave "
+            "--out out (a new directory beside it)"
+        )
+    return doc, check_out_dir(out)
 
 
 def _run_study(args: argparse.Namespace) -> int:
@@ -415,17 +455,8 @@ def _run_eval(args: argparse.Namespace) -> int:
                   tasks=tasks, tasks_path=args.tasks_path, task_limit=args.task_limit)
     if sys.stderr.isatty():
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-        from rich.progress import Progress as RichProgress
 
-        bar = RichProgress("[progress.description]{task.description}", BarColumn(),
-                           MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-                           console=Console(stderr=True), transient=True)
+        bar = _rich_bar(Console(stderr=True))
         with bar:
             report = evaluate(args.checkpoint, pairs, **kwargs,
                               log=lambda s: bar.console.print(s, highlight=False, markup=False),
@@ -485,11 +516,15 @@ def _run_formats(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``moewire`` argument parser (subcommands ``study`` and ``formats``)."""
+    """The ``moewire`` argument parser (subcommands ``study``, ``eval`` and ``formats``;
+    ``--version``)."""
     parser = argparse.ArgumentParser(
         prog="moewire",
         description="Simulate low-precision MoE dispatch/combine in fused Mega-MoE kernels.",
     )
+    from moewire import __version__
+
+    parser.add_argument("--version", action="version", version=f"moewire {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{study,formats,eval}")
     _study_parser(sub)
     _eval_parser(sub)
