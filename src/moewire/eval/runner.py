@@ -397,15 +397,15 @@ def evaluate(
     runs = 1 + len(checked.pairs) + len(checked.recipes)
     extra = layers + 1 if per_layer else 0
     need, have = _estimate_bytes(checked, seq_len, tokens, runs + extra), _available_bytes(dev)
+    if need > have:
+        raise EvalError("memory", f"about {need / 2**30:.2f} GiB needed, {have / 2**30:.2f} GiB "
+                        f"free on {dev}; lower --seq-len or use a larger device")
+    out = None if out_dir is None else check_out_dir(out_dir)
     log(f"eval: {checked.path.name}: {tokens} tokens in {len(windows.inputs)} windows, {runs} "
         f"runs (+{'one per layer and the mixed recipe' if per_layer else 'none'}), memory "
         f"needed about {need / 2**30:.2f} GiB of {have / 2**30:.2f} GiB free on {dev}")
     if tokens < max_tokens:
         log(f"eval: the text gives {tokens} tokens, fewer than --max-tokens {max_tokens}")
-    if need > have:
-        raise EvalError("memory", f"about {need / 2**30:.2f} GiB needed, {have / 2**30:.2f} GiB "
-                        f"free on {dev}; lower --seq-len or use a larger device")
-    out = None if out_dir is None else check_out_dir(out_dir)
     progress = progress or _line_progress(log)
 
     started = time.perf_counter()

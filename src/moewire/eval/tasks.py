@@ -7,6 +7,11 @@ read in lm-eval 0.4.13 ``lm_eval/models/huggingface.py``: an initialised model i
 it is), and ``lm_eval.simple_evaluate`` runs the tasks on it. Every metric is reported with
 the standard error lm-eval computes for it (``"<metric>_stderr,<filter>"`` of its results).
 
+One setting differs from lm-eval's default: its log-softmax runs in FP32
+(``softmax_dtype=torch.float32``), not in the model's BF16, where a log-likelihood near -11
+is rounded to 1/16 and two choices closer than that tie (lm-eval's ``--model_args
+softmax_dtype=float32`` gives the same).
+
 Task names are checked before the model loads (:func:`check_tasks`): lm-eval indexes its
 task files (``lm_eval.tasks.TaskManager``); with ``include_path`` (lm-eval's
 ``--include_path``, a directory of task YAML files) that directory is indexed alone first,
@@ -50,12 +55,12 @@ def check_tasks(names: Sequence[str], include_path: str | None, has_tokenizer: b
     Raises:
         EvalError: naming ``--tasks`` or ``--tasks-path`` and the fix.
     """
-    if importlib.util.find_spec("lm_eval") is None:
-        raise EvalError("--tasks", "needs lm-evaluation-harness, which this Python lacks; run: "
-                        f"{sys.executable} -m pip install 'moewire[eval]'")
     if not has_tokenizer:
         raise EvalError("--tasks", f"lm-eval's tasks are text, and {checkpoint} has no "
                         "tokenizer (tokenizer.json); save the model's tokenizer into it")
+    if importlib.util.find_spec("lm_eval") is None:
+        raise EvalError("--tasks", "needs lm-evaluation-harness, which this Python lacks; run: "
+                        f"{sys.executable} -m pip install 'moewire[eval]'")
     if include_path is not None and not Path(include_path).is_dir():
         raise EvalError("--tasks-path", f"{include_path} is not a directory; pass the "
                         "directory of your task YAML files")
@@ -155,8 +160,10 @@ def run_tasks(model: nn.Module, tokenizer: Any, manager: Any, names: Sequence[st
     from lm_eval.models.huggingface import HFLM
 
     with _quiet(), _generators_kept(device):
+        # FP32 log-softmax: in the model's BF16 a log-probability near -11 is rounded to
+        # 1/16, coarser than what a wire format changes.
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
-                  device=str(device))
+                  device=str(device), softmax_dtype=torch.float32)
         out = simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit,
                               log_samples=False)
     return scores(out["results"])
