@@ -182,6 +182,7 @@ class _Session:
         """Every run over every window in lockstep, the baseline (``runs[0]``) first."""
         totals = Totals(len(runs), [n for n, _ in self.modules], windows.tokens, self.device)
         self._totals = totals
+        progress(stage, 0, len(windows.inputs))
         try:
             for w, (inputs, targets, offset) in enumerate(
                     zip(windows.inputs, windows.targets, windows.offsets, strict=True)):
@@ -291,12 +292,16 @@ def _load(checked: Checked, seq_len: int, mma_type: str | None, kernel: str) -> 
 
 def _line_progress(log: Callable[[str], None]) -> ProgressFn:
     """Progress as log lines (no terminal): at most about ten per stage, each with the
-    time so far and an estimate of the time to go."""
+    time so far and an estimate of the time to go. A stage starts at its ``done == 0``
+    call."""
     started: dict[str, float] = {}
     shown: dict[str, int] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
         now = time.perf_counter()
+        if done == 0:
+            started[stage], shown[stage] = now, 0
+            return
         begin = started.setdefault(stage, now)
         step = max(1, total // 10)
         if done != total and done - shown.get(stage, 0) < step:
@@ -366,7 +371,40 @@ def evaluate(
             names it and the fix), or a run that does not fit in memory.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from moewire.study.comm import INTERCONNECTS, comm_time, uniform_traffic
+    plan = _plan(checkpoint, pairs, recipes=recipes, text=text, max_tokens=max_tokens,
+                 seq_len=seq_len, mma_type=mma_type, kernel=kernel, device=device,
+                 budget=budget, per_layer=per_layer, out_dir=out_dir,
+                 interconnect=interconnect, ep_size=ep_size, tasks=tasks,
+                 tasks_path=tasks_path, task_limit=task_limit, log=log)
+    return _run_plan(plan, log, progress or _line_progress(log))
+
+
+@dataclass
+class _Plan:
+    """Everything :func:`evaluate` checked and read before the model loads."""
+
+    checked: Checked
+    tokenizer: Any
+    windows: _Windows
+    out: Path | None
+    seq_len: int
+    mma_type: str | None
+    kernel: str
+    budget: float | None
+    per_layer: tuple[str, str] | None
+    interconnect: str
+    ep_size: int
+    tasks: tuple[str, ...]
+    task_manager: Any
+    task_limit: int | None
+
+
+def _plan(checkpoint, pairs, *, recipes, text, max_tokens, seq_len, mma_type, kernel, device,
+          budget, per_layer, out_dir, interconnect, ep_size, tasks, tasks_path, task_limit,
+          log) -> _Plan:
+    """Every check of :func:`evaluate`, then the tokens and the windows; the output
+    directory is created last, once nothing else can refuse."""
+    from moewire.study.comm import INTERCONNECTS
 
     checked = preflight(checkpoint, pairs, recipes=recipes, per_layer=per_layer,
                         max_tokens=max_tokens, seq_len=seq_len, kernel=kernel,
@@ -392,124 +430,153 @@ def evaluate(
                         "at least 2 (its inputs and the next token); pass a longer text")
     dev = checked.device
     windows = _windows(ids, seq_len, dev)
-    tokens = windows.tokens
-    layers = checked.number("num_hidden_layers")
     runs = 1 + len(checked.pairs) + len(checked.recipes)
-    extra = layers + 1 if per_layer else 0
-    need, have = _estimate_bytes(checked, seq_len, tokens, runs + extra), _available_bytes(dev)
+    extra = checked.number("num_hidden_layers") + 1 if per_layer else 0
+    need = _estimate_bytes(checked, seq_len, windows.tokens, runs + extra)
+    have = _available_bytes(dev)
     if need > have:
         raise EvalError("memory", f"about {need / 2**30:.2f} GiB needed, {have / 2**30:.2f} GiB "
                         f"free on {dev}; lower --seq-len or use a larger device")
     out = None if out_dir is None else check_out_dir(out_dir)
-    log(f"eval: {checked.path.name}: {tokens} tokens in {len(windows.inputs)} windows, {runs} "
-        f"runs (+{'one per layer and the mixed recipe' if per_layer else 'none'}), memory "
-        f"needed about {need / 2**30:.2f} GiB of {have / 2**30:.2f} GiB free on {dev}")
-    if tokens < max_tokens:
-        log(f"eval: the text gives {tokens} tokens, fewer than --max-tokens {max_tokens}")
-    progress = progress or _line_progress(log)
+    log(f"eval: {checked.path.name}: {windows.tokens} tokens in {len(windows.inputs)} windows, "
+        f"{runs} runs (+{'one per layer and the mixed recipe' if per_layer else 'none'}), "
+        f"memory needed about {need / 2**30:.2f} GiB of {have / 2**30:.2f} GiB free on {dev}")
+    if windows.tokens < max_tokens:
+        log(f"eval: the text gives {windows.tokens} tokens, fewer than --max-tokens "
+            f"{max_tokens}")
+    return _Plan(checked, tokenizer, windows, out, seq_len, mma_type, kernel, budget,
+                 per_layer, interconnect, ep_size, tasks, manager, task_limit)
 
+
+def _runs(plan: _Plan, names: list[str], cost: Callable) -> tuple[list[_Run], list[_Run]]:
+    """The main runs (the baseline, the pairs, the recipes) and the per-layer probes."""
+    main = [_Run("bf16:bf16", None, cost([BASELINE] * len(names)))]
+    main += [_Run(f"{d}:{c}", {"quant_cfg": pair_entries(d, c)}, cost([(d, c)] * len(names)))
+             for d, c in plan.checked.pairs]
+    main += [_Run(r, r, cost(recipe_formats(r, names))) for r in plan.checked.recipes]
+    low = plan.per_layer
+    probes = [] if low is None else [
+        _Run(f"{low[0]}:{low[1]}@layer{_layer_index(n)}",
+             {"quant_cfg": pair_entries(*low, [_layer_index(n)])},
+             cost([low if m == n else BASELINE for m in names]))
+        for n in names]
+    return main, probes
+
+
+def _run_plan(plan: _Plan, log: Callable[[str], None], progress: ProgressFn) -> dict[str, Any]:
+    """Load the model, calibrate every run, measure them in lockstep, then the mixed recipe
+    and the tasks; write the files."""
+    import moewire.integrations.transformers as mt
+    from moewire.study.comm import INTERCONNECTS, comm_time, uniform_traffic
+
+    dev, windows = plan.checked.device, plan.windows
     started = time.perf_counter()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    model = _load(checked, seq_len, mma_type, kernel)
-    import moewire.integrations.transformers as mt
-
-    mma_type = mma_type or next(iter(mt.KERNELS[kernel]))
+    model = _load(plan.checked, plan.seq_len, plan.mma_type, plan.kernel)
     modules = mt.experts_modules(model)
     names = [n for n, _ in modules]
     hidden = int(model.config.hidden_size)
-    link = INTERCONNECTS[interconnect]
-    traffic = uniform_traffic(ep_size, 4096, int(model.config.num_experts_per_tok))
+    link = INTERCONNECTS[plan.interconnect]
+    traffic = uniform_traffic(plan.ep_size, 4096, int(model.config.num_experts_per_tok))
 
     def cost(per_module: list[tuple[str, str]]) -> WireCost:
         return wire_cost(per_module, hidden,
                          lambda d, c: comm_time(link, traffic, d, c, hidden).comm_us)
 
-    main = [_Run("bf16:bf16", None, cost([BASELINE] * len(names)))]
-    main += [_Run(f"{d}:{c}", {"quant_cfg": pair_entries(d, c)}, cost([(d, c)] * len(names)))
-             for d, c in checked.pairs]
-    main += [_Run(r, r, cost(recipe_formats(r, names))) for r in checked.recipes]
-    probes = []
-    if per_layer is not None:
-        probes = [_Run(f"{per_layer[0]}:{per_layer[1]}@layer{_layer_index(n)}",
-                       {"quant_cfg": pair_entries(*per_layer, [_layer_index(n)])},
-                       cost([per_layer if m == n else BASELINE for m in names]))
-                  for n in names]
-    loaded = time.perf_counter()
+    main, probes = _runs(plan, names, cost)
+    every = main + probes
+    report: dict[str, Any] = {
+        "checkpoint": str(plan.checked.path), "model_type": plan.checked.config.get("model_type"),
+        "tokens": windows.tokens, "windows": len(windows.inputs), "seq_len": plan.seq_len,
+        "kernel": plan.kernel, "mma_type": plan.mma_type or next(iter(mt.KERNELS[plan.kernel])),
+        "device": str(dev), "interconnect": plan.interconnect, "ep_size": plan.ep_size,
+    }
     mixed_yaml = None
+    loaded = time.perf_counter()
     session = _Session(model, modules, windows.inputs[0], dev)
     try:
-        every = main + probes
+        progress("calibration", 0, len(every))
         for i, run in enumerate(every):
             session.calibrate(run)
             progress("calibration", i + 1, len(every))
         calibrated = time.perf_counter()
         totals = session.measure(every, windows, progress, "window")
-        results = [_result(run, totals.result(i), tokens) for i, run in enumerate(main)]
+        measured = time.perf_counter()
+        results = [_result(run, totals.result(i), windows.tokens) for i, run in enumerate(main)]
         for r in results:
             log(f"eval: {r.name}: ppl {r.perplexity:.4f}, KL mean {r.kl_mean:.3e}, p99 "
                 f"{r.kl_p99:.3e}, top-1 {r.top1_agreement:.4f} ({r.tokens_per_second:.0f} "
                 "tokens/s)")
-        measured = time.perf_counter()
-        report: dict[str, Any] = {
-            "checkpoint": str(checked.path), "model_type": checked.config.get("model_type"),
-            "tokens": tokens, "windows": len(windows.inputs), "seq_len": seq_len,
-            "kernel": kernel, "mma_type": mma_type, "device": str(dev),
-            "interconnect": interconnect, "ep_size": ep_size,
-        }
-        verdict = None
-        if budget is not None:
-            within = [r for r in results[1:] if r.kl_mean <= budget]
-            best = min(within, key=lambda r: (r.bytes_per_token, r.kl_mean), default=None)
-            verdict = best
-            report["budget"] = {"kl": budget, "verdict": best.name if best else None}
-            log(f"eval: budget KL {budget:g}: " + (
-                f"{best.name} ({best.bytes_per_token:.0f} bytes per routed token)" if best
-                else "no pair is within budget; keep the BF16 wire"))
-        if per_layer is not None:
+        if plan.budget is not None:
+            report["budget"] = _verdict(results, plan.budget, log)
+        if plan.per_layer is not None:
             by_layer = {_layer_index(n): totals.result(len(main) + i)
                         for i, n in enumerate(names)}
-            report["per_layer"] = {"pair": list(per_layer),
+            report["per_layer"] = {"pair": list(plan.per_layer),
                                    "kl_by_layer": {n: r["kl_mean"] for n, r in by_layer.items()}}
-            if budget is not None:
-                mixed = _mixed(session, main[0], per_layer, by_layer, verdict, budget, names,
-                               cost, windows, progress, log, report["per_layer"])
+            if plan.budget is not None:
+                mixed = _mixed(session, main[0], plan.per_layer, by_layer, results, plan.budget,
+                               names, cost, windows, progress, log, report["per_layer"])
                 if mixed is not None:
                     main.append(mixed[0])
                     results.append(mixed[1])
                     mixed_yaml = mixed[2]
-        if tasks:
-            from moewire.eval.tasks import run_tasks
-
-            for i, (run, result) in enumerate(zip(main, results, strict=True)):
-                session.install(run)
-                result.tasks = run_tasks(model, tokenizer, manager, tasks, device=dev,
-                                         limit=task_limit)
-                progress("tasks", i + 1, len(main))
+        if plan.tasks:
+            _tasks(session, plan, main, results, progress)
     finally:
         session.close()
     done = time.perf_counter()
     report.update({
         "seconds": {"load": loaded - started, "calibrate": calibrated - loaded,
                     "measure": measured - calibrated, "total": done - started},
-        "tokens_per_second": tokens * len(every) / (measured - calibrated),
+        "tokens_per_second": windows.tokens * len(every) / (measured - calibrated),
         "peak_memory_bytes": (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
                               else None),
         "pairs": [asdict(r) for r in results],
     })
-    if tasks:
-        report["tasks"] = list(tasks)
-    if out is not None:
-        from moewire.eval.report import plot
-
-        if mixed_yaml is not None:
-            recipe_path = out / "mixed_recipe.yaml"
-            recipe_path.write_text(mixed_yaml)
-            report["per_layer"]["recipe"] = str(recipe_path)
-            log(f"eval: mixed recipe -> {recipe_path}")
-        (out / "results.json").write_text(json.dumps(report, indent=1))
-        plot(report, out / "kl.png")
+    if plan.tasks:
+        report["tasks"] = list(plan.tasks)
+    if plan.out is not None:
+        _write(report, plan.out, mixed_yaml, log)
     return report
+
+
+def _verdict(results: list[PairResult], budget: float,
+             log: Callable[[str], None]) -> dict[str, Any]:
+    """The cheapest run (fewest bytes per routed token) whose mean KL is within ``budget``."""
+    within = [r for r in results[1:] if r.kl_mean <= budget]
+    best = min(within, key=lambda r: (r.bytes_per_token, r.kl_mean), default=None)
+    log(f"eval: budget KL {budget:g}: " + (
+        f"{best.name} ({best.bytes_per_token:.0f} bytes per routed token)" if best
+        else "no pair is within budget; keep the BF16 wire"))
+    return {"kl": budget, "verdict": best.name if best else None}
+
+
+def _tasks(session: _Session, plan: _Plan, runs: list[_Run], results: list[PairResult],
+           progress: ProgressFn) -> None:
+    """lm-eval's tasks on each run, its quantizers installed."""
+    from moewire.eval.tasks import run_tasks
+
+    progress("tasks", 0, len(runs))
+    for i, (run, result) in enumerate(zip(runs, results, strict=True)):
+        session.install(run)
+        result.tasks = run_tasks(session.model, plan.tokenizer, plan.task_manager, plan.tasks,
+                                 device=plan.checked.device, limit=plan.task_limit)
+        progress("tasks", i + 1, len(runs))
+
+
+def _write(report: dict[str, Any], out: Path, mixed_yaml: str | None,
+           log: Callable[[str], None]) -> None:
+    from moewire.eval.report import plot
+
+    if mixed_yaml is not None:
+        recipe_path = out / "mixed_recipe.yaml"
+        recipe_path.write_text(mixed_yaml)
+        report["per_layer"]["recipe"] = str(recipe_path)
+        log(f"eval: mixed recipe -> {recipe_path}")
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "kl.png")
 
 
 def _layer_index(module_name: str) -> int:
@@ -526,14 +593,20 @@ def _result(run: _Run, metrics: dict[str, Any], tokens: int) -> PairResult:
 
 
 def _mixed(session: _Session, baseline: _Run, low: tuple[str, str],
-           by_layer: dict[int, dict[str, Any]], verdict: PairResult | None, budget: float,
+           by_layer: dict[int, dict[str, Any]], results: list[PairResult], budget: float,
            names: list[str], cost: Callable, windows: _Windows, progress: ProgressFn,
            log: Callable[[str], None],
            out: dict[str, Any]) -> tuple[_Run, PairResult, str] | None:
     """Choose, measure and back off the mixed recipe (:func:`moewire.eval.recipe.fit_mixed`);
-    fills ``out`` and returns the accepted run, its result and its YAML, or ``None``."""
-    high = (verdict.dispatch, verdict.combine) if verdict else BASELINE
-    spent = verdict.kl_mean if verdict else 0.0
+    fills ``out`` and returns the accepted run, its result and its YAML, or ``None``.
+
+    Elsewhere goes the cheapest pair within the budget (a recipe with several formats
+    cannot be the rest of a mixed recipe), or BF16; its KL counts against the budget."""
+    uniform = [r for r in results[1:] if r.kl_mean <= budget and "mixed" not in
+               (r.dispatch, r.combine)]
+    safer = min(uniform, key=lambda r: (r.bytes_per_token, r.kl_mean), default=None)
+    high = (safer.dispatch, safer.combine) if safer else BASELINE
+    spent = safer.kl_mean if safer else 0.0
     sensitivity = {n: r["kl_mean"] for n, r in by_layer.items()}
     measured: dict[tuple[int, ...], tuple[_Run, PairResult]] = {}
     index = {_layer_index(n): n for n in names}
