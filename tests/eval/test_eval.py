@@ -232,11 +232,64 @@ def test_cli_eval_prints_the_table(checkpoint, tmp_path, capsys):
                  "--recipe", "moe_dispatch_mxfp4",
                  "--max-tokens", "32", "--seq-len", "32", "--device", "cpu", "--budget", "1",
                  "--out", str(tmp_path / "out")])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert code == 0
     assert "bf16:bf16" in out and "fp8:fp8" in out and "moe_dispatch_mxfp4" in out
+    # Without a terminal: plain progress lines on stderr, each with the time to go; no bar.
+    progress = [line for line in captured.err.splitlines() if line.startswith("eval: window")]
+    assert progress == [line for line in progress if line.endswith(" s to go")]
+    assert progress[-1].startswith("eval: window 1/1: ") and "\x1b" not in captured.err
     # Both within budget; fp8:fp8 moves 256 bytes per token, MXFP4 dispatch + BF16 combine 324.
     assert "budget KL 1: fp8:fp8" in out
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(p["dispatch"], p["combine"]) for p in report["pairs"]] == [
         ("bf16", "bf16"), ("fp8", "fp8"), ("mxfp4", "bf16")]
+
+
+def test_the_terminal_bar_has_one_task_per_stage_with_the_time_to_go():
+    import io
+
+    from rich.console import Console
+    from rich.progress import TimeRemainingColumn
+
+    from moewire import cli
+
+    bar = cli._rich_bar(Console(file=io.StringIO()))
+    progress = cli._eval_progress(bar)
+    progress("calibration", 0, 3)
+    progress("calibration", 2, 3)
+    progress("window", 1, 8)
+    assert [(t.description, t.completed, t.total) for t in bar.tasks] == [
+        ("calibration", 2, 3), ("window", 1, 8)]
+    assert any(isinstance(c, TimeRemainingColumn) for c in bar.columns)
+
+
+def test_the_kl_plot_puts_the_baseline_on_the_edge_and_draws_the_budget():
+    """KL 0 has no place on a log axis: the baseline is a star on the bottom edge (axes
+    coordinates), labelled, never at an invented KL; the budget is a horizontal line."""
+    import matplotlib.pyplot as plt
+
+    from moewire.eval.report import kl_figure
+
+    pairs = [{"name": "bf16:bf16", "kl_mean": 0.0, "bytes_per_token": 512.0, "wire_us": 60.0},
+             {"name": "fp8:fp8", "kl_mean": 2e-4, "bytes_per_token": 256.0, "wire_us": 40.0},
+             {"name": "nvfp4:nvfp4", "kl_mean": 3e-3, "bytes_per_token": 144.0,
+              "wire_us": 30.0}]
+    report = {"pairs": pairs, "budget": {"kl": 1e-3}, "interconnect": "nvlink-h200",
+              "ep_size": 8, "checkpoint": "/x/ckpt", "tokens": 64, "kernel": "stand-in",
+              "mma_type": "bf16xbf16"}
+    fig = kl_figure(report)
+    try:
+        for ax, key in zip(fig.axes, ("bytes_per_token", "wire_us"), strict=True):
+            data = [tuple(o) for c in ax.collections if c.get_offset_transform() == ax.transData
+                    for o in c.get_offsets()]
+            assert sorted(data) == sorted((p[key], p["kl_mean"]) for p in pairs[1:])
+            edge = [c for c in ax.collections if c.get_offset_transform() != ax.transData]
+            assert [tuple(c.get_offsets()[0]) for c in edge] == [(pairs[0][key], 0.0)]
+            assert any(t.get_text() == "bf16:bf16: KL 0 (the reference)" for t in ax.texts)
+            lines = [tuple(line.get_ydata()) for line in ax.get_lines()]
+            assert (1e-3, 1e-3) in lines
+            assert ax.get_ylim()[0] > 0
+    finally:
+        plt.close(fig)

@@ -147,6 +147,28 @@ def test_rdma_defaults_to_where_its_figures_start(tiny_sweep, tmp_path):
     assert doc["routing"]["ep"]["ep_size"] == 16
 
 
+def test_from_without_out_writes_beside_the_sweep_never_over_it(tiny_sweep, capsys):
+    """The sweep's own files stay as they were; the re-timed ones go to a new directory
+    beside it, named for the new time estimate."""
+    before = {f.name: f.read_bytes() for f in tiny_sweep.iterdir()}
+    assert cli.main(["study", "--from", str(tiny_sweep / "results.json"), "--interconnect",
+                     "rdma-cx7"]) == 0
+    assert {f.name: f.read_bytes() for f in tiny_sweep.iterdir()} == before
+    beside = tiny_sweep.with_name(f"{tiny_sweep.name}-rdma-cx7-ep16")
+    doc = json.loads((beside / "results.json").read_text())
+    assert doc["interconnect"]["name"] == "rdma-cx7"
+    assert f"wrote {beside / 'results.json'}" in capsys.readouterr().out
+
+
+def test_from_refuses_to_write_over_its_own_sweep(tiny_sweep, capsys):
+    code = cli.main(["study", "--from", str(tiny_sweep / "results.json"), "--out",
+                     str(tiny_sweep), "--interconnect", "rdma-cx7"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moewire study: error: --out: {tiny_sweep} is the directory of "
+                          "--from's results.json, whose results and plots it would overwrite")
+
+
 @pytest.mark.parametrize(
     "extra, needle",
     [

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot", "table"]
+__all__ = ["kl_figure", "plot", "table"]
 
 _COLUMNS = (("ppl", 12), ("KL mean", 11), ("KL p99", 11), ("top-1", 8), ("bytes/tok", 11),
             ("wire us", 9))
@@ -53,7 +53,17 @@ def table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    """Write ``kl.png`` (module docstring) to ``path``."""
+    """Write ``kl.png`` (:func:`kl_figure`) to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = kl_figure(report)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def kl_figure(report: dict[str, Any]):
+    """The KL plot (module docstring) as a matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,6 +111,4 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"{Path(report['checkpoint']).name}: {report['tokens']} tokens, kernel "
                  f"{report['kernel']} ({report['mma_type']})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return fig
