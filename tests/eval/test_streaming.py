@@ -52,6 +52,8 @@ def test_totals_equal_the_oracle_of_the_whole_evaluation(chunk, monkeypatch):
         totals.add_logits(0, base[lo:hi], ref, targets[lo:hi], lo)
         totals.add_logits(1, run[lo:hi], ref, targets[lo:hi], lo)
     kl, nll, agree = _oracle(run, base, targets)
+    # Every token's KL at its own place in the evaluation.
+    assert torch.allclose(totals.token_kl(1), kl, rtol=1e-9, atol=0)
     got = totals.result(1)
     assert got["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-12)
     assert got["kl_p99"] == pytest.approx(np.quantile(kl.numpy(), 0.99), rel=1e-12)

@@ -108,7 +108,10 @@ def test_tasks_report_accuracy_and_stderr_beside_the_baseline(tokenized, tmp_pat
     ids = torch.tensor(list(TEXT.encode())[:32])
     moewire.quantize(model, {"quant_cfg": pair_entries("fp8", "nvfp4")},
                      lambda m: m(ids[None], use_cache=False))
-    assert accs["fp8:nvfp4"] == _accuracy(model)
+    try:
+        assert accs["fp8:nvfp4"] == _accuracy(model)
+    finally:
+        moewire.unquantize(model)
 
 
 @pytest.mark.parametrize(

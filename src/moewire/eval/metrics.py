@@ -144,6 +144,10 @@ class Totals:
 
         dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=group)
 
+    def token_kl(self, run: int) -> torch.Tensor:
+        """The run's KL of every token of the evaluation, float64 ``[N]`` (a view)."""
+        return self.buffer[run, self._fields :]
+
     def result(self, run: int) -> dict[str, float | dict[str, float]]:
         """The run's metrics: ``perplexity``, ``kl_mean``, ``kl_p99``, ``top1_agreement``
         and ``layer_rel_l2`` (``||y - y0|| / ||y0||`` per experts layer)."""
@@ -153,7 +157,7 @@ class Totals:
         return {
             "perplexity": float(torch.exp(row[_NLL] / count)),
             "kl_mean": float(row[_KL] / count),
-            "kl_p99": quantile(row[self._fields :], 0.99),
+            "kl_p99": quantile(self.token_kl(run).cpu(), 0.99),
             "top1_agreement": float(row[_AGREE] / count),
             "layer_rel_l2": {name: (err / ref) ** 0.5 if ref > 0 else 0.0
                              for name, (err, ref) in zip(self.layers, layers, strict=True)},
