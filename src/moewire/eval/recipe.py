@@ -66,7 +66,8 @@ def mixed_recipe_yaml(low: tuple[str, str], layers: Sequence[int], high: tuple[s
     import yaml
 
     return yaml.safe_dump({"description": description,
-                           "quant_cfg": mixed_entries(low, layers, high)}, sort_keys=False)
+                           "quant_cfg": mixed_entries(low, layers, high)}, sort_keys=False,
+                          default_flow_style=None, width=100)
 
 
 def recipe_formats(recipe: Any, module_names: Sequence[str]) -> list[tuple[str, str]]:

@@ -88,8 +88,8 @@ def kl_figure(report: dict[str, Any]):
             ax.scatter([r[key]], [0.0], transform=edge, marker="*", s=140, color="black",
                        clip_on=False, zorder=4)
             ax.annotate(f"{r['name']}: KL 0 (the reference)", (r[key], 0.0), xycoords=edge,
-                        textcoords="offset points", xytext=(-4, 10), ha="right",
-                        va="bottom", rotation=90, fontsize=8)
+                        textcoords="offset points", xytext=(-9, 4), ha="right",
+                        va="bottom", fontsize=8)
         ax.set_yscale("log")
         kls = [r["kl_mean"] for r in measured] + ([budget] if budget else [])
         if kls:

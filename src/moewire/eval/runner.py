@@ -515,6 +515,8 @@ def _run_plan(plan: _Plan, log: Callable[[str], None], progress: ProgressFn) -> 
                         for i, n in enumerate(names)}
             report["per_layer"] = {"pair": list(plan.per_layer),
                                    "kl_by_layer": {n: r["kl_mean"] for n, r in by_layer.items()}}
+            log(f"eval: {plan.per_layer[0]}:{plan.per_layer[1]} on one layer at a time, KL mean "
+                "by layer: " + ", ".join(f"{n}: {r['kl_mean']:.3e}" for n, r in by_layer.items()))
             if plan.budget is not None:
                 mixed = _mixed(session, main[0], plan.per_layer, by_layer, results, plan.budget,
                                names, cost, windows, progress, log, report["per_layer"])
@@ -614,8 +616,8 @@ def _mixed(session: _Session, baseline: _Run, low: tuple[str, str],
     def measure(layers: list[int]) -> float:
         entries = mixed_entries(low, layers, high)
         chosen = {index[n] for n in layers}
-        run = _Run(f"mixed ({low[0]}:{low[1]} on {len(layers)} of {len(names)} layers, "
-                   f"{high[0]}:{high[1]} elsewhere)", {"quant_cfg": entries},
+        run = _Run(f"mixed ({low[0]}:{low[1]} on {len(layers)}/{len(names)})",
+                   {"quant_cfg": entries},
                    cost([low if n in chosen else high for n in names]))
         base = _Run(baseline.name, None, baseline.cost, baseline.quantizers)
         session.calibrate(run)

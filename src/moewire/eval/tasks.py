@@ -156,10 +156,15 @@ def run_tasks(model: nn.Module, tokenizer: Any, manager: Any, names: Sequence[st
     Returns:
         :func:`scores` of lm-eval's results.
     """
-    from lm_eval import simple_evaluate
+    from unittest import mock
+
+    from lm_eval import evaluator, simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    with _quiet(), _generators_kept(device):
+    # lm-eval records the git commit of the working directory by running git, which prints
+    # "fatal: not a git repository" outside one; moewire's results do not use it.
+    with _quiet(), _generators_kept(device), \
+            mock.patch.object(evaluator, "get_git_commit_hash", lambda: None):
         # FP32 log-softmax: in the model's BF16 a log-probability near -11 is rounded to
         # 1/16, coarser than what a wire format changes.
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
