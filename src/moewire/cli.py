@@ -320,9 +320,12 @@ def _retimed(args: argparse.Namespace) -> tuple[dict, Path]:
     doc = retime(doc, **changes)
     source = Path(args.from_json).resolve().parent
     if args.out is None:
-        # A new directory beside the sweep's, named for the new time estimate.
-        out = source.with_name(f"{source.name}-{doc['interconnect']['name']}-ep"
-                               f"{doc['routing']['ep']['ep_size']}")
+        import os
+
+        # A new directory beside the sweep's, named for the new time estimate (relative to
+        # the working directory, as the user named the file).
+        out = Path(os.path.relpath(source.with_name(
+            f"{source.name}-{doc['interconnect']['name']}-ep{doc['routing']['ep']['ep_size']}")))
     else:
         out = Path(args.out)
     if out.resolve() == source:
