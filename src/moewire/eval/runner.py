@@ -133,11 +133,11 @@ class _Session:
 
         self.model, self.modules, self.device = model, modules, device
         self._first = first
-        # Converts every experts module; each run then brings its own quantizers.
-        moewire.quantize(model, {"quant_cfg": pair_entries(*BASELINE)})
         self._run: int | None = None
         self._totals: Totals | None = None
         self._reference: dict[int, torch.Tensor] = {}
+        # Converts every experts module; each run then brings its own quantizers.
+        moewire.quantize(model, {"quant_cfg": pair_entries(*BASELINE)})
         self._handles = [m.register_forward_hook(self._hook(i))
                          for i, (_, m) in enumerate(modules)]
 
@@ -361,7 +361,9 @@ def evaluate(
         tasks_path: a directory of task YAML files (lm-eval's ``--include_path``).
         task_limit: at most this many documents per task (lm-eval's ``--limit``).
         log: where the progress lines go.
-        progress: ``progress(stage, done, total)`` (default: a few log lines per stage).
+        progress: ``progress(stage, done, total)``, called with ``done == 0`` as a stage
+            (``"calibration"``, ``"window"``, ``"mixed recipe window"``, ``"tasks"``) starts
+            and after each step (default: a few log lines per stage with the time to go).
 
     Returns:
         The results dict (as ``results.json``).
