@@ -182,3 +182,37 @@ def test_memory_does_not_grow_with_the_tokens(checkpoint):
     peaks = {tokens: max(sizes) for tokens, sizes in seen.items()}
     runs = 2
     assert peaks[192] - peaks[64] <= runs * (192 - 64) * 8 + 4096, peaks
+
+
+@pytest.mark.gpu
+def test_the_sums_on_the_gpu_equal_the_cpus():
+    base, run, targets, cuts = _windows(tokens=300, vocab=151936, seq=128)
+    results = []
+    for device in ("cpu", "cuda"):
+        totals = Totals(2, [], base.shape[0], torch.device(device))
+        for lo, hi in cuts:
+            b, r, t = (x[lo:hi].to(device) for x in (base, run, targets))
+            ref = Reference.of(b)
+            totals.add_logits(0, b, ref, t, lo)
+            totals.add_logits(1, r, ref, t, lo)
+        results.append((totals.result(0), totals.result(1)))
+    (cpu0, cpu1), (gpu0, gpu1) = results
+    assert gpu0["kl_mean"] == 0.0 and gpu0["top1_agreement"] == 1.0
+    for key in ("kl_mean", "kl_p99", "perplexity", "top1_agreement"):
+        assert gpu1[key] == pytest.approx(cpu1[key], rel=1e-9), key
+
+
+@pytest.mark.gpu
+def test_a_bf16_pair_is_the_baseline_bit_for_bit_on_the_gpu(checkpoint):
+    pytest.importorskip("transformers.integrations.moe")
+    from eval_helpers import TEXT
+
+    from moewire.eval import evaluate
+
+    report = evaluate(checkpoint("qwen3_moe"), [("bf16", "bf16"), ("fp8", "nvfp4")], text=TEXT,
+                      max_tokens=128, seq_len=64, device="cuda", log=lambda s: None)
+    base, same, pair = report["pairs"]
+    for r in (base, same):
+        assert r["kl_mean"] == 0.0 and r["top1_agreement"] == 1.0
+        assert set(r["layer_rel_l2"].values()) == {0.0}
+    assert pair["kl_mean"] > 0
