@@ -323,8 +323,17 @@ def calibrate(
 
     Returns:
         ``model``.
+
+    Raises:
+        ValueError: ``model`` has no moewire quantizer: nothing would be calibrated.
     """
     _check_forward_loop(forward_loop, "calibrate")
+    if next(quantizers(model), None) is None:
+        raise ValueError(
+            f"calibrate: {type(model).__name__} has no moewire quantizer (no experts module of "
+            "it is quantized), so there is nothing to calibrate; call moewire.quantize(model, "
+            "recipe, forward_loop) first, which calibrates as well"
+        )
     with calibrating(model, extra_groups=extra_groups):
         forward_loop(model)
     return model
