@@ -43,11 +43,15 @@ CASES = (
     ("te_mxfp8", "fp32"),
     ("trtllm_16e2m1xbf16", "fp32"),
     ("trtllm_16e2m1xbf16", "bf16"),
+    ("flashinfer_mxfp8", "fp32"),
+    ("flashinfer_nvfp4", "fp32"),
+    ("mori_fp8_blockwise_fnuz", "fp32"),
+    ("mori_fp8_direct_cast_fnuz", "fp32"),
 )
 TOKENS = (1024, 8192)
 # --grid: (block_h, num_warps, unroll) tried for the split-tile formats besides the default.
 GRID = ((1024, 2, False), (1024, 2, True), (512, 1, True), (512, 2, False), (256, 1, True))
-SPLIT = ("nvfp4", "trtllm_16e2m1xbf16")
+SPLIT = ("nvfp4", "trtllm_16e2m1xbf16", "flashinfer_nvfp4")
 COLUMNS = [
     ("model", "model", ""), ("T", "T", ""), ("k", "k", ""), ("H", "H", ""),
     ("fmt", "format", ""), ("accumulate", "acc", ""), ("tuning", "tuning", ""),
