@@ -510,13 +510,21 @@ def test_modelopt_dispatch_quantizes_the_staged_tokens(fp4_build):
     assert _same(layer(x, w, ids), y_on_xq)
 
 
-def test_modelopt_dispatch_with_a_fused_shared_expert_is_refused(fp4_build):
-    """A fused shared expert fails the dispatch quantizer closed (moewire does not tell the
-    kernels whose shared expert reads the staged tokens from those reading x_bf16)."""
+def test_modelopt_dispatch_with_a_fused_shared_expert_quantizes_the_routed_tokens_only(
+        fp4_build):
+    """A fused shared expert with the dispatch quantizer on: the kernel runs once on the
+    original tokens with no routed slot (its shared row) and once on the quantized ones, so
+    the output is the kernel's on q(x) staged with the shared expert on x (``x_bf16``), bit
+    for bit; not the kernel's with the shared expert on q(x) too."""
     layer = _modelopt_layer(True)
-    moewire.quantize(layer, _dispatch("fp8", 4.0))
-    with pytest.raises(RuntimeError, match="shared expert is fused"):
-        layer(*_batch("modelopt-refused"))
+    x, w, ids = _batch("modelopt-shared-dispatch")
+    amax = float(x.float().abs().max())
+    xq = formats.fake_quant(x, "fp8", torch.tensor(amax))
+    routed_only = layer.quant_method.apply(layer, xq, w, ids, None, x)
+    all_quantized = layer.quant_method.apply(layer, xq, w, ids, None, xq)
+    assert not _same(routed_only, all_quantized)
+    moewire.quantize(layer, _dispatch("fp8", amax))
+    assert _same(layer(x, w, ids), routed_only)
 
 
 def test_two_holder_sites_share_the_layer_class():
