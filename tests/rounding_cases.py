@@ -2,7 +2,7 @@
 
 The NVFP4 Mega-MoE combine is ``acc = fma(float(row), w, acc)`` with ONE FP32 rounding per
 slot, then one BF16 rounding (vLLM 0.34.0's `nvfp4_mega_moe`). moewire emulates the FMA in torch
-(``moewire.megamoe.resum._fma_f32``, ``moewire.reference._nvfp4_numerics.fma_f32``) and in
+(``moewire.megamoe.resum._fma_f32``, ``moewire.reference.nvfp4._numerics.fma_f32``) and in
 the Triton interpreter (``moewire.kernels._triton._fma``): the float64 product is exact, the
 float64 sum is made round-to-odd from its exact error (TwoSum), then rounded to FP32. On
 random data a wrong rounding rarely changes a BF16 result, so these cases are crafted:

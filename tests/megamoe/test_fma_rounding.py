@@ -4,7 +4,7 @@ The NVFP4 Mega-MoE combine is ``acc = fma(float(row), w, acc)``, one FP32 roundi
 slot, then one BF16 rounding (vLLM 0.34.0's `nvfp4_mega_moe`).
 Two torch functions emulate the FMA: the re-sum's
 ``moewire.megamoe.resum._fma_f32`` and the NVFP4 reference kernel's
-``moewire.reference._nvfp4_numerics.fma_f32`` (float64 product and sum, then round-to-odd
+``moewire.reference.nvfp4._numerics.fma_f32`` (float64 product and sum, then round-to-odd
 from the exact error, then FP32). Here they meet crafted cases (``tests/rounding_cases.py``)
 where every plausible wrong rounding gives other bits, against an exact-rational oracle;
 and ``resum(weights=)`` meets combine tokens where one FP32 rounding shows in BF16.
@@ -23,8 +23,8 @@ import torch
 import rounding_cases as rc
 from bitexact import assert_same_bits, seed_of
 from moewire.megamoe.resum import _fma_f32, resum
-from moewire.reference import _nvfp4_numerics
-from moewire.reference.nvfp4_mega_moe import weighted_combine
+from moewire.reference.nvfp4 import _numerics as nvfp4_numerics
+from moewire.reference.nvfp4.mega_moe import weighted_combine
 
 CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -33,7 +33,7 @@ DEVICES = [
 ]
 EMULATIONS = {
     "resum": _fma_f32,
-    "reference": _nvfp4_numerics.fma_f32,
+    "reference": nvfp4_numerics.fma_f32,
 }
 
 
@@ -182,7 +182,7 @@ def test_weighted_resum_rounds_once_per_slot(position, device):
 
 @pytest.mark.parametrize("position", [None, "last"], ids=["no-shared", "shared-last"])
 def test_nvfp4_reference_kernel_combine_rounds_once_per_slot(position):
-    """The NVFP4 reference kernel's own combine (``reference.nvfp4_mega_moe.
+    """The NVFP4 reference kernel's own combine (``reference.nvfp4.mega_moe.
     weighted_combine``, the stand-in for the real kernel's ``__ffma2_rn`` loop; its shared
     row is always last) on the same tokens: the oracle's bits and the table's.
 

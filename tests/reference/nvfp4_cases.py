@@ -61,7 +61,7 @@ def stage(buf, x, ids, w, weights, l2_alpha, l2_activation_scale, group_size=1,
     )
     if block_m is None:
         return None
-    from moewire.reference.nvfp4_mega_moe import shared_sf_row
+    from moewire.reference.nvfp4.mega_moe import shared_sf_row
 
     return shared_sf_row(torch.arange(t), block_m)
 

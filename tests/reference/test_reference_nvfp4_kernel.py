@@ -19,7 +19,7 @@ from nvfp4_oracle import (
 from nvfp4_oracle import stage as stage_oracle
 from reference_oracle import BF16, bf16_values, np_bytes
 
-from moewire.reference.nvfp4_mega_moe import shared_sf_row, weighted_combine
+from moewire.reference.nvfp4.mega_moe import shared_sf_row, weighted_combine
 
 SHARED_IDS = list(SHARED)
 

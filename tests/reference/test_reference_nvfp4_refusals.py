@@ -8,7 +8,7 @@ import torch
 from nvfp4_cases import build
 
 from moewire.reference import deep_gemm, prepare_megamoe_nvfp4_inputs
-from moewire.reference.nvfp4_mega_moe import NVFP4SymmBuffer
+from moewire.reference.nvfp4.mega_moe import NVFP4SymmBuffer
 
 E, K, H, INTER = 8, 3, 256, 256
 BUFFER_ARGS = {"group": None, "num_experts": E, "num_max_tokens_per_rank": 8, "num_topk": K,

@@ -26,7 +26,7 @@ from torch import nn
 
 from moewire.reference import deep_gemm as reference
 from moewire.reference import make_weights
-from moewire.reference._nvfp4_numerics import stage_nvfp4_per_token
+from moewire.reference.nvfp4._numerics import stage_nvfp4_per_token
 
 deep_gemm: Any = reference
 prepare_megamoe_inputs = prepare_megamoe_inputs_reference

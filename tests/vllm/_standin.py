@@ -24,7 +24,7 @@ import torch
 from moewire.integrations.vllm import NVFP4_STAGE_FN
 from moewire.integrations.vllm import bridge as _vllm_bridge
 from moewire.reference._numerics import cast_to_fp8_ue8m0, pack_ue8m0
-from moewire.reference.nvfp4_mega_moe import shared_sf_row
+from moewire.reference.nvfp4.mega_moe import shared_sf_row
 
 __all__ = ["prepare_megamoe_inputs_reference", "use_reference_deep_gemm"]
 

@@ -119,7 +119,7 @@ def test_032_fused_shared_combine_on_order_visible_rows(vllm_config, monkeypatch
     from vllm.models.deepseek_v4.nvidia.model import DeepseekV4MegaMoEExperts
 
     from moewire.megamoe import layout_check
-    from moewire.reference.nvfp4_mega_moe import shared_sf_row
+    from moewire.reference.nvfp4.mega_moe import shared_sf_row
 
     vllm_mod.register_vllm_experts()
     # vLLM caches buffers per shape across layers: this test's buffer is its own.

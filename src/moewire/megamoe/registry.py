@@ -138,7 +138,7 @@ def _register_reference() -> None:
     from moewire.megamoe.flavours import detect
     from moewire.reference import deep_gemm
     from moewire.reference.experts import MegaMoEExperts
-    from moewire.reference.nvfp4_experts import NVFP4MegaMoEExperts
+    from moewire.reference.nvfp4.experts import NVFP4MegaMoEExperts
 
     def stand_in(name: str, forward_module: str, stage_fn: str, **extra) -> ExpertsAdapter:
         return ExpertsAdapter(
@@ -169,7 +169,7 @@ def _register_reference() -> None:
         NVFP4MegaMoEExperts,
         stand_in(
             "reference-nvfp4",
-            "moewire.reference.nvfp4_experts",
+            "moewire.reference.nvfp4.experts",
             "prepare_megamoe_nvfp4_inputs",
         ),
     )

@@ -1,5 +1,5 @@
 """Buffer plumbing shared by the stand-in's two buffers (``buffer.SymmBuffer`` and
-``nvfp4_buffer.NVFP4SymmBuffer``): sizes and their checks, the rank of a group, where a
+``nvfp4.buffer.NVFP4SymmBuffer``): sizes and their checks, the rank of a group, where a
 buffer lives and how it is allocated.
 
 May import: torch only (nothing of moewire), so every reference module can use it.

@@ -6,7 +6,7 @@ E2M1 or E4M3 times a power of two) and cached; FP8 x FP4 and BF16 x BF16 product
 exact in FP32, so the result differs from the hardware's only in the order in which the
 FP32 accumulator adds the K products (and in ``silu``, see ``docs/reference.md``).
 
-Also the pieces ``nvfp4_mega_moe`` shares: the tensor checks, the grouped matmul and the
+Also the pieces ``nvfp4.mega_moe`` shares: the tensor checks, the grouped matmul and the
 all-to-all. The dequantized weights and their cache are ``_weights_cache``'s.
 
 May import: torch, ``moewire.reference._numerics``, ``_weights_cache`` and

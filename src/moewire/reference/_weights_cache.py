@@ -5,7 +5,7 @@ layout (FP4 or FP8 elements with UE8M0 scales, gate and up interleaved in L1); t
 copy is kept in :data:`WEIGHT_CACHE`, an LRU cache of at most
 ``MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES`` bytes whose entries hold their source tensors
 weakly, die with them (a weak-reference callback), and are rebuilt after an in-place write
-to a source (its ``_version`` changes). ``_kernel`` and ``nvfp4_mega_moe`` use it.
+to a source (its ``_version`` changes). ``_kernel`` and ``nvfp4.mega_moe`` use it.
 
 May import: torch and ``moewire.reference._numerics``.
 """

@@ -4,11 +4,11 @@
 back in a listed order, their byte offsets in ``_moewire_regions``, typed views sliced from
 ``.buffer``, the raw bytes of a region, the combine rows, ``destroy`` and pickling.
 :class:`SymmBuffer` is the buffer of ``deep_gemm.get_symm_buffer_for_mega_moe``, laid out
-for a :class:`~moewire.reference.builds.KernelBuild`; ``nvfp4_buffer.NVFP4SymmBuffer``
+for a :class:`~moewire.reference.builds.KernelBuild`; ``nvfp4.buffer.NVFP4SymmBuffer``
 is the other one.
 
 May import: torch, ``moewire.reference._alloc`` and ``moewire.reference.builds``. The
-kernel (``_kernel``), ``nvfp4_buffer`` and the ``deep_gemm`` API import this module, never
+kernel (``_kernel``), ``nvfp4.buffer`` and the ``deep_gemm`` API import this module, never
 the reverse.
 """
 
@@ -162,7 +162,7 @@ class SymmBuffer(RegionBuffer):
         shared_l1_acts_sf: with a fused shared expert and ``fp8xfp4`` only: int32
             ``[ceil(Tmax / 8) * 128, H / 128]``, the tokens' packed scales at the rows of
             DeepGEMM's MN-major shared-expert layout for the call's BLOCK_M
-            (``deep_gemm.get_block_m_for_mega_moe``, ``nvfp4_buffer.shared_sf_row``);
+            (``deep_gemm.get_block_m_for_mega_moe``, ``nvfp4.buffer.shared_sf_row``);
             vLLM 0.32 stages them there. The stand-in kernel reads the shared expert's input
             from ``x`` and ``x_sf``, as the routed experts'; ``None`` otherwise.
         l1_acts, l1_acts_sf: tokens this rank received, FP8 ``[R * Tmax * k, H]`` and packed

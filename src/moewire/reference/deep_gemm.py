@@ -33,7 +33,7 @@ built with in ``_moewire_flavour``. :func:`moewire_flavour` says which build the
 imitates now (how ``moewire.megamoe.flavours.detect`` recognises it).
 
 May import: torch and the reference modules below the API (``_alloc``, ``_numerics``,
-``deep_gemm_utils``, ``builds``, ``buffer``, ``_kernel``, ``nvfp4_buffer``, ``nvfp4_mega_moe``);
+``deep_gemm_utils``, ``builds``, ``buffer``, ``_kernel``, ``nvfp4.buffer``, ``nvfp4.mega_moe``);
 none of them imports it.
 """
 
@@ -63,12 +63,12 @@ from moewire.reference.builds import (
     use_flavour,
 )
 from moewire.reference.deep_gemm_utils import per_token_cast_to_fp8
-from moewire.reference.nvfp4_buffer import (
+from moewire.reference.nvfp4.buffer import (
     NVFP4SymmBuffer,
     get_block_m_for_nvfp4_mega_moe,
     get_token_alignment_for_nvfp4_mega_moe,
 )
-from moewire.reference.nvfp4_mega_moe import nvfp4_mega_moe
+from moewire.reference.nvfp4.mega_moe import nvfp4_mega_moe
 
 __all__ = [
     "DEFAULT_FLAVOUR",

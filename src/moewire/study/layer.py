@@ -66,7 +66,7 @@ def kernel_weights_from_dense(
     weight cast, ``sf = 2^ceil(log2(max(amax, 1e-4) / 6))``), then DeepGEMM's layout
     transform. ``bf16xbf16``: BF16 as is, then the transform. ``nvfp4`` (the NVFP4 Mega-MoE
     of vLLM 0.33/0.34): NVFP4 per expert, a global scale ``amax / 2688`` and an E4M3 scale
-    per 16 (:func:`moewire.reference.nvfp4_weights.quantize_nvfp4_weight`), then the
+    per 16 (:func:`moewire.reference.nvfp4.weights.quantize_nvfp4_weight`), then the
     transform; the global scales become the kernel's ``l1_alpha`` / ``l2_alpha``.
 
     Args:
@@ -79,7 +79,7 @@ def kernel_weights_from_dense(
     """
     # The reference's own cast, so the kernel reads exactly the format it defines.
     from moewire.reference import quantize_fp4_ue8m0
-    from moewire.reference.nvfp4_weights import quantize_nvfp4_weight
+    from moewire.reference.nvfp4.weights import quantize_nvfp4_weight
 
     if mma == "nvfp4":
         parts = [[quantize_nvfp4_weight(w[e].float()) for e in range(w.shape[0])]

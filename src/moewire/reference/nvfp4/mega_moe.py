@@ -21,12 +21,12 @@ Where it differs from ``fp8_fp4_mega_moe`` (vLLM 0.34.0's bundled `impls/sm100_n
   starts where the L2 scale region (``l2_acts_sf``) ends, and the per-token ``x_scales``
   regions **follow** it, so the combine region is not the buffer's last region.
 
-Its buffer is in ``nvfp4_buffer`` and vLLM's staging in ``nvfp4_staging``; the names above
-are re-exported here.
+Its buffer is in the family's ``buffer`` and vLLM's staging in its ``staging``; the names
+above are re-exported here.
 
-May import: torch and the reference modules below the ``deep_gemm`` API (``_numerics``,
-``_nvfp4_numerics``, ``_weights_cache``, ``_kernel``, ``nvfp4_buffer``, ``nvfp4_staging``);
-``deep_gemm`` re-exports it.
+May import: torch, the reference modules below the ``deep_gemm`` API
+(``moewire.reference._numerics``, ``_weights_cache``, ``_kernel``) and the family's
+``_numerics``, ``buffer`` and ``staging``; ``deep_gemm`` re-exports it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from moewire.reference._numerics import (
     scale_groups,
     unpack_ue8m0,
 )
-from moewire.reference._nvfp4_numerics import (
+from moewire.reference.nvfp4._numerics import (
     dequantize_nvfp4,
     fma_f32,
     pack_e4m3,
@@ -52,14 +52,14 @@ from moewire.reference._nvfp4_numerics import (
     quantize_mxfp8_l2_input,
     quantize_nvfp4_l2_input,
 )
-from moewire.reference.nvfp4_buffer import (
+from moewire.reference.nvfp4.buffer import (
     NVFP4SymmBuffer,
     _fail,
     get_block_m_for_nvfp4_mega_moe,
     get_token_alignment_for_nvfp4_mega_moe,
     shared_sf_row,
 )
-from moewire.reference.nvfp4_staging import prepare_megamoe_nvfp4_inputs
+from moewire.reference.nvfp4.staging import prepare_megamoe_nvfp4_inputs
 
 __all__ = [
     "NVFP4SymmBuffer",
@@ -319,7 +319,7 @@ def nvfp4_mega_moe(
        ``use_x_scales``; a missing alpha is 1).
     2. The activation (see ``_activation``); the router weight is **not** applied.
     3. ``h`` cast to NVFP4 with ``l2_activation_scale``
-       (:func:`~moewire.reference._nvfp4_numerics.quantize_nvfp4_l2_input`).
+       (:func:`~moewire.reference.nvfp4._numerics.quantize_nvfp4_l2_input`).
     4. ``row = bf16(fl(acc2 * l2_alpha[e]))``, written to the source rank's combine region
        at (slot, token). Rows of invalid slots are not written.
 

@@ -10,8 +10,9 @@ MXFP8 or BF16 input, ``l2_alpha = w2_weight_scale_2 * l2_activation_scale``), ca
 ``l1_alpha = w13_weight_scale_2`` and ``use_x_scales=True``, then add an unfused shared
 expert. Those two globals are where a quantization wrapper interposes.
 
-May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_ep_experts``,
-``experts``, ``nvfp4_staging`` and ``nvfp4_weights``.
+May import: torch, ``moewire.reference.deep_gemm`` (the API), ``moewire.reference._ep_experts``
+and ``moewire.reference.experts`` (the forward context), and the family's ``staging`` and
+``weights``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch import nn
 from moewire.reference import deep_gemm
 from moewire.reference._ep_experts import EPExperts
 from moewire.reference.experts import get_forward_context
-from moewire.reference.nvfp4_staging import prepare_megamoe_nvfp4_inputs
-from moewire.reference.nvfp4_weights import NVFP4MegaMoEWeights, make_nvfp4_weights
+from moewire.reference.nvfp4.staging import prepare_megamoe_nvfp4_inputs
+from moewire.reference.nvfp4.weights import NVFP4MegaMoEWeights, make_nvfp4_weights
 
 __all__ = ["NVFP4MegaMoEExperts", "prepare_megamoe_nvfp4_inputs"]
 

@@ -2,8 +2,8 @@
 (``model_executor/layers/fused_moe/prepare_megamoe.py``), which writes the routed tokens
 as NVFP4 (and a fused shared expert's MXFP8 or BF16 input) into an ``NVFP4SymmBuffer``.
 
-May import: torch and the reference modules below the ``deep_gemm`` API (``_numerics``,
-``_nvfp4_numerics``, ``nvfp4_buffer``).
+May import: torch and the reference modules below the ``deep_gemm`` API
+(``moewire.reference._numerics``, and the family's ``_numerics`` and ``buffer``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from moewire.reference._numerics import (
     ceil_to_ue8m0,
     pack_ue8m0,
 )
-from moewire.reference._nvfp4_numerics import (
+from moewire.reference.nvfp4._numerics import (
     stage_nvfp4_per_token,
 )
-from moewire.reference.nvfp4_buffer import (
+from moewire.reference.nvfp4.buffer import (
     SHARED_DTYPES,
     _fail,
     shared_sf_row,
@@ -62,7 +62,7 @@ def prepare_megamoe_nvfp4_inputs(
 ) -> None:
     """vLLM's NVFP4 Mega-MoE staging (``prepare_megamoe.py::prepare_megamoe_nvfp4_inputs``).
 
-    Writes ``x, x_sf, x_scales`` (:func:`~moewire.reference._nvfp4_numerics.
+    Writes ``x, x_sf, x_scales`` (:func:`~moewire.reference.nvfp4._numerics.
     stage_nvfp4_per_token`: per-token FP32 scale ``amax / 2688``, E2M1 with an E4M3 scale
     per 16), ``topk_idx_out`` (int64, ``-1`` for padding tokens) and ``topk_weights_out``
     (FP32, 0 for padding); a fused shared expert's input ``shared_x``: MXFP8 (E4M3 with

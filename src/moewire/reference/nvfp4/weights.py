@@ -1,4 +1,4 @@
-"""Seeded random weights for the stand-in NVFP4 Mega-MoE (:mod:`.nvfp4_mega_moe`).
+"""Seeded random weights for the stand-in NVFP4 Mega-MoE (:mod:`.mega_moe`).
 
 Routed experts are NVFP4 the way NVFP4 checkpoints store them (ModelOpt's
 ``weight`` / ``weight_scale`` / ``weight_scale_2``) and DeepGEMM's
@@ -11,8 +11,8 @@ expert), per 16 along K ``bs = e4m3(clamp(fl(bmax / fl(6 gs)), 2^-9, 448))``,
 A fused shared expert is MXFP8 (E4M3, UE8M0 per 32) or BF16, as vLLM's
 ``MEGA_MOE_NVFP4.shared`` allows.
 
-May import: torch, ``moewire.reference.deep_gemm`` (the API), ``_numerics``,
-``_nvfp4_numerics`` and ``weights``.
+May import: torch, ``moewire.reference.deep_gemm`` (the API), ``moewire.reference._numerics``
+and ``moewire.reference.weights``, and the family's ``_numerics``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from moewire.reference import deep_gemm
 from moewire.reference._numerics import FP4_MAX, FP8_MAX, quantize_e2m1
-from moewire.reference._nvfp4_numerics import (
+from moewire.reference.nvfp4._numerics import (
     E4M3_MIN,
     NVFP4_RANGE,
     e4m3,

@@ -15,7 +15,7 @@ Conventions:
   scale bytes per int32 (byte ``j`` of int ``i`` scales 16-element block ``4i + j``).
 - ``fl(.)`` is one FP32 rounding (nearest even).
 
-May import: torch and ``moewire.reference._numerics`` only.
+May import: torch and ``moewire.reference._numerics`` only (nothing else of the family).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ The layout (``include/deep_gemm/layout/nvfp4_mega_moe.cuh`` of vLLM 0.34.0's bun
 combine region starts where the L2 scale region (``l2_acts_sf``) ends, and the per-token
 ``x_scales`` regions **follow** it, so the combine region is not the buffer's last region.
 
-May import: torch and the reference modules below the ``deep_gemm`` API (``_alloc``,
-``buffer``).
+May import: torch and the reference modules below the ``deep_gemm`` API
+(``moewire.reference._alloc``, ``moewire.reference.buffer``).
 """
 
 from __future__ import annotations
