@@ -6,7 +6,8 @@
 
 Rows are random BF16 (never zeros, as the timed benchmarks use), every slot valid; the
 layout check runs unless ``--no-check`` (it compares with the unquantized re-sum, computed
-once first). Prints the median of the launches timed by CUDA events, beside a copy of the
+once first). The output is compared bit for bit with ``megamoe.resum`` on the format's torch
+reference (``exact``). Prints the median of the launches timed by CUDA events, beside a copy of the
 same bytes, so a profiled case can be matched with ``benchmarks/combine_formats.py``.
 """
 
@@ -40,6 +41,10 @@ def main() -> None:
     y = None if args.no_check else resum(rows, idx, args.tokens)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     out = torch.empty(args.tokens, args.hidden, dtype=torch.bfloat16, device="cuda")
+    def quantize(r):
+        return fmt.dequantize(r, amax) if mode == "fp32" else fmt.qdq(r, amax, use_kernel=False)
+
+    want = resum(rows, idx, args.tokens, row_quantizer=quantize, accumulate=mode)
     times = []
     for _ in range(args.launches):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -61,9 +66,10 @@ def main() -> None:
         end.synchronize()
         copies.append(start.elapsed_time(end) * 1e3)
     fused, copy = statistics.median(times), statistics.median(copies)
+    exact = bool(torch.equal(out.view(torch.int16), want.view(torch.int16)))
     print(f"{args.fmt}/{mode} k={args.k} H={args.hidden} T={args.tokens} "
           f"check={y is not None}: {fused:.1f} us, copy of the same bytes {copy:.1f} us "
-          f"({copy / fused:.2f} of copy), flag={int(flag)}")
+          f"({copy / fused:.2f} of copy), flag={int(flag)}, exact={exact}")
 
 
 if __name__ == "__main__":
