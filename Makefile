@@ -15,9 +15,10 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 
-# The transformers extra: tests/hf_transformers and tests/eval run in `make test`.
+# The transformers and eval extras: tests/hf_transformers and tests/eval (lm-eval's tasks
+# included) run in `make test`.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e ".[test,transformers]"
+	$(BIN)/pip install -q -e ".[test,transformers,eval]"
 	touch $@
 
 # In a random order (pytest-randomly prints "Using --randomly-seed=N" first: rerun that

@@ -50,11 +50,16 @@ CASES = (
     ("trtllm_32e4m3xe8m0", "fp32"),
     ("te_mxfp8", "fp32"),
     ("bf16", "bf16"),
+    ("trtllm_16e2m1xbf16", "bf16"),
+    ("flashinfer_mxfp8", "fp32"),
+    ("flashinfer_nvfp4", "fp32"),
+    ("mori_fp8_blockwise_fnuz", "fp32"),
+    ("mori_fp8_direct_cast_fnuz", "fp32"),
 )
 TOKENS = (1024, 8192)
 # --grid: (block_h, num_warps, unroll) tried for the split-tile formats besides the default.
 GRID = ((1024, 2, False), (1024, 2, True), (512, 1, True), (512, 2, False), (256, 1, True))
-SPLIT = ("nvfp4", "trtllm_16e2m1xbf16")
+SPLIT = ("nvfp4", "trtllm_16e2m1xbf16", "flashinfer_nvfp4")
 COLUMNS = [
     ("model", "model", ""), ("T", "T", ""), ("k", "k", ""), ("H", "H", ""),
     ("fmt", "format", ""), ("accumulate", "acc", ""), ("check", "check", ""),

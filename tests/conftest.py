@@ -269,10 +269,11 @@ def leaks(
 ) -> list[str]:
     """What changed in the process-wide state between two snapshots, one line each."""
     found = []
-    alive = [m for m in convert_module._CONVERTED if m not in converted_before]
-    if alive:
+    if any(m not in converted_before for m in convert_module._CONVERTED):
+        # A module in a reference cycle (transformers' EP installs a forward closure over
+        # its module) goes only with a collection, which a list of the modules would stop.
         gc.collect()
-        alive = [m for m in convert_module._CONVERTED if m not in converted_before]
+    alive = [m for m in convert_module._CONVERTED if m not in converted_before]
     found += [
         f"converted module still alive: {type(m).__qualname__} "
         f"({getattr(m, '_moewire_name_', '?')})" for m in alive

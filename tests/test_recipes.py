@@ -22,6 +22,12 @@ UNITS = {
     "trtllm_fp8_combine": ("combine", "trtllm_32e4m3xe8m0"),
     "trtllm_fp4_combine": ("combine", "trtllm_16e2m1xbf16"),
     "te_mxfp8_combine": ("combine", "te_mxfp8"),
+    "flashinfer_mxfp8_combine": ("combine", "flashinfer_mxfp8"),
+    "flashinfer_nvfp4_combine": ("combine", "flashinfer_nvfp4"),
+    "mori_fp8_combine_fnuz": ("combine", "mori_fp8_blockwise_fnuz"),
+    "mori_fp8_combine_ocp": ("combine", "mori_fp8_blockwise_ocp"),
+    "mori_fp8_direct_cast_combine_fnuz": ("combine", "mori_fp8_direct_cast_fnuz"),
+    "mori_fp8_direct_cast_combine_ocp": ("combine", "mori_fp8_direct_cast_ocp"),
 }
 PRESETS = {
     "moe_fp8": ("fp8", "fp8"),
@@ -285,7 +291,8 @@ def test_unit_cycle_refused(tmp_path):
 
 @pytest.mark.parametrize(
     ("arg", "match"),
-    [("moe_fp6", "unknown recipe 'moe_fp6'; packaged recipes: deepgemm_fp8_combine, moe_comb"),
+    [("moe_fp6", "unknown recipe 'moe_fp6'; packaged recipes: deepgemm_fp8_combine, "
+                 "flashinfer_mxfp8_combine"),
      ("missing/recipe.yaml", "does not exist")],
     ids=["unknown-name", "missing-file"],
 )

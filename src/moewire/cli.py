@@ -1,4 +1,5 @@
-"""The ``moewire`` command: ``moewire study`` (the main job) and ``moewire formats``.
+"""The ``moewire`` command: ``moewire study`` (the main job), ``moewire eval`` (a whole model)
+and ``moewire formats``.
 
 Exit codes: 0 on success, 2 on a bad argument (argparse's convention; the message names
 the argument and the fix), 1 on any other failure.
@@ -47,6 +48,19 @@ def _float_at_least(minimum: float):
 
 def _float_above(minimum: float):
     return _bounded(float, minimum, strict=True)
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a relative error in (0, 1] (``0.05`` is 5%)."""
+    value = _float_above(0.0)(text)
+    if value > 1.0:
+        raise argparse.ArgumentTypeError(
+            f"is a fraction (a relative L2 error: 0.05 is 5%), at most 1, got {text}; for "
+            f"{text}% pass {value / 100:g}")
+    return value
+
+
+_fraction.__name__ = "fraction in (0, 1]"
 
 
 def _study_parser(sub) -> argparse.ArgumentParser:
@@ -135,19 +149,21 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--from", dest="from_json", default=None, metavar="results.json",
                    help="re-apply the time estimate (the flags of this group) to a finished "
                    "sweep's results.json, without running the sweep again (the error does not "
-                   "depend on them); writes into --out if given, else beside the file")
+                   "depend on them); writes into --out if given, else into a new directory "
+                   "beside the file's (DIR-<interconnect>-ep<N>), never over the file")
     v = p.add_argument_group(
         "verdict", "the cheapest pair within an error budget, by estimated time and by bytes, "
         "printed under the table (docs/study.md, 'The verdict')")
     budget = v.add_mutually_exclusive_group()
-    budget.add_argument("--budget", type=_float_above(0.0), default=None, metavar="REL_L2",
-                        help="largest acceptable relative L2 error of the layer output, "
-                        "e.g. 0.01")
+    budget.add_argument("--budget", type=_fraction, default=None, metavar="REL_L2",
+                        help="largest acceptable relative L2 error of the layer output, a "
+                        "fraction in (0, 1], e.g. 0.01 for 1%%")
     budget.add_argument("--budget-sqnr", type=_float_above(0.0), default=None,
                         metavar="DB", help="smallest acceptable SQNR (dB), e.g. 40")
     p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
     p.add_argument("--out", default=None, metavar="DIR",
-                   help=f"output directory (default ./{d.out}/; with --from, the file's)")
+                   help=f"output directory (default ./{d.out}/; with --from, a new one beside "
+                   "the file's)")
     p.set_defaults(_sweep_defaults={dest: p.get_default(dest) for dest in _SWEEP_FLAGS})
     return p
 
@@ -190,6 +206,21 @@ def _line_hooks():
         pair_done=lambda done, total, label: print(f"[{done}/{total} pairs done] {label}",
                                                    flush=True),
     )
+
+
+def _rich_bar(console):
+    """A rich progress display with the time so far and the estimated time to go."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.progress import Progress as RichProgress
+
+    return RichProgress("[progress.description]{task.description}", BarColumn(),
+                        MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                        console=console, transient=True)
 
 
 def _rich_hooks(bar):
@@ -260,12 +291,8 @@ def _sweep(args: argparse.Namespace, tty: bool) -> tuple[dict, Path]:
         if not tty:
             return run_study(cfg, _line_hooks()), out
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
-        from rich.progress import Progress as RichProgress
 
-        bar = RichProgress("[progress.description]{task.description}", BarColumn(),
-                           MofNCompleteColumn(), TimeElapsedColumn(), console=Console(),
-                           transient=True)
+        bar = _rich_bar(Console())
         with bar:
             return run_study(cfg, _rich_hooks(bar)), out
 
@@ -291,7 +318,23 @@ def _retimed(args: argparse.Namespace) -> tuple[dict, Path]:
     if args.interconnect is not None:
         changes["interconnect"] = args.interconnect
     doc = retime(doc, **changes)
-    return doc, check_out_dir(args.out or Path(args.from_json).parent)
+    source = Path(args.from_json).resolve().parent
+    if args.out is None:
+        import os
+
+        # A new directory beside the sweep's, named for the new time estimate (relative to
+        # the working directory, as the user named the file).
+        out = Path(os.path.relpath(source.with_name(
+            f"{source.name}-{doc['interconnect']['name']}-ep{doc['routing']['ep']['ep_size']}")))
+    else:
+        out = Path(args.out)
+    if out.resolve() == source:
+        raise StudyArgumentError(
+            "--out", f"{args.out} is the directory of --from's {Path(args.from_json).name}, "
+            "whose results and plots it would overwrite; pass another directory, or leave "
+            "--out out (a new directory beside it)"
+        )
+    return doc, check_out_dir(out)
 
 
 def _run_study(args: argparse.Namespace) -> int:
@@ -335,20 +378,22 @@ def _run_study(args: argparse.Namespace) -> int:
 def _eval_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "eval",
-        help="perplexity, KL and top-1 agreement of wire format pairs on a local MoE checkpoint",
+        help="perplexity, KL, top-1 agreement and task accuracy of wire format pairs on a "
+        "local MoE checkpoint",
         description=(
             "Run a local transformers MoE checkpoint (offline) through the Mega-MoE contract "
             "(experts_implementation='moewire') and compare each dispatch:combine pair with "
-            "the same model on a BF16 wire."
+            "the same model on a BF16 wire, window by window (docs/eval.md). Every argument "
+            "and file is checked before the model loads."
         ),
     )
     p.add_argument("checkpoint", help="local checkpoint directory (config.json, safetensors)")
-    p.add_argument("--pairs", nargs="*", default=["fp8:fp8", "fp8:nvfp4", "nvfp4:nvfp4"],
-                   help="DISPATCH:COMBINE format pairs (default fp8:fp8 fp8:nvfp4 nvfp4:nvfp4)")
+    p.add_argument("--pairs", nargs="*", default=None, metavar="DISPATCH:COMBINE",
+                   help="format pairs (default fp8:fp8 fp8:nvfp4 nvfp4:nvfp4)")
     p.add_argument("--recipe", action="append", default=[],
                    help="a recipe name or YAML path to measure as well (repeatable)")
     p.add_argument("--text", type=Path, default=None,
-                   help="text file to evaluate on (default: the embedded calibration text)")
+                   help="UTF-8 text file to evaluate on (default: the embedded calibration text)")
     p.add_argument("--max-tokens", type=_int_at_least(2), default=1024,
                    help="tokens evaluated (default 1024)")
     p.add_argument("--seq-len", type=_int_at_least(2), default=128,
@@ -360,33 +405,81 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
                    help="the kernel's build (default: bf16xbf16 for the stand-in, the weights "
                         "stay BF16; fp8xfp8 for deepgemm-sm90)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--budget", type=_float_at_least(0.0), default=None,
+    p.add_argument("--budget", type=_float_at_least(0.0), default=None, metavar="KL",
                    help="mean-KL budget: name the cheapest pair within it")
     p.add_argument("--per-layer", metavar="DISPATCH:COMBINE", default=None,
-                   help="quantize one layer at a time with this pair; with --budget, write "
-                        "mixed_recipe.yaml")
+                   help="quantize one layer at a time with this pair; with --budget, measure "
+                        "and write mixed_recipe.yaml")
+    t = p.add_argument_group("task accuracy", "lm-evaluation-harness's tasks on each run "
+                             "(pip install 'moewire[eval]'; docs/eval.md)")
+    t.add_argument("--tasks", default=None, metavar="NAME[,NAME]",
+                   help="comma-separated lm-eval task names (e.g. gsm8k,arc_easy)")
+    t.add_argument("--tasks-path", type=Path, default=None, metavar="DIR",
+                   help="a directory of your own task YAML files (lm-eval's --include_path)")
+    t.add_argument("--task-limit", type=_int_at_least(1), default=None, metavar="N",
+                   help="at most N documents per task (lm-eval's --limit)")
     p.add_argument("--out", type=Path, default=Path("moewire-eval"),
                    help="output directory (default ./moewire-eval)")
     return p
 
 
-def _run_eval(args: argparse.Namespace) -> int:
-    from moewire.eval import evaluate, parse_pair, table
+def _eval_progress(bar):
+    """``progress(stage, done, total)`` drawn as one rich bar per stage."""
+    tasks: dict[str, int] = {}
 
-    pairs = [parse_pair(text) for text in args.pairs]
-    per_layer = parse_pair(args.per_layer) if args.per_layer else None
-    text = args.text.read_text() if args.text is not None else None
-    report = evaluate(
-        args.checkpoint, pairs, recipes=args.recipe, text=text, max_tokens=args.max_tokens,
-        seq_len=args.seq_len, mma_type=args.mma, kernel=args.kernel, device=args.device,
-        budget=args.budget,
-        per_layer=per_layer, out_dir=args.out,
-    )
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        bar.update(tasks[stage], completed=done, total=total)
+
+    return progress
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from moewire.eval import EvalError, evaluate, parse_pair, table
+    from moewire.eval.checks import read_text
+
+    if args.pairs is not None and not args.pairs:
+        raise EvalError("--pairs", "the flag is given without a pair; pass one or more (e.g. "
+                        "--pairs fp8:nvfp4 nvfp4:nvfp4), or leave --pairs out for the default "
+                        "three")
+    pairs = [parse_pair(text) for text in (args.pairs or ["fp8:fp8", "fp8:nvfp4",
+                                                           "nvfp4:nvfp4"])]
+    per_layer = parse_pair(args.per_layer, "--per-layer") if args.per_layer else None
+    tasks = [] if args.tasks is None else [t.strip() for t in args.tasks.split(",")
+                                           if t.strip()]
+    if args.tasks is not None and not tasks:
+        raise EvalError("--tasks", f"{args.tasks!r} names no task; pass lm-eval task names, "
+                        "e.g. --tasks gsm8k,arc_easy")
+    text = read_text(args.text) if args.text is not None else None
+    kwargs = dict(recipes=args.recipe, text=text, max_tokens=args.max_tokens,
+                  seq_len=args.seq_len, mma_type=args.mma, kernel=args.kernel,
+                  device=args.device, budget=args.budget, per_layer=per_layer, out_dir=args.out,
+                  tasks=tasks, tasks_path=args.tasks_path, task_limit=args.task_limit)
+    if sys.stderr.isatty():
+        from rich.console import Console
+
+        bar = _rich_bar(Console(stderr=True))
+        with bar:
+            report = evaluate(args.checkpoint, pairs, **kwargs,
+                              log=lambda s: bar.console.print(s, highlight=False, markup=False),
+                              progress=_eval_progress(bar))
+    else:
+        report = evaluate(args.checkpoint, pairs, **kwargs)
     print(table(report))
     if "budget" in report:
         verdict = report["budget"]["verdict"]
         print(f"budget KL {args.budget:g}: " + (verdict or "no pair within budget"))
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'kl.png'}")
+    mixed = report.get("per_layer", {})
+    if mixed.get("recipe"):
+        print(f"mixed recipe: {mixed['pair'][0]}:{mixed['pair'][1]} on layers "
+              f"{mixed['layers']}, {mixed['elsewhere'][0]}:{mixed['elsewhere'][1]} elsewhere, "
+              f"measured KL {mixed['kl_mean']:.3e}, {mixed['bytes_per_token']:.0f} bytes per "
+              "routed token")
+    written = [args.out / "results.json", args.out / "kl.png"]
+    if mixed.get("recipe"):
+        written.append(Path(mixed["recipe"]))
+    print("wrote " + ", ".join(map(str, written)))
     return 0
 
 
@@ -426,11 +519,15 @@ def _run_formats(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``moewire`` argument parser (subcommands ``study`` and ``formats``)."""
+    """The ``moewire`` argument parser (subcommands ``study``, ``eval`` and ``formats``;
+    ``--version``)."""
     parser = argparse.ArgumentParser(
         prog="moewire",
         description="Simulate low-precision MoE dispatch/combine in fused Mega-MoE kernels.",
     )
+    from moewire import __version__
+
+    parser.add_argument("--version", action="version", version=f"moewire {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{study,formats,eval}")
     _study_parser(sub)
     _eval_parser(sub)

@@ -21,3 +21,20 @@ def moewire_unregistered_after():
     finally:
         patches.undo_all()
         mt.unregister()
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(family, **shape)``: a tiny random checkpoint, written once per session."""
+    pytest.importorskip("transformers.integrations.moe")
+    import _tiny
+
+    cache = {}
+
+    def get(family, **shape):
+        key = (family, tuple(sorted(shape.items())))
+        if key not in cache:
+            cache[key] = _tiny.checkpoint(family, tmp_path_factory.mktemp(family), **shape)
+        return cache[key]
+
+    return get

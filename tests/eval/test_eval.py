@@ -13,25 +13,13 @@ pytest.importorskip("transformers.integrations.moe")
 
 import _tiny  # noqa: E402
 import torch  # noqa: E402
+from eval_helpers import TEXT  # noqa: E402
 
 import moewire
 from moewire.cli import main
 from moewire.eval import EvalError, choose_layers, evaluate, mixed_recipe_yaml
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
-TEXT = "The quick brown fox jumps over the lazy dog. " * 8
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = _tiny.checkpoint(family, tmp_path_factory.mktemp(family))
-        return cache[family]
-
-    return get
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -52,46 +40,61 @@ def test_eval_runs_each_family_with_an_exact_baseline(family, checkpoint, tmp_pa
 
 
 def test_metrics_match_an_independent_computation(checkpoint):
-    """Perplexity and KL recomputed in float64 from the two models' logits."""
+    """Perplexity, KL (mean and p99), top-1 and each layer's error recomputed in float64
+    from the two models' logits and experts outputs, on the whole text at once."""
+    import numpy as np
     import transformers as tf
 
     import moewire.integrations.transformers as mt
 
     path = checkpoint("qwen3_moe")
-    report = evaluate(path, [("nvfp4", "nvfp4")], text=TEXT, max_tokens=32, seq_len=32,
+    report = evaluate(path, [("nvfp4", "nvfp4")], text=TEXT, max_tokens=64, seq_len=32,
                       device="cpu", log=lambda s: None)
-    ids = torch.tensor(list(TEXT.encode()))[:33] % _tiny.VOCAB
+    ids = torch.tensor(list(TEXT.encode()))[:65] % _tiny.VOCAB
+    windows = ids[:64].view(2, 32)
     mt.register()
     model = mt.prepare(tf.AutoModelForCausalLM.from_pretrained(
         path, experts_implementation="moewire", dtype=torch.bfloat16), max_num_tokens=32)
-    with torch.no_grad():
-        base = model(ids[None, :-1]).logits[0].double()
-        moewire.quantize(model, {"quant_cfg": [
-            {"quantizer_name": "*_quantizer", "cfg": {"format": "nvfp4"}}]},
-            lambda m: m(ids[None, :-1]))
-        quant = model(ids[None, :-1]).logits[0].double()
+    outputs = {}
+    handles = [m.register_forward_hook(
+        lambda mod, a, y, n=n: outputs.setdefault(n, []).append(y.double()))
+        for n, m in mt.experts_modules(model)]
+
+    def run():
+        outputs.clear()
+        with torch.no_grad():
+            logits = torch.cat([model(w[None]).logits[0].double() for w in windows])
+        return logits, {n: torch.cat(v) for n, v in outputs.items()}
+
+    base, base_layers = run()
+    moewire.quantize(model, {"quant_cfg": [
+        {"quantizer_name": "*_quantizer", "cfg": {"format": "nvfp4"}}]},
+        lambda m: m(windows[:1]))
+    quant, quant_layers = run()
+    for h in handles:
+        h.remove()
     logp, logp0 = quant.log_softmax(-1), base.log_softmax(-1)
     kl = (logp0.exp() * (logp0 - logp)).sum(-1)
-    ppl = math.exp(-logp.gather(-1, ids[1:, None]).mean().item())
+    ppl = math.exp(-logp.gather(-1, ids[1:65, None]).mean().item())
     got = report["pairs"][1]
     # KL(p0 || p) and KL(p || p0) differ by about 1e-4 relative here: the test tells them apart.
     assert got["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-9)
+    assert got["kl_p99"] == pytest.approx(np.quantile(kl.numpy(), 0.99), rel=1e-9)
     assert got["perplexity"] == pytest.approx(ppl, rel=1e-12)
+    assert got["top1_agreement"] == (quant.argmax(-1) == base.argmax(-1)).double().mean()
+    assert got["layer_rel_l2"] == {
+        n: pytest.approx(((quant_layers[n] - y0).norm() / y0.norm()).item(), rel=1e-9)
+        for n, y0 in base_layers.items()}
 
 
-def test_budget_verdict_and_mixed_recipe(checkpoint, tmp_path):
+def test_budget_verdict(checkpoint, tmp_path):
     report = evaluate(checkpoint("qwen3_moe"), [("fp8", "fp8"), ("nvfp4", "nvfp4")],
                       text=TEXT, max_tokens=64, seq_len=32, device="cpu", budget=1e-2,
-                      per_layer=("nvfp4", "nvfp4"), out_dir=tmp_path, log=lambda s: None)
+                      out_dir=tmp_path, log=lambda s: None)
     by_name = {p["name"]: p for p in report["pairs"]}
     within = [n for n, p in by_name.items() if n != "bf16:bf16" and p["kl_mean"] <= 1e-2]
     cheapest = min(within, key=lambda n: by_name[n]["bytes_per_token"]) if within else None
     assert report["budget"]["verdict"] == cheapest
-    per_layer = report["per_layer"]
-    assert set(per_layer["kl_by_layer"]) == {0, 1}
-    assert sum(per_layer["kl_by_layer"][n] for n in per_layer["layers"]) <= 1e-2
-    recipe = moewire.recipes.load(per_layer["recipe"])
-    assert recipe.entries
 
 
 @pytest.mark.parametrize(
@@ -229,11 +232,82 @@ def test_cli_eval_prints_the_table(checkpoint, tmp_path, capsys):
                  "--recipe", "moe_dispatch_mxfp4",
                  "--max-tokens", "32", "--seq-len", "32", "--device", "cpu", "--budget", "1",
                  "--out", str(tmp_path / "out")])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert code == 0
     assert "bf16:bf16" in out and "fp8:fp8" in out and "moe_dispatch_mxfp4" in out
+    # Without a terminal: plain progress lines on stderr, each with the time to go; no bar.
+    progress = [line for line in captured.err.splitlines() if line.startswith("eval: window")]
+    assert progress == [line for line in progress if line.endswith(" s to go")]
+    assert progress[-1].startswith("eval: window 1/1: ") and "\x1b" not in captured.err
     # Both within budget; fp8:fp8 moves 256 bytes per token, MXFP4 dispatch + BF16 combine 324.
     assert "budget KL 1: fp8:fp8" in out
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(p["dispatch"], p["combine"]) for p in report["pairs"]] == [
         ("bf16", "bf16"), ("fp8", "fp8"), ("mxfp4", "bf16")]
+
+
+def test_cli_eval_takes_the_shipped_combines_and_fnuz(checkpoint, tmp_path, capsys):
+    """``--pairs`` names FlashInfer's and MoRI's combines and ``fp8_e4m3fnuz`` (calibrated
+    as a dispatch format, like ``fp8``) as any registered format."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    pairs = ["fp8_e4m3fnuz:mori_fp8_blockwise_fnuz", "bf16:flashinfer_nvfp4"]
+    code = main(["eval", str(checkpoint("mixtral")), "--pairs", *pairs, "--text", str(text),
+                 "--max-tokens", "32", "--seq-len", "32", "--device", "cpu",
+                 "--out", str(tmp_path / "out")])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    got = {p["name"]: p for p in report["pairs"]}
+    assert set(got) == {"bf16:bf16", *pairs}
+    for name in pairs:
+        assert got[name]["kl_mean"] > 0.0, name
+        assert got[name]["bytes_per_token"] < got["bf16:bf16"]["bytes_per_token"], name
+
+
+def test_the_terminal_bar_has_one_task_per_stage_with_the_time_to_go():
+    import io
+
+    from rich.console import Console
+    from rich.progress import TimeRemainingColumn
+
+    from moewire import cli
+
+    bar = cli._rich_bar(Console(file=io.StringIO()))
+    progress = cli._eval_progress(bar)
+    progress("calibration", 0, 3)
+    progress("calibration", 2, 3)
+    progress("window", 1, 8)
+    assert [(t.description, t.completed, t.total) for t in bar.tasks] == [
+        ("calibration", 2, 3), ("window", 1, 8)]
+    assert any(isinstance(c, TimeRemainingColumn) for c in bar.columns)
+
+
+def test_the_kl_plot_puts_the_baseline_on_the_edge_and_draws_the_budget():
+    """KL 0 has no place on a log axis: the baseline is a star on the bottom edge (axes
+    coordinates), labelled, never at an invented KL; the budget is a horizontal line."""
+    import matplotlib.pyplot as plt
+
+    from moewire.eval.report import kl_figure
+
+    pairs = [{"name": "bf16:bf16", "kl_mean": 0.0, "bytes_per_token": 512.0, "wire_us": 60.0},
+             {"name": "fp8:fp8", "kl_mean": 2e-4, "bytes_per_token": 256.0, "wire_us": 40.0},
+             {"name": "nvfp4:nvfp4", "kl_mean": 3e-3, "bytes_per_token": 144.0,
+              "wire_us": 30.0}]
+    report = {"pairs": pairs, "budget": {"kl": 1e-3}, "interconnect": "nvlink-h200",
+              "ep_size": 8, "checkpoint": "/x/ckpt", "tokens": 64, "kernel": "stand-in",
+              "mma_type": "bf16xbf16"}
+    fig = kl_figure(report)
+    try:
+        for ax, key in zip(fig.axes, ("bytes_per_token", "wire_us"), strict=True):
+            data = [tuple(o) for c in ax.collections if c.get_offset_transform() == ax.transData
+                    for o in c.get_offsets()]
+            assert sorted(data) == sorted((p[key], p["kl_mean"]) for p in pairs[1:])
+            edge = [c for c in ax.collections if c.get_offset_transform() != ax.transData]
+            assert [tuple(c.get_offsets()[0]) for c in edge] == [(pairs[0][key], 0.0)]
+            assert any(t.get_text() == "bf16:bf16: KL 0 (the reference)" for t in ax.texts)
+            lines = [tuple(line.get_ydata()) for line in ax.get_lines()]
+            assert (1e-3, 1e-3) in lines
+            assert ax.get_ylim()[0] > 0
+    finally:
+        plt.close(fig)

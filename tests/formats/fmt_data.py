@@ -14,7 +14,8 @@ _E4M3_MIDS = [(m + 8.5) / 8 * 2.0**e for m in range(8) for e in range(-6, 8)] + 
     (m + 0.5) * 2.0**-9 for m in range(8)
 ]
 
-KINDS = ["normal", "heavy", "ties", "tiny", "huge", "zero_blocks", "nonfinite"]
+KINDS = ["normal", "heavy", "ties", "tiny", "faint", "huge", "one_large", "zero_blocks",
+         "nonfinite"]
 
 
 def seed_of(*parts: object) -> int:
@@ -43,6 +44,20 @@ def make(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> to
     elif kind == "tiny":
         low = {torch.float32: -140, torch.bfloat16: -133, torch.float16: -24}[dtype]
         v = rng.standard_normal(n) * np.exp2(rng.integers(low, low + 16, n).astype(float))
+    elif kind == "faint":
+        # Rows of 2^-106 .. 2^-86: normal BF16/FP32 values whose block scales sit where
+        # FlashInfer's encoders mask their reciprocal (MXFP8 amax <= 448 * 2^-100, NVFP4
+        # amax below ~6e-30) and across the edge of that band. (FP16 flushes them to 0.)
+        v = rng.standard_normal(n).reshape(-1, hidden)
+        v = v * np.exp2(rng.integers(-106, -85, size=(v.shape[0], 1)).astype(float))
+    elif kind == "one_large":
+        # One element of every 16 lifted by 2^6 .. 2^16 (or lowered in sign): blocks with
+        # one large value, which saturate (OCP MX's floor), overflow FP8 (MoRI's scaled
+        # blocks) or leave the rest of the block in the subnormals.
+        v = rng.standard_normal(n).reshape(-1, 16)
+        lift = np.exp2(rng.integers(6, 17, size=v.shape[0]).astype(float))
+        v[np.arange(v.shape[0]), rng.integers(0, 16, size=v.shape[0])] *= lift
+        v = v.reshape(-1)
     elif kind == "huge":
         high = {torch.float32: 120, torch.bfloat16: 120, torch.float16: 14}[dtype]
         v = rng.standard_normal(n) * np.exp2(rng.integers(high - 20, high, n).astype(float))
@@ -62,7 +77,7 @@ def make(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> to
     else:
         raise ValueError(kind)
     v = v.reshape(-1, hidden)
-    if kind in ("normal", "heavy", "zero_blocks", "nonfinite"):
+    if kind in ("normal", "heavy", "one_large", "zero_blocks", "nonfinite"):
         v = v * np.exp2(rng.integers(-12, 5, size=(v.shape[0], 1)).astype(float))
     t = torch.from_numpy(v.reshape(shape).astype(np.float32))
     return t.to(dtype)

@@ -1,7 +1,7 @@
 """Independent oracles for every wire format: NumPy FP32/float64 math and ml_dtypes casts.
 
 Written from the math in docs/formats.md, not from moewire's torch code: element rounding
-comes from ml_dtypes (float8_e4m3fn, float4_e2m1fn, bfloat16), powers of two from
+comes from ml_dtypes (float8_e4m3fn, float8_e4m3fnuz, float4_e2m1fn, bfloat16), powers of two from
 ``np.frexp`` and are checked against float8_e8m0fnu, FP32 arithmetic is NumPy float32
 (IEEE, one rounding per operation), and LogFMT is evaluated in float64. A division of a
 tensor by a constant ``c`` is the reciprocal form torch computes on CUDA, ``t * fl(1/c)``,
@@ -22,6 +22,7 @@ from bitexact import assert_same_bits
 
 F32 = np.float32
 E4M3 = ml_dtypes.float8_e4m3fn
+E4M3FNUZ = ml_dtypes.float8_e4m3fnuz
 E2M1 = ml_dtypes.float4_e2m1fn
 E8M0 = ml_dtypes.float8_e8m0fnu
 
@@ -41,6 +42,11 @@ def recip64(c: float) -> np.float64:
 def e4m3(v: np.ndarray) -> np.ndarray:
     """Saturating RNE onto E4M3 (ml_dtypes), NaN kept; float64 result."""
     return np.clip(v, -448.0, 448.0).astype(E4M3).astype(np.float64)
+
+
+def e4m3fnuz(v: np.ndarray) -> np.ndarray:
+    """Saturating RNE onto E4M3 FNUZ (ml_dtypes; max 240, no -0), NaN kept; float64."""
+    return np.clip(v, -240.0, 240.0).astype(E4M3FNUZ).astype(np.float64)
 
 
 def e2m1(v: np.ndarray) -> np.ndarray:
@@ -65,12 +71,18 @@ def bf16(x: np.ndarray, amax=None) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16).astype(F32)
 
 
-def fp8(x: np.ndarray, amax) -> np.ndarray:
-    amax = F32(amax)
-    safe = amax if amax > F32(2.0**-24) else F32(1.0)
-    s = F32(448.0) * (F32(1.0) / safe)
-    q = e4m3(x * s).astype(F32)
-    return q * (F32(1.0) / s)
+def _fp8_per_tensor(fp8_max: float, element):
+    def oracle(x: np.ndarray, amax) -> np.ndarray:
+        amax = F32(amax)
+        safe = amax if amax > F32(2.0**-24) else F32(1.0)
+        s = F32(fp8_max) * (F32(1.0) / safe)
+        q = element(x * s).astype(F32)
+        return q * (F32(1.0) / s)
+
+    return oracle
+
+
+fp8 = _fp8_per_tensor(448.0, e4m3)
 
 
 def _ceil_ue8m0(sf: np.ndarray) -> np.ndarray:
@@ -232,6 +244,80 @@ def trtllm_16e2m1xbf16(x: np.ndarray, amax=None) -> np.ndarray:
     return out.astype(F32).reshape(x.shape)
 
 
+_FP32_MAX = np.finfo(F32).max
+_TINY = np.finfo(F32).tiny
+_MASK = F32(1e30)  # cutlass.Float32(1e30)
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return a.astype(ml_dtypes.bfloat16).astype(F32)
+
+
+def _rcp_ftz(v: np.ndarray) -> np.ndarray:
+    """rcp.approx.ftz.f32 taken as the correctly rounded reciprocal (an FP32 division); a
+    subnormal input is flushed to 0 and its reciprocal +inf; min(., FLT_MAX) as the
+    encoders cap it."""
+    with np.errstate(divide="ignore"):
+        r = np.where(v < _TINY, np.inf, F32(1) / np.where(v < _TINY, F32(1), v))
+    return np.minimum(r.astype(F32), _FP32_MAX)
+
+
+def _flashinfer_enc(scale: np.ndarray) -> np.ndarray:
+    """FlashInfer's _enc_mxfp8 / _enc_nvfp4: fmin(rcp, FLT_MAX) * fmin(scale * 1e30, 1)."""
+    mask = np.minimum((scale * _MASK).astype(F32), F32(1))
+    return (_rcp_ftz(scale) * mask).astype(F32)
+
+
+def flashinfer_mxfp8(x: np.ndarray, amax=None) -> np.ndarray:
+    """FlashInfer 32e4m3xe8m0: BF16 amax, cvt.rp to UE8M0 of amax * fl(1/448) (frexp),
+    the masked reciprocal (the subnormal 2^-127 flushed by rcp.approx.ftz), E4M3."""
+    xb, a, finite = _block_amax(x, 32)
+    c = (_bf16(a) * recip32(448.0)).astype(F32)
+    byte = np.where(c == 0, 0, np.clip(_ceil_log2(c) + 127, 0, 254))
+    sf = exact_pow2(byte - 127).astype(F32)
+    enc = _flashinfer_enc(sf)
+    q = e4m3((xb * enc).astype(F32))
+    out = np.where(finite, q * sf, np.nan)
+    return out.astype(F32).reshape(x.shape)
+
+
+def flashinfer_nvfp4(x: np.ndarray, amax=None) -> np.ndarray:
+    """FlashInfer 16e2m1xbf16: BF16 amax, ds = amax * fl(1/6), the masked reciprocal, E2M1
+    with the sign kept (ml_dtypes), decode q * ds in FP32."""
+    xb, a, finite = _block_amax(x, 16)
+    ds = (_bf16(a) * recip32(6.0)).astype(F32)
+    enc = _flashinfer_enc(ds)
+    q = e2m1((xb * enc).astype(F32))
+    out = np.where(finite, (q.astype(F32) * ds).astype(F32), np.nan)
+    return out.astype(F32).reshape(x.shape)
+
+
+def _mori_blockwise(fp8_max: float, element):
+    """MoRI fp8_blockwise: per 128, a block whose BF16 amax exceeds the FP8 max is scaled by
+    fl(M / a) (sent scale fl(a * fl(1/M))); the others are cast as they are."""
+    m = F32(fp8_max)
+
+    def oracle(x: np.ndarray, amax=None) -> np.ndarray:
+        xb, a, finite = _block_amax(x, 128)
+        a = _bf16(a)
+        scaled = a > m
+        inv = np.where(scaled, m / np.where(scaled, a, F32(1)), F32(1)).astype(F32)
+        s = np.where(scaled, (a * recip32(fp8_max)).astype(F32), F32(1))
+        q = element(np.clip((xb * inv).astype(F32), -m, m)).astype(F32)
+        out = np.where(finite, (q * s).astype(F32), np.nan)
+        return out.astype(F32).reshape(x.shape)
+
+    return oracle
+
+
+def _mori_direct_cast(element):
+    """MoRI fp8_direct_cast: SATFINITE RNE of each element; ±inf and NaN become NaN."""
+    def oracle(x: np.ndarray, amax=None) -> np.ndarray:
+        return np.where(np.isinf(x), np.nan, element(x)).astype(F32)
+
+    return oracle
+
+
 ORACLES = {
     "bf16": bf16,
     "fp8": fp8,
@@ -247,14 +333,27 @@ ORACLES = {
     "trtllm_32e4m3xe8m0": trtllm_32e4m3xe8m0,
     "te_mxfp8": te_mxfp8,
     "trtllm_16e2m1xbf16": trtllm_16e2m1xbf16,
+    "fp8_e4m3fnuz": _fp8_per_tensor(240.0, e4m3fnuz),
+    "flashinfer_mxfp8": flashinfer_mxfp8,
+    "flashinfer_nvfp4": flashinfer_nvfp4,
+    "mori_fp8_blockwise_fnuz": _mori_blockwise(240.0, e4m3fnuz),
+    "mori_fp8_blockwise_ocp": _mori_blockwise(448.0, e4m3),
+    "mori_fp8_direct_cast_fnuz": _mori_direct_cast(e4m3fnuz),
+    "mori_fp8_direct_cast_ocp": _mori_direct_cast(e4m3),
 }
 
 
 def expected(name: str, x: torch.Tensor, amax=None) -> torch.Tensor:
-    """The oracle's result for ``x`` as a tensor of ``x.dtype`` (built from NumPy bits)."""
+    """The oracle's result for ``x`` as a tensor of ``x.dtype`` (built from NumPy bits).
+
+    FP16 output saturates (every format's rule, ``WireFormat.qdq``): a finite FP16 input
+    never comes back as ±inf, its result is clipped to ±65504 (a ceiling scale can round a
+    value near 65504 up past it)."""
     xs = x.detach().cpu().to(torch.float32).numpy()
     with np.errstate(all="ignore"):
         out32 = ORACLES[name](xs, amax)
+        if x.dtype == torch.float16:
+            out32 = np.where(np.isfinite(xs), np.clip(out32, -65504.0, 65504.0), out32)
     out = np.ascontiguousarray(out32.astype(F32).astype(_NP_OF[x.dtype]))
     bits = out.view(np.int16 if x.dtype != torch.float32 else np.int32)
     return torch.from_numpy(bits.copy()).view(x.dtype)

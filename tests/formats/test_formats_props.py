@@ -147,6 +147,13 @@ def test_attributes_match_the_issue():
         "trtllm_32e4m3xe8m0": (8, 32, 8, 0, False),
         "te_mxfp8": (8, 32, 8, 0, False),
         "trtllm_16e2m1xbf16": (4, 16, 16, 0, False),
+        "fp8_e4m3fnuz": (8, None, 0, 0, True),
+        "flashinfer_mxfp8": (8, 32, 8, 0, False),
+        "flashinfer_nvfp4": (4, 16, 16, 0, False),
+        "mori_fp8_blockwise_fnuz": (8, 128, 32, 0, False),
+        "mori_fp8_blockwise_ocp": (8, 128, 32, 0, False),
+        "mori_fp8_direct_cast_fnuz": (8, None, 0, 0, False),
+        "mori_fp8_direct_cast_ocp": (8, None, 0, 0, False),
     }
     got = {
         n: (f.element_bits, f.block_size, f.scale_bits, f.row_scale_bits, f.needs_amax)
@@ -161,6 +168,13 @@ def test_attributes_match_the_issue():
     assert formats.get("deepgemm_fp8_combine").wire_bits(7168) == 7168 * 8 + 56 * 8
     assert formats.get("trtllm_32e4m3xe8m0").wire_bits(7168) == 7168 * 8 + 224 * 8
     assert formats.get("trtllm_16e2m1xbf16").wire_bits(7168) == 7168 * 4 + 448 * 16
+    # FlashInfer's: the same planes as TensorRT-LLM's CombineFormats. MoRI's blockwise: one
+    # FP32 scale per block (MoRI's scale_dim floats a row, 56 at H = 7168); its direct cast
+    # and FNUZ per tensor: the FP8 bytes alone.
+    assert formats.get("flashinfer_mxfp8").wire_bits(7168) == 7168 * 8 + 224 * 8
+    assert formats.get("flashinfer_nvfp4").wire_bits(7168) == 7168 * 4 + 448 * 16
+    assert formats.get("mori_fp8_blockwise_fnuz").wire_bits(7168) == 7168 * 8 + 56 * 32
+    assert formats.get("mori_fp8_direct_cast_fnuz").wire_bits(7168) == 7168 * 8
 
 
 def test_fake_quant_entry_point():

@@ -37,3 +37,22 @@ def checkpoints(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def v4_checkpoints(tmp_path_factory):
+    """``(fp4, bf16)``: the tiny DeepSeek-V4 checkpoint pair (``_tiny.deepseek_v4_checkpoints``),
+    written once per session."""
+    import _tiny
+
+    return _tiny.deepseek_v4_checkpoints(tmp_path_factory.mktemp("v4"))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of world size 1 in this process for one test (transformers'
+    Mega-MoE needs an EP group), destroyed after it with the buffers cached over it."""
+    import _ep
+
+    with _ep.one_rank_world(tmp_path):
+        yield

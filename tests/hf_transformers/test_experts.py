@@ -18,14 +18,14 @@ FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 T = 64
 
 
-def _experts(family: str, implementation: str = "moewire"):
+def _experts(family: str, implementation: str = "moewire", dtype: torch.dtype = torch.bfloat16):
     import transformers as tf
 
     cfg = _tiny.config(family)
     cfg._experts_implementation = implementation
     with torch.random.fork_rng():
         torch.manual_seed(1)
-        model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+        model = tf.AutoModelForCausalLM.from_config(cfg).to(dtype)
         experts = model.model.layers[0].mlp.experts
         with torch.no_grad():
             experts.gate_up_proj.normal_(0.0, experts.gate_up_proj.shape[-1] ** -0.5)
@@ -33,10 +33,11 @@ def _experts(family: str, implementation: str = "moewire"):
     return cfg, experts
 
 
-def _routing(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = torch.randn((T, 128), generator=generator).bfloat16()
-    idx = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(T)])
-    w = torch.rand((T, 2), generator=generator) * 2.5  # a routed_scaling_factor's range
+def _routing(generator: torch.Generator,
+             n: int = T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn((n, 128), generator=generator).bfloat16()
+    idx = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(n)])
+    w = torch.rand((n, 2), generator=generator) * 2.5  # a routed_scaling_factor's range
     return x, idx, w
 
 
@@ -46,14 +47,15 @@ def _bf(t: torch.Tensor) -> torch.Tensor:
 
 def _oracle(experts, x, idx, w, clamp=None):
     """float64: the exact expert sum, and the same with the Mega-MoE BF16 build's rounding
-    points (L1 out, the weighted activation and each L2 row in BF16; the sum in FP32 then
-    BF16)."""
+    points (weights and tokens in BF16, L1 out, the weighted activation and each L2 row in
+    BF16; the sum in FP32 then BF16)."""
     w1, w2, xs = experts.gate_up_proj.double(), experts.down_proj.double(), x.double()
-    exact = torch.zeros((T, 128), dtype=torch.float64)
+    exact = torch.zeros((x.shape[0], 128), dtype=torch.float64)
     emulated = torch.zeros_like(exact)
     for s in range(idx.shape[1]):
         e, ws = idx[:, s], w[:, s, None].double()
         gate, up = torch.einsum("tij,tj->ti", w1[e], xs).chunk(2, dim=-1)
+        bf_gate, bf_up = torch.einsum("tij,tj->ti", _bf(w1)[e], _bf(xs)).chunk(2, dim=-1)
 
         def act(g, u):
             if clamp is not None:
@@ -61,8 +63,8 @@ def _oracle(experts, x, idx, w, clamp=None):
             return torch.nn.functional.silu(g) * u
 
         exact += ws * torch.einsum("tij,tj->ti", w2[e], act(gate, up))
-        h = _bf(act(_bf(gate), _bf(up)) * ws)
-        emulated += _bf(torch.einsum("tij,tj->ti", w2[e], h))
+        h = _bf(act(_bf(bf_gate), _bf(bf_up)) * ws)
+        emulated += _bf(torch.einsum("tij,tj->ti", _bf(w2)[e], h))
     return exact, _bf(emulated)
 
 
@@ -85,6 +87,48 @@ def test_quantizers_off_equals_eager_within_summation_order(family):
     rel = lambda y: ((y - exact).norm() / exact.norm()).item()  # noqa: E731
     assert rel(ours) < 2.0**-7
     assert rel(ours) <= 1.1 * rel(eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_model_in_another_dtype_gets_its_dtype_back_with_the_kernels_values(dtype):
+    """An FP32 or FP16 model: the kernel runs on its weights and tokens rounded to BF16 and
+    returns y in the model's dtype, holding the kernel's BF16 values (the float64 emulation
+    of its rounding points, to the same summation-order flips as the BF16 model), not the
+    16 bits of y reinterpreted nor the unrounded FP32 weights' products."""
+    _, experts = _experts("qwen3_moe", dtype=dtype)
+    x, idx, w = _routing(torch.Generator().manual_seed(11))
+    x, w = x.to(dtype) * 1.7, w.to(dtype)  # tokens off the BF16 grid in FP32 and FP16
+    assert x.float().ne(x.float().bfloat16().float()).any()
+    with torch.no_grad():
+        ours = experts(x, idx, w)
+    assert ours.dtype == dtype
+    exact, emulated = _oracle(experts, x, idx, w)
+    emulated = emulated.to(dtype).double()
+    token_max = emulated.abs().amax(dim=1, keepdim=True)
+    assert ((ours.double() - emulated).abs() <= token_max * 2.0**-7).all()
+    assert (ours.double() != emulated).float().mean() < 0.01
+    assert ((ours.double() - exact).norm() / exact.norm()).item() < 2.0**-7
+
+
+def test_a_batch_longer_than_the_buffer_equals_its_chunks_run_one_by_one(moewire_registered):
+    """500 tokens through a buffer of 384 tokens: two chunks, 384 and 116 tokens, the
+    second with routing weights three times the first's. Bit for bit the two chunks run
+    alone, the last first, on a module of the same capacity: each chunk stages its own
+    tokens, ids and weights."""
+    mt = moewire_registered
+    _, experts = _experts("qwen3_moe")
+    _, alone = _experts("qwen3_moe")
+    x, idx, w = _routing(torch.Generator().manual_seed(13), n=500)
+    w[384:] *= 3.0
+    mt.prepare(experts, max_num_tokens=384)
+    mt.prepare(alone, max_num_tokens=384)
+    assert experts._moewire_mega.buffer.num_max_tokens_per_rank == 384
+    with torch.no_grad():
+        ours = experts(x, idx, w)
+        last = alone(x[384:], idx[384:], w[384:])
+        first = alone(x[:384], idx[:384], w[:384])
+    assert ours.shape == x.shape
+    assert torch.equal(ours.view(torch.int16), torch.cat([first, last]).view(torch.int16))
 
 
 def test_swiglu_limit_becomes_the_activation_clamp():

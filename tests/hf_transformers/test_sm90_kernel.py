@@ -203,3 +203,49 @@ def test_real_sm90_kernel_against_the_fp8_oracle(moewire_registered):
     # 3%, still well inside the FP8 error that separates it from the BF16 experts.
     assert to_oracle < 0.05, (to_oracle, to_eager)
     assert to_eager > 1.5 * to_oracle, (to_oracle, to_eager)
+
+
+def _ep_run_equals_plain_run(mt, device: str) -> None:
+    """``"moewire"`` with ``kernel="deepgemm-sm90"``: the model under transformers' EP on a
+    one-rank EP group (transformers' ``apply_expert_parallelism``, ``ep_implementation=
+    "moewire"``: ``MegaMoeEP``) gives the non-EP model's output bit for bit, unquantized and
+    quantized, for the experts and the whole model."""
+    import _ep
+
+    from moewire.eval import pair_entries
+
+    ids = torch.arange(5, 21)[None].to(device)
+    recipe = {"quant_cfg": pair_entries("fp8", "nvfp4")}
+    outputs = []
+    for under_ep in (False, True):
+        model, experts = _model(mt)
+        model.to(device)
+        x, idx, w = (t.to(device) for t in _routing(experts))
+        group = _ep.apply_ep(model, "moewire", device=device) if under_ep else None
+        with torch.no_grad():
+            mt.prepare(model, kernel="deepgemm-sm90", group=group)
+            plain, logits = experts(x, idx, w), model(ids).logits
+            batch = (x, idx, w)
+            moewire.quantize(model, recipe, lambda m, e=experts, b=batch: e(*b))
+            quantized = experts(x, idx, w)
+        outputs.append((plain, logits, quantized))
+    for a, b in zip(*outputs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_ep_on_one_rank_equals_the_plain_run_on_the_stand_in(stand_in_package,
+                                                              moewire_registered, one_rank):
+    """On CPU with the fork's stand-in of the SM90 package (the real kernel: below)."""
+    _ep_run_equals_plain_run(moewire_registered, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.real_kernel
+def test_real_sm90_kernel_under_transformers_ep_equals_the_plain_run(moewire_registered):
+    """On a Hopper GPU with DeepGEMM PR #323's package: transformers' EP on a one-rank NCCL
+    group changes nothing in the real kernel's output, bit for bit."""
+    ok, why = sm90.available()
+    if not ok:
+        pytest.skip(f"real SM90 Mega-MoE kernel unavailable: {why}")
+    sm90.one_rank_group()  # the NCCL world of one rank the EP mesh is made over
+    _ep_run_equals_plain_run(moewire_registered, "cuda")

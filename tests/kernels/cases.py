@@ -22,9 +22,16 @@ FORMATS = (
     "trtllm_32e4m3xe8m0",
     "te_mxfp8",
     "trtllm_16e2m1xbf16",
+    "fp8_e4m3fnuz",
+    "flashinfer_mxfp8",
+    "flashinfer_nvfp4",
+    "mori_fp8_blockwise_fnuz",
+    "mori_fp8_blockwise_ocp",
+    "mori_fp8_direct_cast_fnuz",
+    "mori_fp8_direct_cast_ocp",
 )
-NEEDS_AMAX = ("fp8", "nvfp4")
-DISTRIBUTIONS = ("normal", "heavy", "tiny", "grid")
+NEEDS_AMAX = ("fp8", "nvfp4", "fp8_e4m3fnuz")
+DISTRIBUTIONS = ("normal", "heavy", "tiny", "grid", "edges")
 
 
 def sample(shape, dist: str, gen: torch.Generator, dtype=torch.bfloat16) -> torch.Tensor:
@@ -32,7 +39,10 @@ def sample(shape, dist: str, gen: torch.Generator, dtype=torch.bfloat16) -> torc
 
     ``heavy`` spans many binades (outliers saturate per-tensor scales), ``tiny`` lands in
     the E4M3/E2M1 subnormal ranges of the scaled values, ``grid`` puts many values exactly
-    on rounding midpoints (multiples of 2^-4), where ties-to-even decides.
+    on rounding midpoints (multiples of 2^-4), where ties-to-even decides. ``edges`` cycles
+    four kinds of 16-column block: rows of 2^-100 and 2^-94 (where FlashInfer's encoders
+    mask their reciprocal), blocks with one value lifted by 2^12 (MoRI's scaled blocks,
+    FP8 saturation), and FNUZ/E4M3 ties and saturation (232, 233, 2^-11, 3 * 2^-11, ...).
     """
     if dist == "normal":
         x = torch.randn(shape, generator=gen) * 3
@@ -42,6 +52,17 @@ def sample(shape, dist: str, gen: torch.Generator, dtype=torch.bfloat16) -> torc
         x = torch.randn(shape, generator=gen) * 1e-3
     elif dist == "grid":
         x = torch.randint(-96, 97, shape, generator=gen).float() / 16
+    elif dist == "edges":
+        x = torch.randn(shape, generator=gen)
+        col = torch.arange(shape[-1])
+        kind = (col // 16) % 4
+        x = x * torch.where(kind == 0, 2.0**-100, torch.where(kind == 1, 2.0**-94, 1.0))
+        x = x * torch.where((kind == 2) & (col % 16 == 3), 4096.0, 1.0)
+        pool = torch.tensor([232.0, 233.0, 224.0, 240.0, 300.0, 2.0**-11, 3 * 2.0**-11,
+                             2.0**-10, 0.75, 5.0])
+        ties = pool[torch.randint(0, len(pool), shape, generator=gen)]
+        ties = ties * (torch.randint(0, 2, shape, generator=gen) * 2 - 1)
+        x = torch.where(kind == 3, ties, x)
     else:
         raise ValueError(dist)
     return x.to(dtype)

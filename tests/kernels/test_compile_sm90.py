@@ -26,7 +26,9 @@ _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "b
 pytestmark = pytest.mark.skipif(not os.path.exists(_PTXAS), reason="Triton ships no ptxas here")
 _FORMATS = ("bf16", "fp8", "fp8_b128", "fp8_b128_ue8m0", "fp8_b32_ue8m0", "mxfp8", "mxfp4",
             "nvfp4", "nvfp4_token", "deepgemm_fp8_combine", "trtllm_32e4m3xe8m0", "te_mxfp8",
-            "trtllm_16e2m1xbf16")
+            "trtllm_16e2m1xbf16", "fp8_e4m3fnuz", "flashinfer_mxfp8", "flashinfer_nvfp4",
+            "mori_fp8_blockwise_fnuz", "mori_fp8_blockwise_ocp", "mori_fp8_direct_cast_fnuz",
+            "mori_fp8_direct_cast_ocp")
 # Hidden sizes whose default programs differ: 1024 columns (V4-Pro, the target) and 512
 # (Kimi-K3's 3584, one warp for the NVFP4 formats' 16-column threads).
 _HIDDEN = (7168, 3584)

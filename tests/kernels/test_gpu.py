@@ -174,3 +174,63 @@ def test_available_on_cuda(monkeypatch):
     assert kernels.available()
     monkeypatch.setenv("MOEWIRE_DISABLE_KERNELS", "1")
     assert not kernels.available()
+
+
+def _rcp_approx(x: torch.Tensor) -> torch.Tensor:
+    """``rcp.approx.ftz.f32`` of FP32 CUDA ``x``, elementwise (FlashInfer's encoders'
+    ``cute.arch.rcp_approx``), through Triton's inline PTX."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rcp_approx(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < n, other=1.0)
+        y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [v],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        tl.store(y_ptr + offs, y, mask=offs < n)
+
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rcp_approx[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    return y
+
+
+def test_rcp_approx_is_exact_on_powers_of_two():
+    """``flashinfer_mxfp8`` takes ``rcp.approx.ftz.f32(2^e) = 2^-e`` for its E8M0 scales
+    2^-126 .. 2^126 (2^-127 is flushed, which the format handles apart)."""
+    from moewire.formats._numerics import pow2
+
+    k = torch.arange(-126, 127, device=CUDA, dtype=torch.int32)
+    assert torch.equal(_rcp_approx(pow2(k)), pow2(-k))
+
+
+def test_rcp_approx_changes_no_flashinfer_nvfp4_code_on_bf16_rows():
+    """FlashInfer's NVFP4 combine encodes with ``rcp.approx.ftz.f32`` of its decode scale
+    ``ds = fl(a * fl(1/6))``; ``flashinfer_nvfp4`` takes the correctly rounded reciprocal.
+    For every positive normal BF16 block amax ``a`` and every BF16 element ``x`` in
+    ``[a * 2^-6, a]`` (below that, ``x * enc < 0.25`` rounds to 0 either way) the E2M1
+    code of ``fl(x * enc)`` must not depend on which reciprocal ``enc`` is built from (the
+    mask ``min(ds * 1e30, 1)`` included): then the two encoders agree on every BF16 row.
+    The instruction runs on this GPU's MUFU (Hopper's on the H200; the kernel runs on
+    Blackwell's). Prints how many reciprocals differ at all."""
+    from moewire.formats._numerics import e2m1_magnitude, mul_recip
+
+    bits = torch.arange(0x0080, 0x7F80, dtype=torch.int32, device=CUDA)  # positive normals
+    a = bits.to(torch.int16).view(torch.bfloat16).float()
+    ds = mul_recip(a, 6.0)
+    approx = _rcp_approx(ds)
+    exact = torch.reciprocal(ds)
+    differ = approx != exact
+    print(f"rcp.approx.ftz.f32 != 1/ds on {int(differ.sum())} of {ds.numel()} decode scales")
+    mask = (ds * torch.tensor(1e30, dtype=torch.float32)).clamp(max=1.0)
+    normal = ds >= torch.finfo(torch.float32).tiny
+    pick = (differ & normal).nonzero().flatten()
+    changed = 0
+    for chunk in pick.split(2048):
+        x_bits = (bits[chunk, None] - torch.arange(0, 6 * 128 + 1, device=CUDA)).clamp(min=0)
+        x = x_bits.to(torch.int16).view(torch.bfloat16).float()
+        codes = [e2m1_magnitude((x * (r[chunk] * mask[chunk])[:, None]).abs().clamp(max=6.0))
+                 for r in (approx, exact)]
+        changed += int((codes[0] != codes[1]).sum())
+    assert changed == 0, f"{changed} (amax, element) pairs change their E2M1 code"

@@ -325,12 +325,12 @@ def test_weighted_check_flag_and_calibration(shared_slot):
 
 def test_the_split_formats_are_the_ones_the_kernels_split():
     """The wrapper sizes programs of the split formats one 16-element block per thread; the
-    kernels split the tile for format codes 7, 8 and 12. Both must name the same formats, or
+    kernels split the tile for format codes 7, 8, 12 and 15. Both must name the same formats, or
     a program would hold half blocks (wrong warps) or replicate elements."""
     from moewire.kernels import _triton
     from moewire.kernels.tuning import _SPLIT
 
-    assert {f for f, c in _triton.FORMAT_CODES.items() if c in (7, 8, 12)} == set(_SPLIT)
+    assert {f for f, c in _triton.FORMAT_CODES.items() if c in (7, 8, 12, 15)} == set(_SPLIT)
     assert all(_triton.BLOCK_SIZES[f] == 16 for f in _SPLIT)
 
 

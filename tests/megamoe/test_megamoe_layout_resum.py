@@ -118,7 +118,8 @@ def test_base_rule_works_on_views_that_share_no_storage(kernel):
 def test_flavour_registry():
     assert flavours.names() == [
         "deepgemm-2.8", "deepgemm-main", "deepgemm-sm90", "deepgemm-sm90-fork",
-        "sgl-deep-gemm-0.2.3", "sgl-deep-gemm-0.2.5", "vllm-0.32", "vllm-0.33"]
+        "deepgemm-vllm-dev", "deepgemm-vllm-situ", "sgl-deep-gemm-0.2.3", "sgl-deep-gemm-0.2.5",
+        "vllm-0.32", "vllm-0.33"]
     # Stored at slot k everywhere; added last by vLLM 0.32's bundled build, first by 0.33's.
     for kernel in ("fp8_fp4_mega_moe", "bf16_mega_moe"):
         assert flavours.get("vllm-0.32").layout(kernel).shared_position == "last"

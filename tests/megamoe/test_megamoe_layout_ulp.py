@@ -59,16 +59,17 @@ def one_ulp_up(t: torch.Tensor) -> None:
     t.copy_((t.view(torch.int16) + 1).view(torch.bfloat16))
 
 
-def run_variant(monkeypatch, experts, variant, seed):
-    real = deep_gemm.bf16_mega_moe
+def run_variant(monkeypatch, experts, variant, seed, kernel_name="bf16_mega_moe"):
+    real = getattr(deep_gemm, kernel_name)
 
     def kernel(y, l1, l2, buf, **kwargs):
         result = real(y, l1, l2, buf, **kwargs)
         variant(y, buf)
         return result
 
-    monkeypatch.setattr(deep_gemm, "bf16_mega_moe", kernel)
-    return experts(*inputs(seed))
+    monkeypatch.setattr(deep_gemm, kernel_name, kernel)
+    hidden = SHAPES[deep_gemm.MMA_OF_KERNEL[kernel_name]][0]
+    return experts(*inputs(seed, hidden=hidden))
 
 
 def test_y_one_ulp_off_fails_the_check(monkeypatch):
@@ -136,7 +137,10 @@ def test_a_build_summing_descending_fails_the_check(monkeypatch):
 SHARED_POSITION = {"deepgemm-main": None, "vllm-0.32": "last", "vllm-0.33": "first",
                    "deepgemm-sm90": None, "deepgemm-sm90-fork": None, "deepgemm-2.8": "first",
                    # sgl-deep-gemm: impls/sm100_fp8_fp4_mega_moe.cuh of each wheel.
-                   "sgl-deep-gemm-0.2.3": "last", "sgl-deep-gemm-0.2.5": "first"}
+                   "sgl-deep-gemm-0.2.3": "last", "sgl-deep-gemm-0.2.5": "first",
+                   # vllm-project/DeepGEMM: impls/sm100_fp8_fp4_mega_moe.cuh at 63aa62a (dev)
+                   # and at 51655f2 (the 2.6.1 SiTU line).
+                   "deepgemm-vllm-dev": "first", "deepgemm-vllm-situ": "last"}
 # The builds the stand-in kernel imitates (DeepGEMM 2.8.0's is recognised, not imitated).
 FUSING = [name for name, position in SHARED_POSITION.items()
           if position is not None and name in KERNEL_BUILDS]
@@ -149,10 +153,12 @@ def test_every_flavour_is_listed_here():
 @pytest.mark.parametrize("flavour", FUSING)
 def test_a_build_adding_the_shared_row_at_the_other_end_fails_the_check(monkeypatch, flavour):
     other = "first" if SHARED_POSITION[flavour] == "last" else "last"
+    kernel = KERNEL_BUILDS[flavour].kernels[-1]
     with deep_gemm.use_flavour(flavour):
-        experts = experts_with_combine(fused=1)
+        experts = experts_with_combine(fused=1, mma=deep_gemm.MMA_OF_KERNEL[kernel])
         with pytest.raises(RuntimeError, match=ONE_TOKEN):
-            run_variant(monkeypatch, experts, summing_build("ascending", other), seed=24)
+            run_variant(monkeypatch, experts, summing_build("ascending", other), seed=24,
+                        kernel_name=kernel)
 
 
 # The fork's stand-in is a module of its own (moewire.reference.sm90_fork), run through the

@@ -7,6 +7,7 @@ unquantizing the last one undoes every patch (``moewire.patches``).
 from __future__ import annotations
 
 import gc
+import io
 import types
 
 import pytest
@@ -103,6 +104,29 @@ def test_a_dropped_converted_model_does_not_hold_the_patches():
     del dropped
     gc.collect()
     moewire.unquantize(kept)
+    assert patches.active_patches() == []
+
+
+def test_a_loaded_model_keeps_its_hooks_while_another_model_is_unquantized():
+    """A quantized model saved with torch.save and loaded back is as live as one converted
+    here: unquantizing another model leaves the hooks the loaded one needs, and it runs
+    quantized. Break: leave the loaded module out of the live set (convert._rebuild_quant):
+    unquantizing the other model, the last one known, undoes every patch and the loaded
+    model's forward fails closed."""
+    saved = Model(n=1)
+    moewire.quantize(saved, RECIPE)
+    quantized = _run(saved, seed=70)
+    data = io.BytesIO()
+    torch.save(saved, data)
+    moewire.unquantize(saved)
+    assert patches.active_patches() == []  # what the loaded model needs, it installs itself
+    loaded = torch.load(io.BytesIO(data.getvalue()), weights_only=False)
+    other = Model(n=1)
+    moewire.quantize(other, RECIPE)
+    moewire.unquantize(other)
+    assert patches.active_patches()
+    assert _same(_run(loaded, seed=70), quantized)
+    moewire.unquantize(loaded)
     assert patches.active_patches() == []
 
 

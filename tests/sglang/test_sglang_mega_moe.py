@@ -4,6 +4,7 @@ integration, on the CPU stand-in of sgl-deep-gemm (``_sgl_standin``)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 import zlib
@@ -195,9 +196,30 @@ REFUSALS = [
 ]
 
 
+@contextlib.contextmanager
+def _in_mode(mode: str, experts, tmp_path):
+    """Quantizing, or calibrating (SGLang's ``calibrating``: every enabled quantizer collects,
+    and the scales are saved on a normal exit)."""
+    if mode == "quantizing":
+        yield
+        return
+    with sg.calibrating(experts, str(tmp_path / "scales-{rank}.pt")):
+        assert {q.mode for q in (experts.dispatch_quantizer, experts.combine_quantizer)
+                if q.mode != "disabled"} == {"calibrate"}
+        yield
+
+
+#: A refusal must fire while calibrating too: calibration would otherwise collect from a call
+#: whose tokens never pass a hook (no amax, or none of these tokens) or whose rows moewire
+#: misreads, and save scales from it.
+MODES = ["quantizing", "calibrating"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("case", "match"), REFUSALS, ids=[case for case, _ in REFUSALS])
-def test_refusals_through_sglang(sglang_sm90, monkeypatch, case, match):
-    """Each path moewire cannot see, refused by name before SGLang's function runs."""
+def test_refusals_through_sglang(sglang_sm90, monkeypatch, tmp_path, case, match, mode):
+    """Each path moewire cannot see, refused by name before SGLang's function runs, with the
+    quantizers quantizing or calibrating; no scales are saved from a refused call."""
     cfg = MX
     if case == "mxfp4-on-sm90":
         cfg = {"quant_cfg": [
@@ -215,12 +237,13 @@ def test_refusals_through_sglang(sglang_sm90, monkeypatch, case, match):
         monkeypatch.setattr(mega_moe(), "_mega_moe_mma_type", lambda e: "fp8xfp8")
     else:
         experts._mega_moe_w4a4 = True
-    with pytest.raises(RuntimeError, match=match) as info:
+    with pytest.raises(RuntimeError, match=match) as info, _in_mode(mode, experts, tmp_path):
         if case == "mxfp4-on-sm90":  # the SM90 site alone (sgl-deep-gemm's SM90 buffer
             run(sglang_sm90, experts, new_buffer(), x, ids, w)  # asserts FP8 before it)
         else:
             run_mega(experts, x, ids, w, **kwargs)
     assert str(info.value).startswith(f"{experts._moewire_name}: ")
+    assert not list(tmp_path.iterdir())
     del info  # its traceback holds the converted experts (the leak check)
 
 
@@ -231,13 +254,16 @@ def test_w4a4_combine_only_is_not_refused_by_the_mega_site(sglang_sm90):
     assert sg._refusal(SITES[0], experts, {}) is None
 
 
-def test_post_expert_norm_refused(sglang_sm90):
+@pytest.mark.parametrize("mode", MODES)
+def test_post_expert_norm_refused(sglang_sm90, tmp_path, mode):
     experts = _quantized(sglang_sm90)
     calls = []
     guard = sg._refuse_post_norm(lambda *a, **k: calls.append(k))
-    with pytest.raises(RuntimeError, match="post_expert_norm=True.*without post_expert_norm"):
+    with (pytest.raises(RuntimeError, match="post_expert_norm=True.*without post_expert_norm"),
+          _in_mode(mode, experts, tmp_path)):
         experts.moewire_run(guard, torch.zeros(1, H), post_expert_norm=True)
     assert not calls
+    assert not list(tmp_path.iterdir())
 
 
 def test_outside_a_mega_call_fails_closed(sglang_sm90):

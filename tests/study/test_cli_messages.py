@@ -40,6 +40,25 @@ def test_a_budget_must_be_positive(value, capsys):
     assert "--budget" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["5", "1.01"], ids=["five", "just-above-one"])
+def test_a_budget_is_a_fraction(value, capsys):
+    """``--budget 5`` would be a relative L2 error of 500%: refused, saying what it is."""
+    assert cli.main(["study", f"--budget={value}"]) == 2
+    err = capsys.readouterr().err
+    assert (f"argument --budget: is a fraction (a relative L2 error: 0.05 is 5%), at most 1, "
+            f"got {value}; for {value}% pass {float(value) / 100:g}") in err
+
+
+def test_the_terminal_bar_shows_the_time_to_go():
+    import io
+
+    from rich.console import Console
+    from rich.progress import TimeRemainingColumn
+
+    bar = cli._rich_bar(Console(file=io.StringIO()))
+    assert any(isinstance(c, TimeRemainingColumn) for c in bar.columns)
+
+
 def test_both_budgets_at_once_are_refused(capsys):
     assert cli.main(["study", "--budget", "0.01", "--budget-sqnr", "40"]) == 2
     assert "not allowed with argument" in capsys.readouterr().err

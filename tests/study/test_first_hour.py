@@ -258,3 +258,14 @@ def test_the_study_mma_table_agrees_with_the_stand_in():
 
     assert settings.MMA_TYPES == (*deep_gemm.MMA_TYPES, "nvfp4")
     assert settings._HIDDEN_MULTIPLE == {**deep_gemm.HIDDEN_MULTIPLE, "nvfp4": 128}
+
+
+def test_kimi_k3s_wire_carries_latent_rows():
+    """Kimi-K3's experts run on its latent width (3584, not the model's 7168): a BF16
+    dispatch row is 2 * 3584 bytes."""
+    from moewire.study.presets import PRESETS
+    from moewire.study.wire import format_bits
+
+    kimi = PRESETS["kimi-k3"]
+    assert (kimi.hidden, kimi.num_experts, kimi.top_k, kimi.num_shared) == (3584, 896, 16, 2)
+    assert format_bits("bf16", kimi.hidden) / 8 == 2 * 3584

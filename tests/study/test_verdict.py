@@ -3,6 +3,7 @@ a budget, the labelled frontier plot, and ``--from`` re-timing a finished sweep.
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,44 @@ def test_the_table_marks_the_fronts():
                      ("nvfp4", "nvfp4"): "time+bytes"}
 
 
+# 1.0 against 1.01005 with the 1% cost tolerance: they differ by 0.995% of the larger value
+# (a tie) and by 1.005% of the smaller (not a tie); 1.0202 is the same edge for the 2% error
+# tolerance; 1.0102 lies beyond the cost tolerance whichever value it is taken from.
+COST_EDGE, ERROR_EDGE, COST_APART = 1.01005, 1.0202, 1.0102
+
+
+@pytest.mark.parametrize(
+    "points, want",
+    [
+        # A tie on cost: the more accurate pair alone (with the tolerance taken from the
+        # smaller cost, the cheaper pair would stay too).
+        ([(100.0, 0.05, "cheap"), (100.0 * COST_EDGE, 0.03, "accurate")], ["accurate"]),
+        # A tie on cost and equal errors: neither is better, both stay (with the tolerance
+        # taken from the first value of each comparison, the cheaper pair would win).
+        ([(100.0, 0.03, "a"), (100.0 * COST_EDGE, 0.03, "b")], ["a", "b"]),
+        # Beyond the tolerance: a real cost, both on the front.
+        ([(100.0, 0.05, "cheap"), (100.0 * COST_APART, 0.03, "accurate")],
+         ["cheap", "accurate"]),
+        # A tie on error: the cheaper pair alone.
+        ([(100.0, 0.03 * ERROR_EDGE, "cheap"), (110.0, 0.03, "accurate")], ["cheap"]),
+    ],
+    ids=["cost-edge", "cost-edge-equal-error", "cost-apart", "error-edge"],
+)
+def test_the_tolerance_is_relative_to_the_larger_value(points, want):
+    """|a - b| <= rtol * max(|a|, |b|): at the edge the larger value decides, in either
+    order of the points."""
+    assert [tag for _, _, tag in pareto(points)] == want
+    assert [tag for _, _, tag in pareto(points[::-1])] == want
+
+
+def test_the_cheapest_pair_takes_the_cost_tie_from_the_larger_cost():
+    """101.005 us ties 100 us (0.995% of 101.005): the more accurate pair is the cheapest."""
+    doc = {"results": [_result("fp8", "fp8", 0.04, 100.0, 49152),
+                       _result("mxfp8", "fp8", 0.03, 100.0 * COST_EDGE, 49920)]}
+    best = cheapest(doc, Budget("rel_l2", 0.05), "comm_us")
+    assert (best["dispatch"], best["combine"]) == ("mxfp8", "fp8")
+
+
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("verdict") / "sweep"
@@ -121,6 +160,27 @@ def test_budget_prints_the_verdict_under_the_table(tiny_sweep, tmp_path, capsys)
     assert INTERNAL_REFERENCE.search(text) is None
 
 
+def test_the_verdict_can_name_a_shipped_combine(tmp_path, capsys):
+    """FlashInfer's and MoRI's combines run in the sweep like any format, with their bytes
+    (``flashinfer_nvfp4``: 4 bits an element and a BF16 amax per 16; MoRI's blockwise FP8:
+    8 bits and an FP32 scale per 128), and the verdict names one when it is the cheapest."""
+    capsys.readouterr()
+    argv = ["study", "--model", "tiny", "--tokens", "16", "--calib-batches", "1",
+            "--eval-batches", "1", "--dispatch", "bf16",
+            "--combine", "mori_fp8_blockwise_fnuz,flashinfer_nvfp4", "--budget", "0.5",
+            "--out", str(tmp_path / "shipped")]
+    assert cli.main(argv) == 0
+    doc = json.loads((tmp_path / "shipped" / "results.json").read_text())
+    by_pair = {(r["dispatch"], r["combine"]): r for r in doc["results"]}
+    hidden, k = doc["layer"]["hidden"], doc["layer"]["top_k"]
+    assert by_pair["bf16", "flashinfer_nvfp4"]["bytes_per_token"] == k * (
+        hidden * 2 + (hidden * 4 + hidden // 16 * 16) / 8)
+    assert by_pair["bf16", "mori_fp8_blockwise_fnuz"]["bytes_per_token"] == k * (
+        hidden * 2 + hidden + hidden // 128 * 4)
+    assert doc["verdict"]["bytes_per_token"]["combine"] == "flashinfer_nvfp4"
+    assert "cheapest by bytes: dispatch bf16 x combine flashinfer_nvfp4:" in capsys.readouterr().out
+
+
 def test_from_equals_a_fresh_sweep_at_the_new_interconnect(tiny_sweep, tmp_path, capsys):
     """Re-timing reproduces, number for number, a sweep run at the new settings."""
     time_flags = ["--interconnect", "rdma-cx7", "--ep-size", "16", "--ep-tokens", "64"]
@@ -145,6 +205,29 @@ def test_rdma_defaults_to_where_its_figures_start(tiny_sweep, tmp_path):
                      str(tmp_path / "r"), "--interconnect", "rdma-cx7"]) == 0
     doc = json.loads((tmp_path / "r" / "results.json").read_text())
     assert doc["routing"]["ep"]["ep_size"] == 16
+
+
+def test_from_without_out_writes_beside_the_sweep_never_over_it(tiny_sweep, capsys):
+    """The sweep's own files stay as they were; the re-timed ones go to a new directory
+    beside it, named for the new time estimate."""
+    before = {f.name: f.read_bytes() for f in tiny_sweep.iterdir()}
+    assert cli.main(["study", "--from", str(tiny_sweep / "results.json"), "--interconnect",
+                     "rdma-cx7"]) == 0
+    assert {f.name: f.read_bytes() for f in tiny_sweep.iterdir()} == before
+    beside = tiny_sweep.with_name(f"{tiny_sweep.name}-rdma-cx7-ep16")
+    doc = json.loads((beside / "results.json").read_text())
+    assert doc["interconnect"]["name"] == "rdma-cx7"
+    wrote = capsys.readouterr().out.splitlines()[-1]
+    assert Path(wrote.removeprefix("wrote ").split(", ")[0]).resolve() == beside / "results.json"
+
+
+def test_from_refuses_to_write_over_its_own_sweep(tiny_sweep, capsys):
+    code = cli.main(["study", "--from", str(tiny_sweep / "results.json"), "--out",
+                     str(tiny_sweep), "--interconnect", "rdma-cx7"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moewire study: error: --out: {tiny_sweep} is the directory of "
+                          "--from's results.json, whose results and plots it would overwrite")
 
 
 @pytest.mark.parametrize(
@@ -220,37 +303,106 @@ def _demo_doc() -> dict:
 
 
 @pytest.mark.parametrize("source", ["demo", "tiny-sweep"])
-def test_every_frontier_point_is_labelled_at_its_own_place_without_collisions(source, request):
+def test_the_front_is_labelled_at_its_own_place_without_collisions_or_crossings(source,
+                                                                              request):
+    """Every pair is a marker of its dispatch's colour and its combine's shape; each pair on
+    the front is labelled (bold), pointing at its own marker; no label overlaps another or
+    covers another pair's marker, and no leader line crosses another or runs through a
+    label."""
     import matplotlib.pyplot as plt
     from matplotlib.text import Annotation, Text
 
     doc = _demo_doc() if source == "demo" else _doc_of(request.getfixturevalue("tiny_sweep"))
     fig = report.frontier_figure(doc)
+    styles = report.point_styles(doc)
     try:
         renderer = fig.canvas.get_renderer()
+        assert len(set(styles.values())) == len(styles)  # every pair told apart
         for ax, key in zip(fig.axes[:2], ("comm_us", "bytes_per_token"), strict=True):
             measured, _ = report.frontier_points(doc, key)
+            front = {tag for _, _, tag in pareto(measured)}
             labels = {a.get_text(): a for a in ax.texts if isinstance(a, Annotation)
                       and not a.get_text().endswith(": exact")}
-            assert sorted(labels) == sorted(tag for _, _, tag in measured)
+            assert sorted(labels) == sorted(front)
+            assert all(a.get_fontweight() == "bold" for a in labels.values())
             for x, y, tag in measured:
-                assert labels[tag].xy == (x, y), tag  # the label points at its own pair
+                if tag in labels:
+                    assert labels[tag].xy == (x, y), tag  # the label points at its own pair
             # The text of each label (an Annotation's own extent adds its leader line).
             for a in labels.values():
                 a.update_positions(renderer)
-            boxes = {t: Text.get_window_extent(a, renderer) for t, a in labels.items()}
-            assert min(b.x0 for b in boxes.values()) > 50  # display coordinates, not offsets
+            boxes = {t: tuple(Text.get_window_extent(a, renderer).extents)
+                     for t, a in labels.items()}
+            leaders = {}
+            for t, a in labels.items():
+                px, py = ax.transData.transform(a.xy)
+                leaders[t] = ((px, py), report._anchor(boxes[t], px, py))
+            assert min(b[0] for b in boxes.values()) > 50  # display coordinates, not offsets
             names = list(boxes)
             for i, a in enumerate(names):
                 for b in names[i + 1:]:
-                    assert not boxes[a].overlaps(boxes[b]), (a, b)
+                    overlap = (min(boxes[a][2], boxes[b][2]) > max(boxes[a][0], boxes[b][0])
+                               and min(boxes[a][3], boxes[b][3]) > max(boxes[a][1],
+                                                                       boxes[b][1]))
+                    assert not overlap, (a, b)
+                    assert not report._crosses(leaders[a], leaders[b]), (a, b)
+                for b in names:
+                    assert a == b or not report._hits_box(leaders[a], boxes[b]), (a, b)
                 for x, y, tag in measured:  # no label covers another pair's marker
                     px, py = ax.transData.transform((x, y))
-                    assert tag == a or not boxes[a].contains(px, py), (a, tag)
-            front = {tag for _, _, tag in pareto(measured)}
-            assert {t for t, a in labels.items() if a.get_fontweight() == "bold"} == front
+                    box = boxes[a]
+                    inside = box[0] < px < box[2] and box[1] < py < box[3]
+                    assert tag == a or not inside, (a, tag)
     finally:
         plt.close(fig)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "crosses"),
+    [
+        (((0, 0), (2, 2)), ((0, 2), (2, 0)), True),
+        (((0, 0), (1, 1)), ((2, 2), (3, 0)), False),
+        (((0, 0), (2, 0)), ((0, 1), (2, 1)), False),
+        (((0, 0), (2, 2)), ((2, 2), (3, 0)), False),
+    ],
+    ids=["x", "apart", "parallel", "touching-ends"],
+)
+def test_segments_cross(a, b, crosses):
+    assert report._crosses(a, b) is crosses
+
+
+@pytest.mark.parametrize(
+    ("box", "leader", "count"),
+    [
+        ((20, 20, 30, 25), ((5, 5), (20, 20)), 0),          # clear of everything placed
+        ((20, 0, 30, 5), ((0, 10), (20, 2)), 1),            # crosses the placed line
+        ((-5, 2, 5, 8), ((40, 0), (5, 2)), 1),              # the placed line runs through
+        ((40, -10, 50, -5), ((30, 30), (45, -5)), 1),       # runs through the placed label
+    ],
+    ids=["clear", "crosses-a-line", "line-through-it", "through-a-label"],
+)
+def test_a_label_is_scored_by_what_it_crosses(box, leader, count):
+    """Placed: a leader line from (0, 0) to (10, 10) and a label at (35, 10)-(50, 20)."""
+    placed_leaders = [((0, 0), (10, 10))]
+    placed_labels = [(35, 10, 50, 20)]
+    assert report.crossings(box, leader, placed_leaders, placed_labels) == count
+
+
+def test_the_budget_is_a_line_on_both_panels(tiny_sweep):
+    import matplotlib.pyplot as plt
+
+    from moewire.study.verdict import Budget, judge
+
+    for budget, want in ((Budget("rel_l2", 0.05), 0.05), (Budget("sqnr_db", 20.0), 0.1)):
+        doc = judge(_doc_of(tiny_sweep), budget)
+        fig = report.frontier_figure(doc)
+        try:
+            for ax in fig.axes[:2]:
+                ys = [tuple(line.get_ydata()) for line in ax.get_lines()
+                      if line.get_label().startswith("budget")]
+                assert ys == [(pytest.approx(want), pytest.approx(want))]
+        finally:
+            plt.close(fig)
 
 
 def test_the_heatmap_colour_scale_is_fixed_and_shows_the_cost(tiny_sweep, tmp_path):

@@ -159,17 +159,54 @@ _PROOFS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(_PROOFS), ids=sorted(_PROOFS))
-def test_prove_plain_copy_refuses(case, tmp_path, monkeypatch):
-    source, match = _PROOFS[case]
+def _experts_with_forward(case: str, source: str, tmp_path, monkeypatch) -> type:
+    """A class ``Experts`` whose ``forward`` is ``source``, in a module of its own (the proof
+    reads the forward's source)."""
     path = tmp_path / f"proof_{case.replace('-', '_')}.py"
     body = "".join(f"    {line}\n" for line in source.splitlines())
     path.write_text(f"class Experts:\n{body}")
     monkeypatch.syspath_prepend(str(tmp_path))
     module = __import__(path.stem)
     monkeypatch.delitem(sys.modules, path.stem)
-    why = vllm_sites.prove_plain_copy(module.Experts, vllm_sites.PlainCopy("mma_type", "bf16"))
+    return module.Experts
+
+
+@pytest.mark.parametrize("case", sorted(_PROOFS), ids=sorted(_PROOFS))
+def test_prove_plain_copy_refuses(case, tmp_path, monkeypatch):
+    source, match = _PROOFS[case]
+    experts = _experts_with_forward(case, source, tmp_path, monkeypatch)
+    why = vllm_sites.prove_plain_copy(experts, vllm_sites.PlainCopy("mma_type", "bf16"))
     assert why is not None and __import__("re").search(match, why), why
+
+
+_COPY = "def forward(self, hidden_states, w):\n    b.x[:1].copy_(hidden_states)\n"
+#: case -> the staging call after the plain copy, and the refusal (None: proven).
+_STAGED = {
+    "first": ("prepare_megamoe_inputs(hidden_states, w)", None),
+    "second": ("prepare_megamoe_inputs(w, hidden_states)",
+               r"uses hidden_states in `prepare_megamoe_inputs\(w, hidden_states\)` \(line 3\)"),
+    "third": ("prepare_megamoe_inputs(w, w, hidden_states, w)",
+              r"uses hidden_states in `prepare_megamoe_inputs\(w, w, hidden_states, w\)`"),
+    "keyword": ("prepare_megamoe_inputs(w, x=hidden_states)",
+                r"uses hidden_states in `x=hidden_states`"),
+}
+
+
+@pytest.mark.parametrize("case", list(_STAGED), ids=list(_STAGED))
+def test_the_tokens_may_feed_a_staging_function_only_as_its_first_argument(
+        case, tmp_path, monkeypatch):
+    """The staging hook quantizes a staging function's first argument: the tokens passed
+    there are the other branch's staged tokens; passed in any other position they feed an
+    argument no hook quantizes, and the proof fails, naming the call."""
+    call, refused = _STAGED[case]
+    experts = _experts_with_forward(f"staged-{case}", f"{_COPY}    {call}\n", tmp_path,
+                                    monkeypatch)
+    why = vllm_sites.prove_plain_copy(experts, vllm_sites.PlainCopy("mma_type", "bf16"),
+                                      (vllm_sites.STAGE_FN,))
+    if refused is None:
+        assert why is None, why
+    else:
+        assert why is not None and __import__("re").search(refused, why), why
 
 
 # -- refusals ----------------------------------------------------------------------------------

@@ -292,17 +292,34 @@ def test_033_fused_shared_combine_quantized_in_flavour_order(
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
 
 
-def test_033_fused_shared_refuses_dispatch_quantization(vllm_config, v033):
+def test_033_fused_shared_expert_keeps_the_original_tokens(vllm_config, v033):
+    """0.33's own forward with a fused shared expert and a dispatch quantizer: moewire's
+    second launch gives the shared expert the original tokens; the output is the routed
+    rows of a plain run on q(x) and the shared row of a plain run on x, shared first."""
     vllm_mod.register_vllm_experts()
     v033.DeepGemmMegaMoEExperts._symm_buffers.clear()
     with standin.use_reference_deep_gemm("vllm-0.33"):
         experts = _make_033_bf16_fused(v033, vllm_config, v033.layer(80), seed=10)
         model = torch.nn.ModuleDict({"experts": experts})
-        with pytest.raises(RuntimeError, match="VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION"):
-            api.quantize(
-                model, "moe_dispatch_fp8",
-                forward_loop=lambda m: _forward_033(vllm_config, m["experts"], *_batch(94)),
-            )
+        api.quantize(
+            model, "moe_dispatch_fp8",
+            forward_loop=lambda m: _forward_033(vllm_config, m["experts"], *_batch(94)),
+        )
+        x, ids, w, pad = _batch(95)
+        y = _forward_033(vllm_config, experts, x, ids, w, pad)
+        buffer = experts.get_symm_buffer()
+        amax = experts.dispatch_quantizer.amax
+        twin = _make_033_bf16_fused(v033, vllm_config, v033.layer(81), seed=10)
+        _forward_033(vllm_config, twin, x, ids, w, pad)
+        shared_row = setup.oracle_rows(twin.get_symm_buffer(), K + 1, "vllm-0.33")[K].clone()
+        xq = formats.get("fp8").reference(x, amax)
+        _forward_033(vllm_config, twin, xq, ids, w, pad)
+        rows = setup.oracle_rows(twin.get_symm_buffer(), K + 1, "vllm-0.33").clone()
+        assert twin.get_symm_buffer() is buffer  # one buffer for the shape (vLLM's cache)
+    assert not torch.equal(rows[K, :6], shared_row[:6])  # the shared row shows its input
+    rows[K] = shared_row
+    expected = setup.oracle_resum(rows, buffer.topk_idx, 6, shared="first")
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
 
 
 @pytest.mark.parametrize("kernel_adds", ["first", "last"], ids=["right-end", "wrong-end"])

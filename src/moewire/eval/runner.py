@@ -1,25 +1,39 @@
 """``moewire eval``: what a wire format pair does to a whole transformers MoE model.
 
 For a local checkpoint (loaded offline, ``HF_HUB_OFFLINE=1``) with
-``experts_implementation="moewire"`` (:mod:`moewire.integrations.transformers`), every pair
-runs the same token windows and is compared with the same model on a BF16 wire (the
-``bf16:bf16`` pair through the same Mega-MoE contract, exact: KL 0 bit for bit):
+``experts_implementation="moewire"`` (:mod:`moewire.integrations.transformers`), every run
+(a pair, a recipe, a pair on one layer) is compared with the same model on a BF16 wire:
 
 - perplexity ``exp(mean_t -log p(x_{t+1}))``;
 - ``KL_t = sum_v p0_t(v) (log p0_t(v) - log p_t(v))`` (float64), its mean and 99th
   percentile over positions;
 - top-1 agreement ``mean_t [argmax p_t == argmax p0_t]``;
 - per layer, the relative L2 ``||y - y0|| / ||y0||`` of the experts' output;
-- bytes per routed token (dispatch + combine, ``WireFormat.wire_bits``) and the estimated
-  wire time of one layer (``moewire.study.comm.comm_time``: the study's time model).
+- bytes per routed token (dispatch + combine, ``WireFormat.wire_bits``, averaged over the
+  layers for a recipe) and the estimated wire time of one layer
+  (``moewire.study.comm.comm_time``: the study's time model);
+- with ``tasks``, lm-evaluation-harness's accuracy and its stderr (:mod:`moewire.eval.tasks`).
 
-Quantizers are calibrated on the first window before each pair is measured.
+How it runs (one model, in lockstep):
+
+1. Every check before the model loads (:func:`moewire.eval.checks.preflight`).
+2. The experts modules are converted once; each run's quantizers are made and calibrated on
+   the first window (``moewire.quantize(..., forward_loop)``) and kept. The baseline's are
+   disabled: the converted module then runs the kernel's own output, bit for bit what the
+   ``bf16:bf16`` pair gives (its re-sum of BF16 rows equals the kernel's sum, which the
+   layout check asserts), at no extra cost.
+3. Window by window, the baseline runs, then every other run on the same tokens with its
+   quantizers swapped in; the metrics of the window are added on the model's device
+   (:class:`moewire.eval.metrics.Totals`) and the window's logits are dropped. Memory does
+   not grow with ``max_tokens`` (8 bytes per token and run for the exact KL percentile).
+4. With ``per_layer`` and ``budget``, the mixed recipe is measured as one more run and
+   backed off layer by layer until it is within the budget (:mod:`moewire.eval.recipe`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import math
 import os
 import sys
 import time
@@ -31,20 +45,40 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EvalError", "PairResult", "choose_layers", "evaluate", "mixed_recipe_yaml",
-           "pair_entries", "parse_pair", "table"]
+from moewire.eval.checks import Checked, EvalError, check_out_dir, preflight
+from moewire.eval.metrics import Reference, Totals, rows_per_chunk
+from moewire.eval.recipe import (
+    WireCost,
+    fit_mixed,
+    mixed_entries,
+    mixed_recipe_yaml,
+    pair_entries,
+    recipe_formats,
+    wire_cost,
+)
 
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+__all__ = ["BASELINE", "PairResult", "evaluate"]
+
 BASELINE = ("bf16", "bf16")
-
-
-class EvalError(ValueError):
-    """A refused evaluation: the message names the argument, the cause and the fix."""
+DEFAULT_PAIRS = (("fp8", "fp8"), ("fp8", "nvfp4"), ("nvfp4", "nvfp4"))
+#: ``progress(stage, done, total)``: what the runner reports as it goes.
+ProgressFn = Callable[[str, int, int], None]
 
 
 @dataclass
 class PairResult:
-    """One dispatch x combine pair (or recipe) measured against the BF16 wire."""
+    """One run (a pair, a recipe, the mixed recipe) measured against the BF16 wire.
+
+    Attributes:
+        name: ``"fp8:nvfp4"``, a recipe's name or path, ``"mixed (...)"``.
+        dispatch, combine: the formats of every layer, or ``"mixed"``.
+        perplexity, kl_mean, kl_p99, top1_agreement: the metrics (module docstring).
+        bytes_per_token: dispatch + combine bytes of one routed token, mean over layers.
+        wire_us: one layer's estimated dispatch + combine time, mean over layers.
+        layer_rel_l2: experts module name -> relative L2 of its output.
+        tokens_per_second: tokens over this run's forward and metrics time.
+        tasks: lm-eval scores, ``{task: {metric: {"value", "stderr"}}}``.
+    """
 
     name: str
     dispatch: str
@@ -56,125 +90,163 @@ class PairResult:
     bytes_per_token: float
     wire_us: float
     layer_rel_l2: dict[str, float] = field(default_factory=dict)
+    tokens_per_second: float = 0.0
+    tasks: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_pair(text: str) -> tuple[str, str]:
-    """``"fp8:nvfp4"`` -> ``("fp8", "nvfp4")`` (dispatch, combine), formats checked."""
-    from moewire import formats
+@dataclass
+class _Run:
+    """One run: its recipe (``None``: the baseline), its cost, its calibrated quantizers
+    (one ``(dispatch, combine)`` per experts module) and its time in the lockstep loop."""
 
-    parts = text.split(":")
-    if len(parts) != 2:
-        raise EvalError(f"--pairs: {text!r} is not DISPATCH:COMBINE (e.g. fp8:nvfp4)")
-    for name in parts:
-        try:
-            formats.get(name)
-        except (KeyError, ValueError) as exc:
-            raise EvalError(f"--pairs: {text!r}: unknown format {name!r} ({exc})") from None
-    return parts[0], parts[1]
+    name: str
+    recipe: Any
+    cost: WireCost
+    quantizers: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
+    seconds: float = 0.0
 
 
-def _entry(pattern: str, fmt: str) -> dict[str, Any]:
-    from moewire import formats
+@dataclass(frozen=True)
+class _Windows:
+    """The token windows: ``inputs[i]`` ``[T_i]`` and ``targets[i]`` ``[T_i]`` on the
+    model's device, and each window's first token in the evaluation."""
 
-    wire = formats.get(fmt)
-    if wire.modelopt_spelling is None:
-        cfg: dict[str, Any] = {"format": fmt}
-    else:
-        cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in wire.modelopt_cfg().items()}
-        if isinstance(cfg.get("block_sizes"), dict):
-            cfg["block_sizes"] = {
-                k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg["block_sizes"].items()
-            }
-    return {"quantizer_name": pattern, "cfg": cfg}
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    offsets: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(w.numel()) for w in self.inputs)
 
 
-def pair_entries(dispatch: str, combine: str, layers: Sequence[int] | None = None) -> list[dict]:
-    """ModelOpt ``quant_cfg`` entries for a pair, on every layer or only on ``layers``.
+class _Session:
+    """The model with its experts modules converted once, swapping each run's quantizers in.
 
-    A layer's pattern is ``*layers.N.*experts.<quantizer>``: it matches transformers'
-    ``model.layers.N.mlp.experts``, vLLM's ``...ffn.experts``/``...block_sparse_moe.experts``
-    and SGLang's names alike, and never layer ``N0``..``N9``.
+    Forward hooks on the experts modules compare each run's outputs with the baseline's of
+    the same window (kept only for that window). :meth:`close` unquantizes the model.
     """
-    scopes = ["*"] if layers is None else [f"*layers.{n}.*experts." for n in layers]
-    return [
-        _entry(f"{scope}{kind}_quantizer", fmt)
-        for scope in scopes
-        for kind, fmt in (("dispatch", dispatch), ("combine", combine))
-    ]
+
+    def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]],
+                 first: torch.Tensor, device: torch.device) -> None:
+        import moewire
+
+        self.model, self.modules, self.device = model, modules, device
+        self._first = first
+        self._run: int | None = None
+        self._totals: Totals | None = None
+        self._reference: dict[int, torch.Tensor] = {}
+        # Converts every experts module; each run then brings its own quantizers.
+        moewire.quantize(model, {"quant_cfg": pair_entries(*BASELINE)})
+        self._handles = [m.register_forward_hook(self._hook(i))
+                         for i, (_, m) in enumerate(modules)]
+
+    def _hook(self, layer: int) -> Callable:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            if self._run is None or self._totals is None:
+                return
+            if self._run == 0:
+                # The block may add to the experts' output in place afterwards: a copy.
+                self._reference[layer] = output.detach().clone()
+                self._totals.add_reference_layer(layer, output)
+            else:
+                self._totals.add_layer(self._run, layer, output, self._reference[layer])
+        return hook
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(inputs[None], use_cache=False).logits[0]
+
+    def calibrate(self, run: _Run) -> None:
+        """Make ``run``'s quantizers, calibrated on the first window, and keep them."""
+        import moewire
+        from moewire.quantizer import WireQuantizer
+
+        if run.recipe is None:
+            run.quantizers = [
+                tuple(WireQuantizer(enable=False, name=f"{name}.{kind}_quantizer")
+                      .to(self.device) for kind in ("dispatch", "combine"))
+                for name, _ in self.modules]
+            return
+        moewire.quantize(self.model, run.recipe, lambda m: self.forward(self._first),
+                         keep_scales=False)
+        run.quantizers = [(m.dispatch_quantizer, m.combine_quantizer) for _, m in self.modules]
+
+    def install(self, run: _Run) -> None:
+        for (_, module), (dispatch, combine) in zip(self.modules, run.quantizers, strict=True):
+            module.dispatch_quantizer = dispatch
+            module.combine_quantizer = combine
+
+    def measure(self, runs: list[_Run], windows: _Windows,
+                progress: ProgressFn, stage: str) -> Totals:
+        """Every run over every window in lockstep, the baseline (``runs[0]``) first."""
+        totals = Totals(len(runs), [n for n, _ in self.modules], windows.tokens, self.device)
+        self._totals = totals
+        progress(stage, 0, len(windows.inputs))
+        try:
+            for w, (inputs, targets, offset) in enumerate(
+                    zip(windows.inputs, windows.targets, windows.offsets, strict=True)):
+                ref = None
+                for i, run in enumerate(runs):
+                    started = time.perf_counter()
+                    self.install(run)
+                    self._run = i
+                    logits = self.forward(inputs)
+                    self._run = None
+                    ref = ref if ref is not None else Reference.of(logits)
+                    totals.add_logits(i, logits, ref, targets, offset)
+                    del logits
+                    _synchronize(self.device)
+                    run.seconds += time.perf_counter() - started
+                self._reference.clear()
+                progress(stage, w + 1, len(windows.inputs))
+        finally:
+            self._run, self._totals = None, None
+            self._reference.clear()
+        return totals
+
+    def close(self) -> None:
+        import moewire
+
+        for handle in self._handles:
+            handle.remove()
+        moewire.unquantize(self.model)
 
 
-def mixed_recipe_yaml(low: tuple[str, str], layers: Sequence[int], high: tuple[str, str],
-                      description: str) -> str:
-    """A recipe YAML: ``high`` on every layer, then ``low`` (the 4-bit pair) on ``layers``
-    (later entries win, as in ModelOpt)."""
-    import yaml
-
-    entries = pair_entries(*high) + (pair_entries(*low, layers) if layers else [])
-    return yaml.safe_dump({"description": description, "quant_cfg": entries}, sort_keys=False)
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _check_dir(path: Path) -> dict[str, Any]:
-    if not path.is_dir():
-        raise EvalError(
-            f"checkpoint: {path} is not a directory; pass a local checkpoint directory "
-            "(config.json and safetensors, as save_pretrained writes them)"
-        )
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise EvalError(f"checkpoint: {path} has no config.json; pass a transformers checkpoint")
-    config = json.loads(config_file.read_text())
-    from moewire.integrations.transformers import ARCHITECTURES
+def _tokenizer(checked: Checked) -> Any:
+    if not checked.has_tokenizer:
+        return None
+    from transformers import AutoTokenizer
 
-    known = {a.model_type: a for a in ARCHITECTURES}
-    model_type = config.get("model_type")
-    text_config = config.get("text_config") or {}
-    is_moe = any(k in config or k in text_config for k in _MOE_KEYS)
-    if model_type not in known:
-        if not is_moe:
-            raise EvalError(
-                f"checkpoint: {path} is a {model_type!r} model without routed experts (none "
-                f"of {', '.join(_MOE_KEYS)} in config.json); moewire eval measures MoE models"
-            )
-        raise EvalError(
-            f"checkpoint: {path}: unknown architecture {model_type!r}; moewire knows the "
-            f"experts of {', '.join(sorted(known))}"
-        )
-    if known[model_type].refused:
-        raise EvalError(f"checkpoint: {path}: {known[model_type].refused}")
-    return config
+    try:
+        return AutoTokenizer.from_pretrained(checked.path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise EvalError("checkpoint", f"its tokenizer cannot be loaded ({exc}); repair the "
+                        "tokenizer files or remove them (the text is then read as bytes)"
+                        ) from None
 
 
-def _check_kernel(kernel: str, mma_type: str | None) -> None:
-    """Refuse an unknown kernel or build, and the real SM90 kernel where it cannot run."""
-    from moewire.integrations import deepgemm_sm90
-    from moewire.integrations.transformers import KERNELS
-
-    if kernel not in KERNELS:
-        raise EvalError(f"--kernel: {kernel!r} is not one of {', '.join(KERNELS)}")
-    if mma_type is not None and mma_type not in KERNELS[kernel]:
-        raise EvalError(
-            f"--mma: kernel {kernel!r} has the builds {', '.join(KERNELS[kernel])}, not "
-            f"{mma_type!r}"
-        )
-    if kernel == "deepgemm-sm90":
-        ok, why = deepgemm_sm90.available()
-        if not ok:
-            raise EvalError(
-                f"--kernel deepgemm-sm90: DeepGEMM's real SM90 fp8_mega_moe cannot run here "
-                f"({why}); run on a Hopper GPU with the package on PYTHONPATH "
-                "(docs/real-kernel.md), or use --kernel stand-in"
-            )
-
-
-def _tokens(path: Path, text: str, vocab: int) -> torch.Tensor:
+def _tokens(tokenizer: Any, text: str, vocab: int) -> torch.Tensor:
     """Token ids of ``text``: the checkpoint's tokenizer, or bytes modulo the vocabulary
     when it has none (random test checkpoints)."""
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
+    if tokenizer is not None:
+        return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    return torch.tensor(list(text.encode()), dtype=torch.long) % vocab
 
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return torch.tensor(tokenizer(text)["input_ids"])
-    return torch.tensor(list(text.encode())) % vocab
+
+def _windows(ids: torch.Tensor, seq_len: int, device: torch.device) -> _Windows:
+    """Windows of ``seq_len`` inputs, each with its next tokens; a text shorter than one
+    window is one shorter window."""
+    n = max(1, (ids.numel() - 1) // seq_len)
+    chunks = [ids[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)]
+    offsets = [i * seq_len for i in range(n)]
+    return _Windows([c[:-1].to(device) for c in chunks], [c[1:].to(device) for c in chunks],
+                    offsets)
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -186,64 +258,65 @@ def _available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _estimate_bytes(path: Path, config: dict, tokens: int) -> int:
-    """Weights (the checkpoint's files), the experts' Mega-MoE copy (at most the weights
-    again), the baseline and one pair's FP32 logits, and the activations of one window."""
-    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
-    hidden = int(config.get("hidden_size") or 0)
-    return 2 * weights + 3 * tokens * vocab * 4 + 16 * tokens * hidden * 2
+def _estimate_bytes(checked: Checked, seq_len: int, tokens: int, runs: int) -> int:
+    """Weights (the checkpoint's files) and the experts' Mega-MoE copy (at most the weights
+    again); one window's logits (the baseline's and a run's, FP32 at most), their float64
+    chunks, the baseline's experts outputs and the activations; the per-token KLs of every
+    run (8 bytes each). Nothing else grows with the tokens."""
+    weights = sum(f.stat().st_size for f in checked.path.iterdir()
+                  if f.suffix in (".safetensors", ".bin"))
+    vocab, hidden = checked.number("vocab_size"), checked.number("hidden_size")
+    layers = checked.number("num_hidden_layers")
+    logits = 2 * seq_len * vocab * 4
+    chunks = 4 * min(seq_len, rows_per_chunk(vocab)) * vocab * 8
+    outputs = (layers + 16) * seq_len * hidden * 4
+    return 2 * weights + logits + chunks + outputs + runs * tokens * 8
 
 
-class _Outputs:
-    """Forward hooks recording each experts module's output, FP32 on the CPU."""
+def _load(checked: Checked, seq_len: int, mma_type: str | None, kernel: str) -> nn.Module:
+    import transformers
 
-    def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
-        self.values: dict[str, list[torch.Tensor]] = {}
-        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules]
+    import moewire.integrations.transformers as mt
 
-    def _hook(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-            self.values.setdefault(name, []).append(output.detach().float().cpu())
-        return hook
-
-    def close(self) -> dict[str, torch.Tensor]:
-        for h in self._handles:
-            h.remove()
-        return {n: torch.cat(v) for n, v in self.values.items()}
-
-
-def _forward(model: nn.Module, windows: list[torch.Tensor], modules) -> tuple[Any, Any]:
-    outputs = _Outputs(modules)
-    logits = []
-    try:
-        with torch.no_grad():
-            for w in windows:
-                logits.append(model(w.unsqueeze(0)).logits[0].float().cpu())
-    finally:
-        layers = outputs.close()
-    return torch.cat(logits), layers
+    mt.register()
+    # With accelerate, the weights go straight to the GPU (no copy of them in host memory).
+    direct = checked.device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checked.path, experts_implementation=mt.IMPLEMENTATION, dtype=torch.bfloat16,
+        local_files_only=True, device_map=str(checked.device) if direct else None,
+    ).to(checked.device)
+    model.eval()
+    mt.prepare(model, mma_type, max_num_tokens=seq_len, kernel=kernel)
+    return model
 
 
-def _metrics(logits: torch.Tensor, base: torch.Tensor, targets: torch.Tensor):
-    """``(perplexity, mean KL, p99 KL, top-1 agreement)``; float64, 256 positions at a time
-    (a small KL is a difference of nearly equal log-probabilities)."""
-    kls, nlls = [], []
-    for start in range(0, logits.shape[0], 256):
-        rows = slice(start, start + 256)
-        logp = logits[rows].double().log_softmax(-1)
-        logp0 = base[rows].double().log_softmax(-1)
-        kls.append((logp0.exp() * (logp0 - logp)).sum(-1).clamp(min=0.0))
-        nlls.append(-logp.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1))
-    kl, nll = torch.cat(kls), torch.cat(nlls)
-    agree = (logits.argmax(-1) == base.argmax(-1)).double().mean()
-    return math.exp(nll.mean().item()), kl.mean().item(), torch.quantile(kl, 0.99).item(), \
-        agree.item()
+def _line_progress(log: Callable[[str], None]) -> ProgressFn:
+    """Progress as log lines (no terminal): at most about ten per stage, each with the
+    time so far and an estimate of the time to go. A stage starts at its ``done == 0``
+    call."""
+    started: dict[str, float] = {}
+    shown: dict[str, int] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done == 0:
+            started[stage], shown[stage] = now, 0
+            return
+        begin = started.setdefault(stage, now)
+        step = max(1, total // 10)
+        if done != total and done - shown.get(stage, 0) < step:
+            return
+        shown[stage] = done
+        elapsed = now - begin
+        rest = elapsed / done * (total - done) if done else 0.0
+        log(f"eval: {stage} {done}/{total}: {elapsed:.1f} s so far, about {rest:.0f} s to go")
+
+    return progress
 
 
 def evaluate(
     checkpoint: str | os.PathLike,
-    pairs: Sequence[tuple[str, str]] = (("fp8", "fp8"), ("fp8", "nvfp4"), ("nvfp4", "nvfp4")),
+    pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS,
     *,
     recipes: Sequence[str] = (),
     text: str | None = None,
@@ -257,7 +330,11 @@ def evaluate(
     out_dir: str | os.PathLike | None = None,
     interconnect: str = "nvlink-h200",
     ep_size: int = 8,
+    tasks: Sequence[str] = (),
+    tasks_path: str | os.PathLike | None = None,
+    task_limit: int | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+    progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """Measure each pair (and recipe) against the same model on a BF16 wire.
 
@@ -267,6 +344,7 @@ def evaluate(
         recipes: recipe names or YAML paths, measured as well.
         text: the evaluation text (default: the embedded calibration text).
         max_tokens: tokens evaluated (in windows of ``seq_len``).
+        seq_len: tokens per window.
         mma_type: the kernel's build (``moewire.integrations.transformers.KERNELS``;
             default its first: ``"bf16xbf16"`` for the stand-in).
         kernel: ``"stand-in"`` or ``"deepgemm-sm90"`` (DeepGEMM's real SM90
@@ -275,210 +353,293 @@ def evaluate(
         budget: mean-KL budget: the verdict names the cheapest pair within it.
         per_layer: a pair quantized one layer at a time; with ``budget``, a mixed recipe
             (that pair on the layers the budget allows, the cheapest in-budget pair or BF16
-            elsewhere) is written to ``out_dir/mixed_recipe.yaml``.
+            elsewhere), measured within the budget, is written to
+            ``out_dir/mixed_recipe.yaml``.
         out_dir: where ``results.json``, the plot and the recipe go.
+        interconnect, ep_size: the time model's interconnect and EP size.
+        tasks: lm-evaluation-harness task names, run on every run but the per-layer ones.
+        tasks_path: a directory of task YAML files (lm-eval's ``--include_path``).
+        task_limit: at most this many documents per task (lm-eval's ``--limit``).
+        log: where the progress lines go.
+        progress: ``progress(stage, done, total)``, called with ``done == 0`` as a stage
+            (``"calibration"``, ``"window"``, ``"mixed recipe window"``, ``"tasks"``) starts
+            and after each step (default: a few log lines per stage with the time to go).
 
     Returns:
         The results dict (as ``results.json``).
 
     Raises:
-        EvalError: a missing directory, a non-MoE model, an unknown architecture, a model
-            that does not fit in memory.
+        EvalError: any argument or file that is wrong, before the model loads (the message
+            names it and the fix), or a run that does not fit in memory.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
+    plan = _plan(checkpoint, pairs, recipes=recipes, text=text, max_tokens=max_tokens,
+                 seq_len=seq_len, mma_type=mma_type, kernel=kernel, device=device,
+                 budget=budget, per_layer=per_layer, out_dir=out_dir,
+                 interconnect=interconnect, ep_size=ep_size, tasks=tasks,
+                 tasks_path=tasks_path, task_limit=task_limit, log=log)
+    return _run_plan(plan, log, progress or _line_progress(log))
 
-    import moewire
+
+@dataclass
+class _Plan:
+    """Everything :func:`evaluate` checked and read before the model loads."""
+
+    checked: Checked
+    tokenizer: Any
+    windows: _Windows
+    out: Path | None
+    seq_len: int
+    mma_type: str | None
+    kernel: str
+    budget: float | None
+    per_layer: tuple[str, str] | None
+    interconnect: str
+    ep_size: int
+    tasks: tuple[str, ...]
+    task_manager: Any
+    task_limit: int | None
+
+
+def _plan(checkpoint, pairs, *, recipes, text, max_tokens, seq_len, mma_type, kernel, device,
+          budget, per_layer, out_dir, interconnect, ep_size, tasks, tasks_path, task_limit,
+          log) -> _Plan:
+    """Every check of :func:`evaluate`, then the tokens and the windows; the output
+    directory is created last, once nothing else can refuse."""
+    from moewire.study.comm import INTERCONNECTS
+
+    checked = preflight(checkpoint, pairs, recipes=recipes, per_layer=per_layer,
+                        max_tokens=max_tokens, seq_len=seq_len, kernel=kernel,
+                        mma_type=mma_type, device=device, budget=budget)
+    if interconnect not in INTERCONNECTS:
+        raise EvalError("interconnect", f"{interconnect!r} is not one of "
+                        f"{', '.join(INTERCONNECTS)}")
+    tasks = tuple(tasks)
+    manager = None
+    if tasks:
+        from moewire.eval.tasks import check_tasks
+
+        manager = check_tasks(tasks, None if tasks_path is None else str(tasks_path),
+                              checked.has_tokenizer, checked.path)
+    if text is None:
+        import moewire
+
+        text = (Path(moewire.__file__).parent / "data" / "calibration.txt").read_text()
+    tokenizer = _tokenizer(checked)
+    ids = _tokens(tokenizer, text, checked.number("vocab_size"))[: max_tokens + 1]
+    if ids.numel() < 2:
+        raise EvalError("--text", f"the text gives {ids.numel()} token(s), and a window needs "
+                        "at least 2 (its inputs and the next token); pass a longer text")
+    dev = checked.device
+    windows = _windows(ids, seq_len, dev)
+    runs = 1 + len(checked.pairs) + len(checked.recipes)
+    extra = checked.number("num_hidden_layers") + 1 if per_layer else 0
+    need = _estimate_bytes(checked, seq_len, windows.tokens, runs + extra)
+    have = _available_bytes(dev)
+    if need > have:
+        raise EvalError("memory", f"about {need / 2**30:.2f} GiB needed, {have / 2**30:.2f} GiB "
+                        f"free on {dev}; lower --seq-len or use a larger device")
+    out = None if out_dir is None else check_out_dir(out_dir)
+    log(f"eval: {checked.path.name}: {windows.tokens} tokens in {len(windows.inputs)} windows, "
+        f"{runs} runs (+{'one per layer and the mixed recipe' if per_layer else 'none'}), "
+        f"memory needed about {need / 2**30:.2f} GiB of {have / 2**30:.2f} GiB free on {dev}")
+    if windows.tokens < max_tokens:
+        log(f"eval: the text gives {windows.tokens} tokens, fewer than --max-tokens "
+            f"{max_tokens}")
+    return _Plan(checked, tokenizer, windows, out, seq_len, mma_type, kernel, budget,
+                 per_layer, interconnect, ep_size, tasks, manager, task_limit)
+
+
+def _runs(plan: _Plan, names: list[str], cost: Callable) -> tuple[list[_Run], list[_Run]]:
+    """The main runs (the baseline, the pairs, the recipes) and the per-layer probes."""
+    main = [_Run("bf16:bf16", None, cost([BASELINE] * len(names)))]
+    main += [_Run(f"{d}:{c}", {"quant_cfg": pair_entries(d, c)}, cost([(d, c)] * len(names)))
+             for d, c in plan.checked.pairs]
+    main += [_Run(r, r, cost(recipe_formats(r, names))) for r in plan.checked.recipes]
+    low = plan.per_layer
+    probes = [] if low is None else [
+        _Run(f"{low[0]}:{low[1]}@layer{_layer_index(n)}",
+             {"quant_cfg": pair_entries(*low, [_layer_index(n)])},
+             cost([low if m == n else BASELINE for m in names]))
+        for n in names]
+    return main, probes
+
+
+def _run_plan(plan: _Plan, log: Callable[[str], None], progress: ProgressFn) -> dict[str, Any]:
+    """Load the model, calibrate every run, measure them in lockstep, then the mixed recipe
+    and the tasks; write the files."""
     import moewire.integrations.transformers as mt
     from moewire.study.comm import INTERCONNECTS, comm_time, uniform_traffic
 
-    path = Path(checkpoint)
-    config = _check_dir(path)
-    _check_kernel(kernel, mma_type)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if text is None:
-        text = (Path(moewire.__file__).parent / "data" / "calibration.txt").read_text()
-    vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
-    ids = _tokens(path, text, vocab)[: max_tokens + 1]
-    n_windows = max(1, (ids.numel() - 1) // seq_len)
-    windows = [ids[i * seq_len : (i + 1) * seq_len + 1] for i in range(n_windows)]
-    inputs = [w[:-1].to(dev) for w in windows]
-    targets = torch.cat([w[1:] for w in windows])
-    tokens = sum(w.numel() for w in inputs)
-    runs = 1 + len(pairs) + len(recipes)
-    need, have = _estimate_bytes(path, config, tokens), _available_bytes(dev)
-    log(f"eval: {path.name}: {tokens} tokens in {n_windows} windows, {runs} runs "
-        f"(+{per_layer and 'one per layer' or 'none'}), memory needed about {need / 2**30:.2f} "
-        f"GiB of {have / 2**30:.2f} GiB free on {dev}")
-    if need > have:
-        raise EvalError(
-            f"memory: about {need / 2**30:.2f} GiB needed, {have / 2**30:.2f} GiB free on "
-            f"{dev}; lower --max-tokens or use a larger device"
-        )
-    mt.register()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, experts_implementation=mt.IMPLEMENTATION, dtype=torch.bfloat16,
-        local_files_only=True,
-    ).to(dev)
-    model.eval()
-    mt.prepare(model, mma_type, max_num_tokens=seq_len, kernel=kernel)
-    mma_type = mma_type or next(iter(mt.KERNELS[kernel]))
-    modules = mt.experts_modules(model)
-    hidden, link = int(model.config.hidden_size), INTERCONNECTS[interconnect]
-    traffic = uniform_traffic(ep_size, 4096, int(model.config.num_experts_per_tok))
-
-    def wire(dispatch: str, combine: str) -> tuple[float, float]:
-        from moewire.study.wire import format_bits
-
-        nbytes = (format_bits(dispatch, hidden) + format_bits(combine, hidden)) / 8
-        return nbytes, comm_time(link, traffic, dispatch, combine, hidden).comm_us
-
-    def run(name: str, recipe: Any, dispatch: str, combine: str,
-            base: tuple | None = None) -> tuple[PairResult, tuple]:
-        started = time.perf_counter()
-        moewire.quantize(model, recipe, lambda m: _forward(m, inputs[:1], []))
-        try:
-            logits, layers = _forward(model, inputs, modules)
-        finally:
-            moewire.unquantize(model)
-        base_logits, base_layers = base if base is not None else (logits, layers)
-        ppl, kl, p99, agree = _metrics(logits, base_logits, targets)
-        rel = {n: ((layers[n] - base_layers[n]).norm() / base_layers[n].norm()).item()
-               for n in layers}
-        nbytes, us = wire(dispatch, combine)
-        speed = tokens / (time.perf_counter() - started)
-        log(f"eval: {name}: ppl {ppl:.4f}, KL mean {kl:.3e}, p99 {p99:.3e}, top-1 "
-            f"{agree:.4f} ({speed:.0f} tokens/s)")
-        return PairResult(name, dispatch, combine, ppl, kl, p99, agree, nbytes, us, rel), (
-            logits, layers)
-
+    dev, windows = plan.checked.device, plan.windows
     started = time.perf_counter()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    baseline, base = run("bf16:bf16", {"quant_cfg": pair_entries(*BASELINE)}, *BASELINE)
-    log(f"eval: the baseline took {time.perf_counter() - started:.1f} s; about "
-        f"{(time.perf_counter() - started) * (runs - 1):.0f} s to go")
-    results = [baseline]
-    for dispatch, combine in pairs:
-        results.append(run(f"{dispatch}:{combine}", {"quant_cfg": pair_entries(dispatch, combine)},
-                           dispatch, combine, base)[0])
-    for recipe in recipes:
-        d, c = _recipe_pair(recipe, modules[0][0])
-        results.append(run(str(recipe), recipe, d, c, base)[0])
+    model = _load(plan.checked, plan.seq_len, plan.mma_type, plan.kernel)
+    modules = mt.experts_modules(model)
+    names = [n for n, _ in modules]
+    hidden = int(model.config.hidden_size)
+    link = INTERCONNECTS[plan.interconnect]
+    traffic = uniform_traffic(plan.ep_size, 4096, int(model.config.num_experts_per_tok))
+
+    def cost(per_module: list[tuple[str, str]]) -> WireCost:
+        return wire_cost(per_module, hidden,
+                         lambda d, c: comm_time(link, traffic, d, c, hidden).comm_us)
+
+    main, probes = _runs(plan, names, cost)
+    every = main + probes
     report: dict[str, Any] = {
-        "checkpoint": str(path), "model_type": config.get("model_type"), "tokens": tokens,
-        "kernel": kernel, "mma_type": mma_type, "device": str(dev), "interconnect": interconnect,
-        "ep_size": ep_size, "seconds": time.perf_counter() - started,
-        "tokens_per_second": tokens * len(results) / (time.perf_counter() - started),
+        "checkpoint": str(plan.checked.path), "model_type": plan.checked.config.get("model_type"),
+        "tokens": windows.tokens, "windows": len(windows.inputs), "seq_len": plan.seq_len,
+        "kernel": plan.kernel, "mma_type": plan.mma_type or next(iter(mt.KERNELS[plan.kernel])),
+        "device": str(dev), "interconnect": plan.interconnect, "ep_size": plan.ep_size,
+    }
+    mixed_yaml = None
+    loaded = time.perf_counter()
+    session = _Session(model, modules, windows.inputs[0], dev)
+    try:
+        progress("calibration", 0, len(every))
+        for i, run in enumerate(every):
+            session.calibrate(run)
+            progress("calibration", i + 1, len(every))
+        calibrated = time.perf_counter()
+        totals = session.measure(every, windows, progress, "window")
+        measured = time.perf_counter()
+        results = [_result(run, totals.result(i), windows.tokens) for i, run in enumerate(main)]
+        for r in results:
+            log(f"eval: {r.name}: ppl {r.perplexity:.4f}, KL mean {r.kl_mean:.3e}, p99 "
+                f"{r.kl_p99:.3e}, top-1 {r.top1_agreement:.4f} ({r.tokens_per_second:.0f} "
+                "tokens/s)")
+        if plan.budget is not None:
+            report["budget"] = _verdict(results, plan.budget, log)
+        if plan.per_layer is not None:
+            by_layer = {_layer_index(n): totals.result(len(main) + i)
+                        for i, n in enumerate(names)}
+            report["per_layer"] = {"pair": list(plan.per_layer),
+                                   "kl_by_layer": {n: r["kl_mean"] for n, r in by_layer.items()}}
+            log(f"eval: {plan.per_layer[0]}:{plan.per_layer[1]} on one layer at a time, KL mean "
+                "by layer: " + ", ".join(f"{n}: {r['kl_mean']:.3e}" for n, r in by_layer.items()))
+            if plan.budget is not None:
+                mixed = _mixed(session, main[0], plan.per_layer, by_layer, results, plan.budget,
+                               names, cost, windows, progress, log, report["per_layer"])
+                if mixed is not None:
+                    main.append(mixed[0])
+                    results.append(mixed[1])
+                    mixed_yaml = mixed[2]
+        if plan.tasks:
+            _tasks(session, plan, main, results, progress)
+    finally:
+        session.close()
+    done = time.perf_counter()
+    report.update({
+        "seconds": {"load": loaded - started, "calibrate": calibrated - loaded,
+                    "measure": measured - calibrated, "total": done - started},
+        "tokens_per_second": windows.tokens * len(every) / (measured - calibrated),
         "peak_memory_bytes": (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
                               else None),
         "pairs": [asdict(r) for r in results],
-    }
-    if budget is not None:
-        within = [r for r in results[1:] if r.kl_mean <= budget]
-        best = min(within, key=lambda r: (r.bytes_per_token, r.kl_mean), default=None)
-        report["budget"] = {"kl": budget, "verdict": best.name if best else None}
-        log(f"eval: budget KL {budget:g}: " + (
-            f"{best.name} ({best.bytes_per_token:.0f} bytes per routed token)" if best
-            else "no pair is within budget; keep the BF16 wire"))
-    if per_layer is not None:
-        report["per_layer"] = _per_layer(model, modules, per_layer, run, base, budget,
-                                         report.get("budget", {}).get("verdict"), out_dir, log)
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(report, indent=1))
-        _plot(results, out / "kl.png")
+    })
+    if plan.tasks:
+        report["tasks"] = list(plan.tasks)
+    if plan.out is not None:
+        _write(report, plan.out, mixed_yaml, log)
     return report
 
 
-def choose_layers(sensitivity: dict[int, float], budget: float) -> list[int]:
-    """The layers that take the low-precision pair: from the least sensitive up (ties by
-    layer index), while their KLs sum within ``budget``; sorted.
-
-    Args:
-        sensitivity: layer index -> mean KL with only that layer quantized.
-        budget: the mean-KL budget.
-    """
-    chosen, total = [], 0.0
-    for n in sorted(sensitivity, key=lambda layer: (sensitivity[layer], layer)):
-        if total + sensitivity[n] > budget:
-            break
-        chosen.append(n)
-        total += sensitivity[n]
-    return sorted(chosen)
+def _verdict(results: list[PairResult], budget: float,
+             log: Callable[[str], None]) -> dict[str, Any]:
+    """The cheapest run (fewest bytes per routed token) whose mean KL is within ``budget``."""
+    within = [r for r in results[1:] if r.kl_mean <= budget]
+    best = min(within, key=lambda r: (r.bytes_per_token, r.kl_mean), default=None)
+    log(f"eval: budget KL {budget:g}: " + (
+        f"{best.name} ({best.bytes_per_token:.0f} bytes per routed token)" if best
+        else "no pair is within budget; keep the BF16 wire"))
+    return {"kl": budget, "verdict": best.name if best else None}
 
 
-def _recipe_pair(recipe: str, module_name: str) -> tuple[str, str]:
-    """The dispatch and combine formats a recipe gives ``module_name``'s quantizers (BF16
-    where it gives none): what the bytes and the wire time of a recipe are counted from."""
-    from moewire import recipes
-    from moewire.config import parse_cfg
+def _tasks(session: _Session, plan: _Plan, runs: list[_Run], results: list[PairResult],
+           progress: ProgressFn) -> None:
+    """lm-eval's tasks on each run, its quantizers installed."""
+    from moewire.eval.tasks import run_tasks
 
-    loaded = recipes.load(recipe)
-
-    def fmt(kind: str) -> str:
-        cfg = loaded.match(f"{module_name}.{kind}_quantizer")
-        spec = None if cfg is None else parse_cfg(cfg)
-        return spec.fmt if spec is not None and spec.enable else "bf16"
-
-    return fmt("dispatch"), fmt("combine")
+    progress("tasks", 0, len(runs))
+    for i, (run, result) in enumerate(zip(runs, results, strict=True)):
+        session.install(run)
+        result.tasks = run_tasks(session.model, plan.tokenizer, plan.task_manager, plan.tasks,
+                                 device=plan.checked.device, limit=plan.task_limit)
+        progress("tasks", i + 1, len(runs))
 
 
-def _per_layer(model, modules, pair, run, base, budget, verdict, out_dir, log) -> dict[str, Any]:
+def _write(report: dict[str, Any], out: Path, mixed_yaml: str | None,
+           log: Callable[[str], None]) -> None:
+    from moewire.eval.report import plot
+
+    if mixed_yaml is not None:
+        recipe_path = out / "mixed_recipe.yaml"
+        recipe_path.write_text(mixed_yaml)
+        report["per_layer"]["recipe"] = str(recipe_path)
+        log(f"eval: mixed recipe -> {recipe_path}")
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "kl.png")
+
+
+def _layer_index(module_name: str) -> int:
     import re
 
-    layer_ids = [int(re.search(r"layers\.(\d+)\.", n).group(1)) for n, _ in modules]
-    sensitivity = {}
-    for n in layer_ids:
-        entries = pair_entries(*pair, [n])
-        sensitivity[n] = run(f"{pair[0]}:{pair[1]}@layer{n}", {"quant_cfg": entries},
-                             *pair, base)[0].kl_mean
-    result: dict[str, Any] = {"pair": list(pair), "kl_by_layer": sensitivity}
-    if budget is not None:
-        chosen = choose_layers(sensitivity, budget)
-        high = tuple(verdict.split(":")) if verdict else BASELINE
-        yaml_text = mixed_recipe_yaml(pair, sorted(chosen), high,
-                                      f"{pair[0]}:{pair[1]} on layers {sorted(chosen)}, "
-                                      f"{high[0]}:{high[1]} elsewhere (moewire eval)")
-        result.update(layers=sorted(chosen), elsewhere=list(high))
-        if out_dir is not None:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            recipe_path = Path(out_dir) / "mixed_recipe.yaml"
-            recipe_path.write_text(yaml_text)
-            result["recipe"] = str(recipe_path)
-            log(f"eval: mixed recipe -> {recipe_path} ({pair[0]}:{pair[1]} on layers "
-                f"{sorted(chosen)})")
-    return result
+    return int(re.search(r"layers\.(\d+)\.", module_name).group(1))
 
 
-def _plot(results: list[PairResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "bytes_per_token", "bytes per routed token"),
-                           (axes[1], "wire_us", "estimated wire time per layer (us)")):
-        for r in results:
-            ax.scatter(getattr(r, key), max(r.kl_mean, 1e-12))
-            ax.annotate(r.name, (getattr(r, key), max(r.kl_mean, 1e-12)), fontsize=8)
-        ax.set_xlabel(label)
-        ax.set_ylabel("mean KL to the BF16 wire")
-        ax.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def _result(run: _Run, metrics: dict[str, Any], tokens: int) -> PairResult:
+    return PairResult(run.name, run.cost.dispatch, run.cost.combine, metrics["perplexity"],
+                      metrics["kl_mean"], metrics["kl_p99"], metrics["top1_agreement"],
+                      run.cost.bytes_per_token, run.cost.wire_us, metrics["layer_rel_l2"],
+                      tokens / run.seconds if run.seconds else 0.0)
 
 
-def table(report: dict[str, Any]) -> str:
-    """The results as a plain-text table."""
-    head = (f"{'pair':<24}{'ppl':>10}{'KL mean':>11}{'KL p99':>11}{'top-1':>8}"
-            f"{'bytes/tok':>11}{'wire us':>9}")
-    rows = [head]
-    for r in report["pairs"]:
-        rows.append(f"{r['name']:<24}{r['perplexity']:>10.4f}{r['kl_mean']:>11.3e}"
-                    f"{r['kl_p99']:>11.3e}{r['top1_agreement']:>8.4f}"
-                    f"{r['bytes_per_token']:>11.0f}{r['wire_us']:>9.1f}")
-    return "\n".join(rows)
+def _mixed(session: _Session, baseline: _Run, low: tuple[str, str],
+           by_layer: dict[int, dict[str, Any]], results: list[PairResult], budget: float,
+           names: list[str], cost: Callable, windows: _Windows, progress: ProgressFn,
+           log: Callable[[str], None],
+           out: dict[str, Any]) -> tuple[_Run, PairResult, str] | None:
+    """Choose, measure and back off the mixed recipe (:func:`moewire.eval.recipe.fit_mixed`);
+    fills ``out`` and returns the accepted run, its result and its YAML, or ``None``.
+
+    Elsewhere goes the cheapest pair within the budget (a recipe with several formats
+    cannot be the rest of a mixed recipe), or BF16; its KL counts against the budget."""
+    uniform = [r for r in results[1:] if r.kl_mean <= budget and "mixed" not in
+               (r.dispatch, r.combine)]
+    safer = min(uniform, key=lambda r: (r.bytes_per_token, r.kl_mean), default=None)
+    high = (safer.dispatch, safer.combine) if safer else BASELINE
+    spent = safer.kl_mean if safer else 0.0
+    sensitivity = {n: r["kl_mean"] for n, r in by_layer.items()}
+    measured: dict[tuple[int, ...], tuple[_Run, PairResult]] = {}
+    index = {_layer_index(n): n for n in names}
+
+    def measure(layers: list[int]) -> float:
+        entries = mixed_entries(low, layers, high)
+        chosen = {index[n] for n in layers}
+        run = _Run(f"mixed ({low[0]}:{low[1]} on {len(layers)}/{len(names)})",
+                   {"quant_cfg": entries},
+                   cost([low if n in chosen else high for n in names]))
+        base = _Run(baseline.name, None, baseline.cost, baseline.quantizers)
+        session.calibrate(run)
+        totals = session.measure([base, run], windows, progress, "mixed recipe window")
+        result = _result(run, totals.result(1), windows.tokens)
+        measured[tuple(layers)] = run, result
+        log(f"eval: mixed recipe, {low[0]}:{low[1]} on layers {layers}: KL mean "
+            f"{result.kl_mean:.3e} measured (budget {budget:g})")
+        return result.kl_mean
+
+    layers, attempts = fit_mixed(sensitivity, budget, spent, measure)
+    out.update(elsewhere=list(high), layers=layers,
+               attempts=[asdict(a) | {"layers": list(a.layers)} for a in attempts])
+    if not layers:
+        log(f"eval: no mixed recipe: no layer takes {low[0]}:{low[1]} within the budget on "
+            f"top of {high[0]}:{high[1]}")
+        return None
+    run, result = measured[tuple(layers)]
+    out.update(kl_mean=result.kl_mean, bytes_per_token=result.bytes_per_token,
+               wire_us=result.wire_us)
+    return run, result, mixed_recipe_yaml(
+        low, layers, high, f"{low[0]}:{low[1]} on layers {layers}, {high[0]}:{high[1]} "
+        f"elsewhere (moewire eval: measured KL {result.kl_mean:.3e}, budget {budget:g})")

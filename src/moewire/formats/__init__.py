@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moewire.formats import bf16, combine, fp8, logfmt, mx, nvfp4  # noqa: F401  (registers them)
+from moewire.formats import bf16, combine, fp8, logfmt, mori, mx, nvfp4  # noqa: F401  (registers)
 from moewire.formats.base import (
     ACCUMULATE_MODES,
     ModelOptSpelling,

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     import torch
 
 E4M3_MAX = 448.0
+# FP8 E4M3 FNUZ (``torch.float8_e4m3fnuz``, MI300's FP8): exponent bias 8, no infinity, no
+# negative zero (0x80 is the one NaN), so its largest value is 1.875 * 2^7.
+E4M3FNUZ_MAX = 240.0
 E2M1_MAX = 6.0
 
 # E2M1 magnitudes and the round-to-nearest-even decision points between them: a tie goes
@@ -73,6 +76,19 @@ def e4m3(v: torch.Tensor) -> torch.Tensor:
     import torch
 
     return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def e4m3fnuz(v: torch.Tensor) -> torch.Tensor:
+    """FP32 -> nearest FP8 E4M3 FNUZ value (``float8_e4m3fnuz``), saturating, back in FP32.
+
+    ``clamp(v, -240, 240)`` then RNE onto E4M3 FNUZ (normals 2^-7 .. 1.875 * 2^7,
+    subnormal step 2^-10). The format has no negative zero: -0.0, and a negative value that
+    rounds to zero, come back as +0.0. ±inf saturates to ±240, NaN stays NaN. The clamp
+    comes first, as for :func:`e4m3`: torch's own cast maps what lies beyond 248 to NaN.
+    """
+    import torch
+
+    return v.clamp(-E4M3FNUZ_MAX, E4M3FNUZ_MAX).to(torch.float8_e4m3fnuz).to(torch.float32)
 
 
 def e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,26 @@
   ``cudnn.moe_ep.MoeEp``, whose kernel source is not public); the math is TE's own MXFP8
   quantizer rule, ``float_to_e8m0`` (``cvt.rp.satfinite.ue8m0x2.f32`` on Blackwell, and its
   bit-level fallback) and ``exp2f_rcp`` in ``transformer_engine/common/util/ptx.cuh``.
+- ``flashinfer_mxfp8`` and ``flashinfer_nvfp4``: FlashInfer's Mega-MoE
+  (``flashinfer-python`` 0.7.2.post1, ``flashinfer.moe_ep``; ``MegaConfig(megakernel=...)``
+  with the kernel config's ``combine_dtype`` ``"mxfp8"`` or ``"nvfp4"``, e.g.
+  ``backends/mega/kernel/sm100/nvfp4_nvfp4_bf16_cutedsl/config.py``), read from the device
+  encoder the wheel ships: ``kernel_src/sm100/cutedsl_megamoe/shim/nvfp4.py``
+  (``COMBINE_FORMAT_NAMES``: ``"mxfp8"`` is ``32e4m3xe8m0``, ``"nvfp4"`` is
+  ``16e2m1xbf16``), ``src/src/token_comm.py`` (``CombineFormat``),
+  ``src/moe_nvfp4_swapab/epilogue_refactor.py`` (``QuantImpl``: the FC2 epilogue's combine
+  encoder) and ``src/moe_nvfp4_swapab/topk_reduce.py`` (the receiver's decode and sum),
+  ``src/common/moe_utils.py`` (``cvt_f32_to_f8_to_f32``) and ``common/megamoe_constants.py``.
+  The SM107 kernel (``kernel_src/sm107/.../block_scaled_swap_ab_fc12_epilogue.py``) has the
+  same encoder. These are the CombineFormat strings of TensorRT-LLM's
+  ``MEGAMOE_COMBINE_FORMAT`` too, but the device encoder differs from the host oracle the
+  ``trtllm_*`` formats follow (the encoder's reciprocal mask, its ue8m0 rounding, the sign
+  of a zero): see each class.
 
 Each of these kernels dequantizes every row into FP32, sums the rows in FP32 and rounds the
-sum to BF16 once: ``combine_accumulate = "fp32"`` (``moewire.megamoe.resum``).
+sum to BF16 once: ``combine_accumulate = "fp32"`` (``moewire.megamoe.resum``). (FlashInfer's
+``topk_reduce`` starts its sum from the first slot's value rather than from +0.0, which
+differs from moewire's sum only in the sign of a zero that every slot gives as -0.0.)
 
 Every format here maps a block holding NaN or ±inf to all NaN: the sources leave that case
 open (DeepGEMM's amax is a ``cute::max`` shuffle whose NaN result depends on lane order, the
@@ -34,6 +51,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from moewire.formats._block_combine import BlockCombineFormat
 from moewire.formats._numerics import (
     E2M1_MAX,
     E4M3_MAX,
@@ -42,52 +60,33 @@ from moewire.formats._numerics import (
     exponent_fields,
     mul_recip,
     pow2,
-    split_blocks,
 )
-from moewire.formats.base import WireFormat, register
+from moewire.formats.base import register
 
 # TensorRT-LLM's host oracle clamps the block amax to this before the scale (FP32 value).
 _TRTLLM_AMAX_FLOOR = 1e-30
+# FlashInfer's encoders mask their reciprocal with min(scale * 1e30, 1) (cutlass.Float32(1e30),
+# the FP32 value nearest 1e30) so that a zero scale gives a zero reciprocal, not inf.
+_FLASHINFER_MASK = 1e30
 
 
-class _CombineFormat(WireFormat):
-    """Shared facts of the real-kernel combine formats: row-local, no amax, no ModelOpt
-    spelling (a cfg names them with ``format``), FP32 accumulation in the kernel.
+def _ue8m0_round_up(v: torch.Tensor) -> torch.Tensor:
+    """``cvt.rp.satfinite.ue8m0x2.f32`` of FP32 ``v >= 0`` (finite): the E8M0 byte (int32) of
+    the smallest power of two ``2^(byte - 127) >= v``, ``2^-127 .. 2^127``.
 
-    :meth:`reference` is the part every format here shares: split the row into blocks of
-    ``block_size``, take each block's amax, let :meth:`_qdq_blocks` quantize and dequantize
-    the blocks with the format's own math, and set every block holding NaN or ±inf to NaN.
+    From the bits: a normal ``v`` gives its biased exponent, plus one when the mantissa is
+    non-zero, at most 254 (saturating); a subnormal ``v`` rounds up to ``2^-127`` (byte 0)
+    when ``v <= 2^-127`` and to ``2^-126`` (byte 1) above; 0 gives byte 0.
     """
+    import torch
 
-    needs_amax = False
-    row_local = True
-    combine_accumulate = "fp32"
-
-    def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
-        import torch
-
-        xb = split_blocks(x, self.block_size)
-        block_amax = xb.abs().amax(dim=-1, keepdim=True)
-        finite = torch.isfinite(block_amax)
-        out = self._qdq_blocks(xb, torch.where(finite, block_amax, torch.zeros_like(block_amax)))
-        out = torch.where(finite, out, torch.full_like(out, float("nan")))
-        return out.reshape(x.shape).to(x.dtype)
-
-    def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
-        """The format's fake quant of its blocks (the math in the class docstring).
-
-        Args:
-            xb: FP32 ``[..., H // block_size, block_size]``, read only.
-            block_amax: FP32 ``[..., H // block_size, 1]``, ``max|x_b|``; ``0`` for a block
-                holding NaN or ±inf, whose result :meth:`reference` replaces by NaN.
-
-        Returns:
-            FP32, the shape of ``xb``: the dequantized blocks.
-        """
-        raise NotImplementedError
+    biased, inexact = exponent_fields(v)
+    mantissa = v.view(torch.int32) & 0x7FFFFF
+    subnormal_byte = (mantissa > 0x400000).to(torch.int32)
+    return torch.where(biased == 0, subnormal_byte, (biased + inexact).clamp(max=254))
 
 
-class DeepGEMMFP8Combine(_CombineFormat):
+class DeepGEMMFP8Combine(BlockCombineFormat):
     """``deepgemm_fp8_combine``: DeepGEMM's ``DG_USE_FP8_COMBINE=1`` wire, E4M3 with one UE8M0
     scale per (token, slot, 128 columns).
 
@@ -133,7 +132,7 @@ class DeepGEMMFP8Combine(_CombineFormat):
         return q * sf
 
 
-class TRTLLMMXFP8Combine(_CombineFormat):
+class TRTLLMMXFP8Combine(BlockCombineFormat):
     """``trtllm_32e4m3xe8m0``: TensorRT-LLM's ``MEGAMOE_COMBINE_FORMAT=32e4m3xe8m0``, E4M3
     with one E8M0 scale per 32 columns, the scale rounded up.
 
@@ -176,7 +175,7 @@ class TRTLLMMXFP8Combine(_CombineFormat):
         return q * pow2(e)
 
 
-class TEMXFP8Combine(_CombineFormat):
+class TEMXFP8Combine(BlockCombineFormat):
     """``te_mxfp8``: TransformerEngine's MXFP8 rule (``NVTE_MEGAMOE_MXFP8_COMBINE=1``), E4M3
     with one E8M0 scale per 32 columns, rounded up.
 
@@ -206,16 +205,13 @@ class TEMXFP8Combine(_CombineFormat):
         import torch
 
         v = mul_recip(block_amax, E4M3_MAX)
-        biased, inexact = exponent_fields(v)
-        mantissa = v.view(torch.int32) & 0x7FFFFF
-        subnormal_byte = (mantissa > 0x400000).to(torch.int32)
-        byte = torch.where(biased == 0, subnormal_byte, (biased + inexact).clamp(max=254))
+        byte = _ue8m0_round_up(v)
         recip = torch.where(byte == 0, torch.ones_like(v), pow2(127 - byte))
         q = e4m3(xb * recip)
         return q * pow2(byte - 127)
 
 
-class TRTLLMFP4Combine(_CombineFormat):
+class TRTLLMFP4Combine(BlockCombineFormat):
     """``trtllm_16e2m1xbf16``: TensorRT-LLM's ``MEGAMOE_COMBINE_FORMAT=16e2m1xbf16``, E2M1
     with one BF16 value per 16 columns (the block amax; the scale is derived from it).
 
@@ -260,7 +256,130 @@ class TRTLLMFP4Combine(_CombineFormat):
         return q * ds
 
 
+class FlashInferMXFP8Combine(BlockCombineFormat):
+    """``flashinfer_mxfp8``: FlashInfer's Mega-MoE combine with ``combine_dtype="mxfp8"``
+    (CombineFormat ``32e4m3xe8m0``), E4M3 with one E8M0 scale per 32 columns, rounded up.
+
+    Math per block ``b`` of 32 columns, FP32 (``QuantImpl._e8m0`` and ``_enc_mxfp8`` in
+    ``epilogue_refactor.py``; ``fl`` = one FP32 rounding)::
+
+        a    = bf16(max|x_b|)                       # _amax_thread_bf16: the packed BF16
+                                                    # abs-max (exact for BF16 rows)
+        c    = fl(a * fl(1/448))                    # amax * Fp8E4M3RcpLimit
+        byte = ue8m0_round_up(c)                    # cvt.rp.satfinite.ue8m0x2.f32: the
+                                                    # smallest 2^(byte-127) >= c, 0 -> 0
+        sf   = 2^(byte - 127)                       # cvt.rn.bf16x2.ue8m0x2, exact
+        enc  = min(rcp(sf), FP32_MAX) * min(fl(sf * fl(1e30)), 1)      # _enc_mxfp8
+             = 2^(127 - byte)   if byte >= 28       # the mask is 1
+             = fl(1e30)         if 1 <= byte <= 27  # sf < 2^-99.66: the mask is sf * 1e30
+                                                    # (exact), and rcp(sf) * that is 1e30
+             (byte 0: see below)
+        q    = e4m3(fl(x_b * enc))                  # .to(Float8E4M3FN): RNE, satfinite
+        out  = q * sf                               # topk_reduce: fmul(value, scale), exact
+
+    The mask is there so that a zero scale encodes to zero rather than ``0 * inf``; it also
+    fires for every tiny block, ``a <= 448 * 2^-100`` (about 3.5e-28, bytes 1 to 27), whose
+    elements are then multiplied by ``1e30`` instead of ``1 / sf``, i.e. by ``sf * 1e30``
+    too little (0.79 at byte 27, 0.39 at byte 26, halving with each byte below): they
+    come back that much smaller (``q * sf``, with ``q`` of the shrunk value), and at byte
+    8 and below (``a <= 448 * 2^-119``) as zeros.
+    Byte 0 (``a <= 448 * 2^-127``): ``sf = 2^-127`` is an FP32 subnormal, which
+    ``rcp.approx.ftz`` flushes, so ``enc`` is ``FP32_MAX * fl(2^-127 * 1e30)`` (about 2e30;
+    0 if the multiply flushed too) and every ``x_b * enc`` is below E4M3's smallest half
+    step: the block comes back as zeros with the signs of ``x_b``. moewire takes
+    ``enc = 0`` there, which gives the same bits.
+
+    ``rcp`` is ``rcp.approx.ftz.f32``; on a power of two it is exact (``2^-e``), which is
+    the only input it gets here. The scale rule is ``te_mxfp8``'s (``cvt.rp`` to UE8M0 of
+    ``amax * fl(1/448)``); the two formats differ in the mask (blocks with ``a <= 448 *
+    2^-100``) and in reading the block amax as BF16 (FP32/FP16 input only). The kernel
+    package's host oracle, which ``trtllm_32e4m3xe8m0`` follows, has no mask (it floors the
+    amax at 1e-30 instead): it parts from this format in the same tiny blocks. Assumed, not
+    read: that the CuTe DSL compiles
+    ``amax * Fp8E4M3RcpLimit`` without flushing subnormals (else blocks with ``448 * 2^-127
+    < a < 448 * 2^-126`` would come back as zeros instead of byte 1).
+
+    The receiver (``TopkReduce._reduce_mxfp8``) decodes ``float(q) * sf`` and adds the
+    slots in FP32 in top-k order, one BF16 rounding at the end.
+    """
+
+    name = "flashinfer_mxfp8"
+    element_bits = 8
+    block_size = 32
+    scale_bits = 8
+
+    def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        c = mul_recip(block_amax.to(torch.bfloat16).to(torch.float32), E4M3_MAX)
+        byte = _ue8m0_round_up(c)
+        sf = pow2(byte - 127)
+        mask = (sf * torch.tensor(_FLASHINFER_MASK, dtype=torch.float32)).clamp(max=1.0)
+        enc = torch.where(byte == 0, torch.zeros_like(sf), pow2(127 - byte) * mask)
+        return e4m3(xb * enc) * sf
+
+
+class FlashInferNVFP4Combine(BlockCombineFormat):
+    """``flashinfer_nvfp4``: FlashInfer's Mega-MoE combine with ``combine_dtype="nvfp4"``
+    (CombineFormat ``16e2m1xbf16``), E2M1 with one BF16 block amax per 16 columns.
+
+    Math per block ``b`` of 16 columns, FP32 (``QuantImpl.nvfp4_combine_quant_*`` and
+    ``_enc_nvfp4`` in ``epilogue_refactor.py``, ``TopkReduce._reduce_fp4``)::
+
+        a    = bf16(max|x_b|)                       # stored as the block's scale (BF16)
+        ds   = fl(a * fl(1/6))                      # decode scale, * Nvfp4E2M1RcpLimit;
+                                                    # the receiver recomputes the same
+        enc  = fl(min(rcp(ds), FP32_MAX) * min(fl(ds * fl(1e30)), 1))  # _enc_nvfp4
+             = 0 if ds < 2^-126                     # rcp.approx.ftz flushes a subnormal ds
+                                                    # (then every x_b * enc rounds to 0)
+        q    = e2m1(fl(x_b * enc))                  # .to(Float4E2M1FN): RNE, saturating at
+                                                    # 6, sign kept (a -0.0 is possible)
+        out  = fl(q * ds)                           # topk_reduce: fmul(value, scale)
+
+    For ``ds >= fl(1e30)^-1`` (``a >= 6e-30``, about) the mask is 1 and ``enc`` is the
+    reciprocal; below it ``enc`` is close to ``1e30`` instead of ``1 / ds``, so a tiny
+    block's elements are encoded too small (0.5 of their value at ``a = 3e-30``), and come
+    back that much smaller. ``q * ds`` needs up to 26 significant bits, so the dequantized
+    value is FP32 that BF16 cannot hold (the FP32 accumulation and a QDQ-to-BF16 sum differ,
+    as for ``trtllm_16e2m1xbf16``).
+
+    Not modelled: ``rcp`` is ``rcp.approx.ftz.f32`` on the device (the kernel package's own
+    oracle calls the same instruction through Triton, ``_rcp_approx_ftz_f32_cuda``); moewire
+    takes the correctly rounded reciprocal. PTX allows the approximation one ulp of error,
+    and one ulp matters: BF16 rows put many elements exactly on an E2M1 midpoint of
+    ``x / ds`` (``x = 5a/12`` is a BF16 value whenever ``a``'s significand is a multiple of
+    3), where the last bit of ``enc`` decides the rounding. So this format is the device's
+    bit for bit exactly where the instruction is correctly rounded on the decode scales;
+    ``ds`` takes only 128 significands (one per BF16 significand of ``a``), and
+    ``tests/kernels/test_gpu.py`` checks every BF16 (amax, element) pair on the H200
+    (Hopper's MUFU; the kernel runs on Blackwell's). Assumed, not read: that the E2M1
+    convert keeps the sign of a value that rounds to zero (IEEE's rule; the host oracle's
+    table writes +0.0).
+
+    How it differs from ``trtllm_16e2m1xbf16`` (the kernel package's host oracle): the mask
+    (blocks with ``a`` below about 6e-30), the sign of a zero, and nothing else.
+    """
+
+    name = "flashinfer_nvfp4"
+    element_bits = 4
+    block_size = 16
+    scale_bits = 16
+
+    def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        ds = mul_recip(block_amax.to(torch.bfloat16).to(torch.float32), E2M1_MAX)
+        mask = (ds * torch.tensor(_FLASHINFER_MASK, dtype=torch.float32)).clamp(max=1.0)
+        normal = ds >= torch.finfo(torch.float32).tiny
+        enc = torch.where(normal, torch.reciprocal(ds) * mask, torch.zeros_like(ds))
+        v = xb * enc
+        q = torch.copysign(e2m1_magnitude(v.abs().clamp(max=E2M1_MAX)), v)
+        return q * ds
+
+
 register(DeepGEMMFP8Combine)
 register(TRTLLMMXFP8Combine)
 register(TEMXFP8Combine)
 register(TRTLLMFP4Combine)
+register(FlashInferMXFP8Combine)
+register(FlashInferNVFP4Combine)

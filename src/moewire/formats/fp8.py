@@ -1,7 +1,10 @@
-"""FP8 E4M3 wire formats: per tensor (ModelOpt) and per block (DeepGEMM, DeepEP).
+"""FP8 E4M3 wire formats: per tensor (ModelOpt) and per block (DeepGEMM, DeepEP), and the
+per-tensor format in MI300's FP8 type, E4M3 FNUZ.
 
-E4M3 ("fn"): 1 sign, 4 exponent, 3 mantissa bits, max 448, no inf. Every cast here is
+E4M3 ("fn"): 1 sign, 4 exponent, 3 mantissa bits, max 448, no inf. Every E4M3 cast here is
 ``e4m3(v) = RNE(clamp(v, -448, 448))`` (see :func:`moewire.formats._numerics.e4m3`).
+E4M3 FNUZ: the same bits with exponent bias 8, max 240, no inf and no negative zero
+(:func:`moewire.formats._numerics.e4m3fnuz`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from moewire.formats._numerics import E4M3_MAX, ceil_pow2_ue8m0, e4m3, mul_recip, split_blocks
+from moewire.formats._numerics import (
+    E4M3_MAX,
+    E4M3FNUZ_MAX,
+    ceil_pow2_ue8m0,
+    e4m3,
+    e4m3fnuz,
+    mul_recip,
+    split_blocks,
+)
 from moewire.formats.base import ModelOptSpelling, WireFormat, register
 
 # ModelOpt's guard for a vanishing amax (the smallest FP16 subnormal).
@@ -47,14 +58,52 @@ class FP8PerTensor(WireFormat):
     needs_amax = True
     row_local = True
     modelopt_spelling = ModelOptSpelling(num_bits=(4, 3))
+    # The element's largest value and its saturating RNE cast (FP32 -> FP32).
+    _max = E4M3_MAX
+    _cast = staticmethod(e4m3)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         import torch
 
         safe = torch.where(amax > _MODELOPT_TINY_AMAX, amax, torch.ones_like(amax))
-        scale = E4M3_MAX * torch.reciprocal(safe)
-        q = e4m3(x.to(torch.float32) * scale)
+        scale = self._max * torch.reciprocal(safe)
+        q = self._cast(x.to(torch.float32) * scale)
         return (q * torch.reciprocal(scale)).to(x.dtype)
+
+
+class FP8FNUZPerTensor(FP8PerTensor):
+    """``fp8_e4m3fnuz``: FP8 E4M3 FNUZ, MI300's FP8, with one FP32 scale per tensor.
+
+    Math, all in FP32 (``fl`` = one FP32 rounding): :class:`FP8PerTensor`'s, with FNUZ's
+    largest value 240 for E4M3's 448 and the FNUZ element::
+
+        safe = amax if amax > 2^-24 else 1
+        s    = 240 * fl(1 / safe)
+        q    = e4m3fnuz(fl(x.float() * s))          # clamp to ±240, then RNE (step 2^-10
+                                                    # below 2^-7); no -0: a negative value
+                                                    # that rounds to zero is +0.0
+        out  = fl(q * fl(1 / s)).to(x.dtype)
+
+    The element is ``torch.float8_e4m3fnuz`` (``ml_dtypes.float8_e4m3fnuz``): exponent bias
+    8, no infinity, and 0x80 is its one NaN, so there is no negative zero. MI300 (gfx942)
+    converts to it in hardware (ROCm/clr ``hipamd/include/hip/amd_detail/amd_hip_fp8.h``:
+    ``HIP_FP8_TYPE_FNUZ`` on gfx942, ``__builtin_amdgcn_cvt_pk_fp8_f32``, round to nearest
+    even), and vLLM's ``current_platform.fp8_dtype()`` is this type there. The per-tensor
+    scale is ``fp8``'s rule (ModelOpt's eager fake quant), the format ``fp8`` becomes when
+    its FP8 type is FNUZ, for an amax calibrated on the MI300 side; no shipped combine
+    uses it as is (the MoRI combines in :mod:`moewire.formats.mori` send FNUZ with block
+    scales or none).
+
+    Special values: NaN stays NaN; ±inf and anything beyond the range saturate to
+    ``±240 / s``; -0.0 comes back as +0.0. The amax rules are ``fp8``'s. Row-local once the
+    amax is fixed. No ModelOpt spelling (``num_bits=(4, 3)`` is E4M3): a cfg names it with
+    ``format``.
+    """
+
+    name = "fp8_e4m3fnuz"
+    modelopt_spelling = None
+    _max = E4M3FNUZ_MAX
+    _cast = staticmethod(e4m3fnuz)
 
 
 class FP8Block(WireFormat):
@@ -118,6 +167,7 @@ class FP8Block(WireFormat):
 
 
 register(FP8PerTensor)
+register(FP8FNUZPerTensor)
 register(FP8Block("fp8_b128", 128, ue8m0=False))
 register(FP8Block("fp8_b128_ue8m0", 128, ue8m0=True))
 register(FP8Block("fp8_b32_ue8m0", 32, ue8m0=True, spelled=False))

@@ -79,13 +79,16 @@ class SourceReach:
     A local name bound to attributes and then called counts as a call of each of them:
     vLLM main's ``vllm/models/common/deep_gemm_mega_moe.py`` (6dfb263) picks its kernel as
     ``kernel = deep_gemm.bf16_mega_moe if ... else deep_gemm.fp8_fp4_mega_moe`` and calls
-    ``kernel(...)``. A name bound but never called is no call.
+    ``kernel(...)``. A name bound but never called is no call. Modules named in ``from X
+    import ...`` (absolute) are kept apart from those of ``import X`` (:attr:`from_imports`):
+    a name imported from a module is bound at import, not looked up on it at call time.
     """
 
     def __init__(self, source: str) -> None:
         self.bare: set[str] = set()
         self.attributes: set[str] = set()
         self.imports: set[str] = set()
+        self.from_imports: set[str] = set()
         bound: dict[str, set[str]] = {}
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call):
@@ -95,6 +98,8 @@ class SourceReach:
                     self.attributes.add(node.func.attr)
             elif isinstance(node, ast.Import):
                 self.imports.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                self.from_imports.add(node.module)
             elif (isinstance(node, ast.Assign) and len(node.targets) == 1
                   and isinstance(node.targets[0], ast.Name)):
                 bound.setdefault(node.targets[0].id, set()).update(
@@ -108,9 +113,11 @@ class SourceReach:
         name = call.strip(".(")
         return name in self.attributes or (not call.startswith(".") and name in self.bare)
 
-    def imports_module(self, module: str) -> bool:
-        """Whether the source imports ``module`` or one of its submodules with ``import``."""
-        return any(m == module or m.startswith(module + ".") for m in self.imports)
+    def imports_module(self, module: str, from_imports: bool = False) -> bool:
+        """Whether the source imports ``module`` or one of its submodules with ``import``
+        (or, with ``from_imports``, also names imported from them with ``from ... import``)."""
+        names = self.imports | (self.from_imports if from_imports else set())
+        return any(m == module or m.startswith(module + ".") for m in names)
 
 
 def source_reach(module_name: str) -> SourceReach | None:

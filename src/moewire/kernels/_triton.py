@@ -11,7 +11,9 @@ Every format's math here is the math of its torch reference in ``moewire.formats
   CUDA rule, which DeepGEMM's and ModelOpt's own casts follow on the GPU), on the GPU and
   under the interpreter alike;
 - block maxima propagate NaN, as ``torch.amax`` does;
-- E4M3 rounding clamps to ±448 then casts (RNE); E2M1 rounding is RNE onto
+- E4M3 rounding clamps to ±448 then casts (RNE); E4M3 FNUZ rounding (MI300's FP8) is
+  E4M3's of the doubled value, halved, with 240 above 232 and no negative zero; E2M1
+  rounding is RNE onto
   {0, 0.5, 1, 1.5, 2, 3, 4, 6} by adding and subtracting a power-of-two "magic" number
   whose ulp is the grid step, which gives exactly the reference's tie rules;
 - NVFP4's per-element quotient ``fl(|x| / bs)`` is computed without a per-element division
@@ -44,6 +46,13 @@ FORMAT_CODES = {
     "trtllm_32e4m3xe8m0": 10,
     "te_mxfp8": 11,
     "trtllm_16e2m1xbf16": 12,
+    "fp8_e4m3fnuz": 13,
+    "flashinfer_mxfp8": 14,
+    "flashinfer_nvfp4": 15,
+    "mori_fp8_blockwise_fnuz": 16,
+    "mori_fp8_blockwise_ocp": 17,
+    "mori_fp8_direct_cast_fnuz": 18,
+    "mori_fp8_direct_cast_ocp": 19,
 }
 # Elements per block scale (1 for formats without block scales).
 BLOCK_SIZES = {
@@ -60,8 +69,15 @@ BLOCK_SIZES = {
     "trtllm_32e4m3xe8m0": 32,
     "te_mxfp8": 32,
     "trtllm_16e2m1xbf16": 16,
+    "fp8_e4m3fnuz": 1,
+    "flashinfer_mxfp8": 32,
+    "flashinfer_nvfp4": 16,
+    "mori_fp8_blockwise_fnuz": 128,
+    "mori_fp8_blockwise_ocp": 128,
+    "mori_fp8_direct_cast_fnuz": 1,
+    "mori_fp8_direct_cast_ocp": 1,
 }
-NEEDS_AMAX = frozenset({"fp8", "nvfp4"})
+NEEDS_AMAX = frozenset({"fp8", "nvfp4", "fp8_e4m3fnuz"})
 # Where the fused shared row (stored at row ``k`` in every build) is added to the sum.
 SHARED_CODES = {None: 0, "first": 1, "last": 2}
 
@@ -69,6 +85,9 @@ SHARED_CODES = {None: 0, "first": 1, "last": 2}
 _INV_448 = tl.constexpr(float(np.float32(1.0) / np.float32(448.0)))
 _INV_2688 = tl.constexpr(float(np.float32(1.0) / np.float32(2688.0)))
 _INV_6 = tl.constexpr(float(np.float32(1.0) / np.float32(6.0)))
+_INV_240 = tl.constexpr(float(np.float32(1.0) / np.float32(240.0)))
+# FlashInfer's reciprocal mask, cutlass.Float32(1e30).
+_MASK_1E30 = tl.constexpr(float(np.float32(1e30)))
 # TensorRT-LLM's floor of the block amax (torch.clamp(min=1e-30) on an FP32 tensor).
 _TRTLLM_FLOOR = tl.constexpr(float(np.float32(1e-30)))
 _FLT_MIN = tl.constexpr(float(np.finfo(np.float32).tiny))
@@ -105,6 +124,30 @@ def _e4m3(v, HW_CAST: tl.constexpr):
         magic = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
         r = ((v + magic) - magic).to(tl.int32, bitcast=True)
         out = (r | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return out
+
+
+@triton.jit
+def _e4m3fnuz(v, HW_CAST: tl.constexpr):
+    """clamp(v, ±240) then RNE onto E4M3 FNUZ, back in FP32 (NaN stays NaN; no -0.0).
+
+    FNUZ's grid is E4M3's halved, plus 240 (1.875 * 2^7, where E4M3 has its NaN): so
+    ``_e4m3(2 v) / 2`` (exact scalings) for ``|v| <= 232`` and ``±240`` above (232, the
+    midpoint of 224 and 240, goes to 224, the even one), and a zero result is +0.0.
+    """
+    v = tl.minimum(tl.maximum(v, -240.0, propagate_nan=_NAN), 240.0, propagate_nan=_NAN)
+    r = _e4m3(v * 2.0, HW_CAST) * 0.5
+    r = tl.where(tl.abs(v) > 232.0, tl.where(v < 0, -240.0, 240.0), r)
+    return tl.where(r == 0.0, 0.0, r)
+
+
+@triton.jit
+def _fp8_element(v, FNUZ: tl.constexpr, HW_CAST: tl.constexpr):
+    """E4M3 FNUZ (``FNUZ``) or OCP E4M3: saturating RNE, in FP32."""
+    if FNUZ:
+        out = _e4m3fnuz(v, HW_CAST)
+    else:
+        out = _e4m3(v, HW_CAST)
     return out
 
 
@@ -315,13 +358,15 @@ def _nvfp4_blocks(xb, sc, ZERO_SIGN: tl.constexpr, HW_CAST: tl.constexpr):
 @triton.jit
 def _tensor_consts(amax, FMT: tl.constexpr):
     """What a format computes from its FP32 per-tensor ``amax`` (``fp8``, ``nvfp4``), once
-    per program and before any loop over rows: ``fp8``: ``(s, fl(1 / s), 0, 0)`` with ``s =
-    448 * fl(1 / safe)`` (ModelOpt's ``448 / safe``, evaluated as torch does); ``nvfp4``:
+    per program and before any loop over rows: ``fp8`` (``fp8_e4m3fnuz``: 240 for 448):
+    ``(s, fl(1 / s), 0, 0)`` with ``s = 448 * fl(1 / safe)`` (ModelOpt's ``448 / safe``,
+    evaluated as torch does); ``nvfp4``:
     :func:`_nvfp4_consts` of ``gs = fl(amax * fl(1 / 2688))`` (``1e-12`` for ``amax <= 0``);
     every other format: unused zeros."""
-    if FMT == 1:
+    if FMT == 1 or FMT == 13:
+        FP8_MAX: tl.constexpr = 448.0 if FMT == 1 else 240.0
         safe = tl.where(amax > 5.960464477539063e-08, amax, 1.0)
-        s = 448.0 * tl.math.div_rn(1.0, safe)
+        s = FP8_MAX * tl.math.div_rn(1.0, safe)
         out = s, tl.math.div_rn(1.0, s), 0.0, 0.0
     elif FMT == 7:
         out = _nvfp4_consts(tl.where(amax > 0, amax * _INV_2688, 1e-12))
@@ -334,7 +379,7 @@ def _tensor_consts(amax, FMT: tl.constexpr):
 def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexpr,
          SPLIT: tl.constexpr, HW_CAST: tl.constexpr):
     """Fake-quantize one row chunk ``x`` FP32 [BLOCK_H] (whole blocks; a masked tail is 0);
-    for the 16-element block formats (``SPLIT``: NVFP4's, ``trtllm_16e2m1xbf16``)
+    for the 16-element block formats (``SPLIT``: NVFP4's, the 16e2m1xbf16 combines)
     [BLOCK_H // 16, 8, 2] (see :func:`_load_tile`).
 
     ``sc``: the format's per-tensor constants (:func:`_tensor_consts` of its amax).
@@ -416,7 +461,7 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
         q = _e4m3(xb * recip, HW_CAST)
         scale = tl.where(finite, scale, float("nan"))
         out = tl.reshape(q * tl.broadcast_to(scale, q.shape), (BLOCK_H,))
-    else:
+    elif FMT == 12:
         # trtllm_16e2m1xbf16 on the split tile [BLOCK_H // 16, 8, 2]: one thread per block.
         tl.static_assert(SPLIT, "16-element block tiles hold whole blocks per thread (SPLIT)")
         xb = x
@@ -433,6 +478,67 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
         q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
         ds = tl.where(finite, ds, float("nan"))
         out = q * tl.broadcast_to(ds, q.shape)
+    elif FMT == 13:
+        # fp8_e4m3fnuz: fp8's per-tensor rule with FNUZ's 240 (scale in ``sc``).
+        s, inv_s, _, _ = sc
+        out = _e4m3fnuz(x * s, HW_CAST) * inv_s
+    elif FMT == 14:
+        # flashinfer_mxfp8: BF16 amax, cvt.rp to UE8M0, the masked reciprocal.
+        xb = tl.reshape(x, (BLOCK_H // 32, 32))
+        bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
+        finite = bmax < float("inf")
+        a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
+        v = a * _INV_448
+        bits = v.to(tl.int32, bitcast=True)
+        biased = (bits >> 23) & 0xFF
+        inexact = ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        sub = ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
+        byte = tl.where(biased == 0, sub, tl.minimum(biased + inexact, 254))
+        sf = _pow2(byte - 127)
+        # min(sf * 1e30, 1): exact for byte >= 1; byte 0 (sf subnormal) encodes to zeros.
+        mask = tl.minimum(sf * _MASK_1E30, 1.0)
+        enc = tl.where(byte == 0, 0.0, _pow2(127 - byte) * mask)
+        q = _e4m3(xb * enc, HW_CAST)
+        sf = tl.where(finite, sf, float("nan"))
+        out = tl.reshape(q * tl.broadcast_to(sf, q.shape), (BLOCK_H,))
+    elif FMT == 15:
+        # flashinfer_nvfp4 on the split tile: BF16 amax, the masked reciprocal, signed zeros.
+        tl.static_assert(SPLIT, "16-element block tiles hold whole blocks per thread (SPLIT)")
+        xb = x
+        bmax = _block_max(xb)
+        finite = bmax < float("inf")
+        a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
+        ds = a * _INV_6
+        mask = tl.minimum(ds * _MASK_1E30, 1.0)
+        enc = tl.where(ds >= _FLT_MIN,
+                       tl.math.div_rn(tl.full(ds.shape, 1.0, tl.float32), ds) * mask, 0.0)
+        v = xb * enc
+        mag = _e2m1_magnitude(tl.abs(v), HW_CAST, False)
+        sign_bit = v.to(tl.int32, bitcast=True) & -2147483648
+        q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+        ds = tl.where(finite, ds, float("nan"))
+        out = q * tl.broadcast_to(ds, q.shape)
+    elif FMT <= 17:
+        # MoRI fp8_blockwise: a block above the FP8 max is scaled by fl(M / a); the others
+        # are cast as they are (scale 1).
+        FNUZ: tl.constexpr = FMT == 16
+        M: tl.constexpr = 240.0 if FNUZ else 448.0
+        INV_M: tl.constexpr = _INV_240 if FNUZ else _INV_448
+        xb = tl.reshape(x, (BLOCK_H // 128, 128))
+        bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
+        finite = bmax < float("inf")
+        a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
+        scaled = a > M
+        inv = tl.where(scaled, tl.math.div_rn(tl.full(a.shape, M, tl.float32),
+                                              tl.where(scaled, a, 1.0)), 1.0)
+        s = tl.where(scaled, a * INV_M, 1.0)
+        q = _fp8_element(xb * inv, FNUZ, HW_CAST)
+        s = tl.where(finite, s, float("nan"))
+        out = tl.reshape(q * tl.broadcast_to(s, q.shape), (BLOCK_H,))
+    else:
+        # MoRI fp8_direct_cast: each element, SATFINITE; ±inf -> NaN.
+        q = _fp8_element(x, FMT == 18, HW_CAST)
+        out = tl.where(tl.abs(x) == float("inf"), float("nan"), q)
     return out
 
 
@@ -529,8 +635,9 @@ def qdq_kernel(
     FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     """One program per (row, column chunk): ``out[r, chunk] = qdq(x[r, chunk])``."""
-    # Whole 16-element blocks per thread (NVFP4's formats, trtllm_16e2m1xbf16): tuning._SPLIT.
-    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8) or (FMT == 12)
+    # Whole 16-element blocks per thread (NVFP4's formats, the 16e2m1xbf16 combines):
+    # tuning._SPLIT.
+    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8) or (FMT == 12) or (FMT == 15)
     row = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     mask = cols < H
@@ -624,8 +731,9 @@ def combine_kernel(
     times its router weight with one rounding when WEIGHTED; invalid rows are never loaded
     (read as zeros, or skipped).
     """
-    # Whole 16-element blocks per thread (NVFP4's formats, trtllm_16e2m1xbf16): tuning._SPLIT.
-    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8) or (FMT == 12)
+    # Whole 16-element blocks per thread (NVFP4's formats, the 16e2m1xbf16 combines):
+    # tuning._SPLIT.
+    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8) or (FMT == 12) or (FMT == 15)
     t = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     cmask = cols < H

@@ -29,6 +29,13 @@ SUPPORTED_FORMATS = (
     "trtllm_32e4m3xe8m0",
     "te_mxfp8",
     "trtllm_16e2m1xbf16",
+    "fp8_e4m3fnuz",
+    "flashinfer_mxfp8",
+    "flashinfer_nvfp4",
+    "mori_fp8_blockwise_fnuz",
+    "mori_fp8_blockwise_ocp",
+    "mori_fp8_direct_cast_fnuz",
+    "mori_fp8_direct_cast_ocp",
 )
 # How a combine adds its dequantized rows: rounded to BF16 first (QDQ), or as FP32 values
 # (moewire.formats.ACCUMULATE_MODES; kernels import nothing above them, so it is repeated).
@@ -90,7 +97,7 @@ def _check_format(fmt_name: str) -> None:
 def _amax_tensor(
     fmt_name: str, amax: torch.Tensor | float | None, device: torch.device
 ) -> torch.Tensor | None:
-    """The FP32 ``[1]`` amax on ``device`` for ``fp8``/``nvfp4``, else ``None``."""
+    """The FP32 ``[1]`` amax on ``device`` for the per-tensor formats, else ``None``."""
     if fmt_name not in _impl().NEEDS_AMAX:
         return None
     if amax is None:

@@ -15,8 +15,11 @@ _BLOCK_H = 1024
 # The slot loop unrolled (static_range) or rolled: see unroll.
 _UNROLLED = frozenset({"bf16", "mxfp8", "mxfp4"})
 _UNROLLED_UP_TO_K8 = frozenset({"fp8", "fp8_b128", "fp8_b128_ue8m0", "fp8_b32_ue8m0",
-                                "deepgemm_fp8_combine", "trtllm_32e4m3xe8m0", "te_mxfp8"})
-_UNROLLED_UNCHECKED_UP_TO_K8 = frozenset({"nvfp4", "trtllm_16e2m1xbf16"})
+                                "deepgemm_fp8_combine", "trtllm_32e4m3xe8m0", "te_mxfp8",
+                                "fp8_e4m3fnuz", "flashinfer_mxfp8", "mori_fp8_blockwise_fnuz",
+                                "mori_fp8_blockwise_ocp", "mori_fp8_direct_cast_fnuz",
+                                "mori_fp8_direct_cast_ocp"})
+_UNROLLED_UNCHECKED_UP_TO_K8 = frozenset({"nvfp4", "trtllm_16e2m1xbf16", "flashinfer_nvfp4"})
 
 
 def unroll(fmt_name: str, k: int, check: bool) -> bool:
@@ -27,12 +30,13 @@ def unroll(fmt_name: str, k: int, check: bool) -> bool:
 
     - BF16, MXFP8, MXFP4 (:data:`_UNROLLED`): unrolled on every shape, or within 3%.
     - The FP8 formats and the real kernels' combine formats (:data:`_UNROLLED_UP_TO_K8`;
-      the latter not tuned separately, they share the FP8 block formats' shape): unrolled
+      the latter, and ``fp8_e4m3fnuz``, not tuned separately: they share the FP8 formats'
+      shape): unrolled
       up to k = 8 (FP8 with the
       check 279 vs 296 us at 8 x 8192 x 7168), rolled at Kimi-K3's k = 16 (FP8 block 128
       with the check 311 vs 335 us; within 1% without it).
-    - NVFP4 and ``trtllm_16e2m1xbf16`` (:data:`_UNROLLED_UNCHECKED_UP_TO_K8`; the latter
-      takes NVFP4's split tile and its rule): with the check it holds the expected
+    - NVFP4 and the 16e2m1xbf16 combines (:data:`_UNROLLED_UNCHECKED_UP_TO_K8`; these
+      take NVFP4's split tile and its rule): with the check it holds the expected
       tile and the unchecked sum besides, and unrolled it needs 116+ registers a thread
       (8 programs an SM) where rolled takes 96 (10): rolled is faster (395 vs 425 us at
       8 x 8192 x 7168, 364 vs 452 at k = 16, within 1% at k = 6). Without the check it is
@@ -48,7 +52,7 @@ def unroll(fmt_name: str, k: int, check: bool) -> bool:
 # Formats whose program holds whole 16-element blocks per thread (the kernels' ``SPLIT``:
 # the two halves of each block loaded apart and joined; see ``_triton._tile_cols``), so
 # one thread per 16 columns.
-_SPLIT = frozenset({"nvfp4", "nvfp4_token", "trtllm_16e2m1xbf16"})
+_SPLIT = frozenset({"nvfp4", "nvfp4_token", "trtllm_16e2m1xbf16", "flashinfer_nvfp4"})
 
 
 def num_warps(fmt_name: str, block_h: int, num_warps: int | None) -> int:

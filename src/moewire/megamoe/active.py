@@ -9,12 +9,15 @@ everything through when no quantized forward is running.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
-    "ACTIVE", "CAST_CALIBRATION", "IN_STAGING_CALL", "PLAIN_COPY_HOOK", "REACHED", "reached"
+    "ACTIVE", "CAST_CALIBRATION", "IN_STAGING_CALL", "PLAIN_COPY_HOOK", "REACHED",
+    "SHARED_PASS", "reached",
 ]
 
 # The quantized experts module (a ``QuantExperts``) whose forward is running (None: pass
@@ -38,6 +41,13 @@ IN_STAGING_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
 # call (the ids that say which tokens are padding are staged after the cast).
 CAST_CALIBRATION: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar(
     "moewire_cast_calibration", default=None
+)
+
+# The quantized staging a forward with a fused shared expert still owes (a callable): its
+# staging hook staged the original tokens with no routed slot for the shared expert's own
+# kernel launch, and the kernel hook runs that launch and then this staging.
+SHARED_PASS: contextvars.ContextVar[list[Callable[[], Any]] | None] = contextvars.ContextVar(
+    "moewire_shared_pass", default=None
 )
 
 

@@ -289,8 +289,8 @@ def calibrating(
     Inside, every enabled quantizer collects while values pass through unquantized
     (ModelOpt's semantics); the combine quantizer sees only valid rows and the dispatch
     quantizer only tokens with at least one valid slot. On exit each quantizer's collected
-    max is max-reduced over its module's ``ep_group`` (the adapter's), then over each of
-    ``extra_groups`` (vLLM's data-parallel group, as ModelOpt syncs over DP and EP), in
+    max is max-reduced over its module's ``ep_group`` and ``dp_groups`` (the adapter's), then
+    over each of ``extra_groups`` (vLLM's data-parallel group, as ModelOpt syncs over DP and EP), in
     module order on every rank, also on a rank whose batches routed nothing; then it
     becomes the amax. The context may span calls (``ExitStack.enter_context`` ...
     ``close()``), as the two calibration RPCs of a vLLM worker do.
@@ -301,7 +301,8 @@ def calibrating(
             and groups of one rank are skipped).
     """
     return calibration(
-        (q, (module._moewire_adapter.ep_group(module), *extra_groups))
+        (q, (module._moewire_adapter.ep_group(module),
+             *module._moewire_adapter.dp_groups(module), *extra_groups))
         for _, module, q in quantizers(model)
     )
 
@@ -322,8 +323,17 @@ def calibrate(
 
     Returns:
         ``model``.
+
+    Raises:
+        ValueError: ``model`` has no moewire quantizer: nothing would be calibrated.
     """
     _check_forward_loop(forward_loop, "calibrate")
+    if next(quantizers(model), None) is None:
+        raise ValueError(
+            f"calibrate: {type(model).__name__} has no moewire quantizer (no experts module of "
+            "it is quantized), so there is nothing to calibrate; call moewire.quantize(model, "
+            "recipe, forward_loop) first, which calibrates as well"
+        )
     with calibrating(model, extra_groups=extra_groups):
         forward_loop(model)
     return model

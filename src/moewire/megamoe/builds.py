@@ -407,6 +407,55 @@ BUILDS: tuple[Build, ...] = (
         "layout/mega_moe.cuh l.458-471",
         refused={"fp4_fp4_mega_moe": _FP4_FP4_REFUSED},
     ),
+    # vllm-project/DeepGEMM (vLLM's own DeepGEMM fork), the builds vLLM main pins: its dev
+    # branch (2.8.1) and its 2.6.1 SiTU line, which vLLM main's stored Kimi-K3 experts call.
+    Build(
+        "deepgemm-vllm-dev",
+        {
+            # impls/sm100_{fp8_fp4,bf16}_mega_moe.cuh, combine: "Shared slot goes first, then
+            # routed slots in top-k order"; layout/mega_moe.cuh: combine_token_buffer right
+            # after l2_sf_buffer (l2_token_buffer without scales), the buffer's last region.
+            "fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "first"),
+            "bf16_mega_moe": KernelLayout("after_l2_scales", "first"),
+        },
+        Recognition(("get_symm_buffer_for_mega_moe", "nvfp4_mega_moe"),
+                    # 2.8.1 without fp4_fp4_mega_moe (vLLM 0.33/0.34's bundled 2.8.1 has
+                    # it) and without the SM90 Mega-MoE (upstream 2.8.0 and sgl-deep-gemm).
+                    absent=("fp4_fp4_mega_moe", "get_symm_buffer_for_sm90_mega_moe",
+                            "mega_moe_pre_dispatch_sm90"),
+                    takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
+        "vllm-project/DeepGEMM dev (2.8.1, the DeepGEMM vLLM main pins): fused shared "
+        "expert added first",
+        read="vllm-project/DeepGEMM at 63aa62a: deep_gemm/__init__.py (__version__ 2.8.1, its "
+        "exports), layout/mega_moe.cuh (MegaMoEBuffer), impls/sm100_fp8_fp4_mega_moe.cuh and "
+        "impls/sm100_bf16_mega_moe.cuh (combine); csrc/apis/mega_moe.hpp and deep_gemm/_C.py "
+        "at 051140f (the SymmBuffer views, fp8_fp4_mega_moe's activation_alpha/activation_beta)",
+        unproven="its nvfp4_mega_moe (impls/sm100_nvfp4_mega_moe.cuh not read at this commit: "
+        "the kernel is left out of this entry, so a quantized forward calling it is refused); "
+        "deep_gemm/mega/__init__.py at 63aa62a is not stored (the parameter facts come from "
+        "51655f2's and 051140f's sources)",
+    ),
+    Build(
+        "deepgemm-vllm-situ",
+        # impls/sm100_fp8_fp4_mega_moe.cuh at 51655f2, combine: lanes 0..k-1 are the routed
+        # slots, lane k the shared slot, added in ascending lane order (__ffs of the valid
+        # mask): the shared row last.
+        {"fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "last")},
+        Recognition(("get_symm_buffer_for_mega_moe", "fp8_fp4_mega_moe"),
+                    absent=("fp4_fp4_mega_moe", "nvfp4_mega_moe",
+                            "get_symm_buffer_for_sm90_mega_moe", "mega_moe_pre_dispatch_sm90"),
+                    takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),
+                           ("fp8_fp4_mega_moe", "activation_linear_beta"))),
+        "vllm-project/DeepGEMM's 2.6.1 SiTU line (the DeepGEMM vLLM main's stored Kimi-K3 "
+        "experts call: activation_beta, activation_linear_beta): fused shared expert added last",
+        read="vllm-project/DeepGEMM at 51655f2: deep_gemm/__init__.py (__version__ 2.6.1), "
+        "deep_gemm/mega/__init__.py (fp8_fp4_mega_moe(..., activation_beta=None, "
+        "activation_linear_beta=None)), csrc/apis/mega.hpp (beta defaults to 1, linear beta "
+        "unset; the buffer's slices), impls/sm100_fp8_fp4_mega_moe.cuh (SiTU epilogue, combine)",
+        unproven="layout/mega_moe.cuh at 51655f2 is not stored: the combine region is taken to "
+        "follow the L2 scales as at 63aa62a (where it is also the buffer's last region); its "
+        "bf16_mega_moe's combine was not read (left out of this entry)",
+    ),
     Build(
         "vllm-0.32",
         {
@@ -415,10 +464,13 @@ BUILDS: tuple[Build, ...] = (
         },
         Recognition(("get_symm_buffer_for_mega_moe",),
                     # SM100 only: no SM90 buffer function or staging (sgl-deep-gemm has
-                    # both, and the same num_shared_experts parameter).
+                    # both, and the same num_shared_experts parameter); no nvfp4_mega_moe
+                    # (vllm-project/DeepGEMM dev has it) and not the 2.6.1 SiTU line's
+                    # activation_linear_beta.
                     absent=("fp4_fp4_mega_moe", "get_symm_buffer_for_sm90_mega_moe",
-                            "mega_moe_pre_dispatch_sm90"),
-                    takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
+                            "mega_moe_pre_dispatch_sm90", "nvfp4_mega_moe"),
+                    takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),),
+                    lacks_parameter=(("fp8_fp4_mega_moe", "activation_linear_beta"),)),
         "DeepGEMM bundled in vLLM 0.32: fused shared expert added last",
         read="vllm/third_party/deep_gemm of vLLM 0.32.0 (2.8.0)",
     ),

@@ -70,7 +70,8 @@ class _StagingProxy:
 
 
 class _KernelNamespace:
-    """Stands in for the DeepGEMM namespace; wraps the Mega-MoE kernels, passes the rest.
+    """Stands in for the DeepGEMM namespace; wraps the Mega-MoE kernels (and, on a namespace
+    that is no module, its staging casts), passes the rest.
 
     Attribute writes and deletes go to the real namespace, so monkeypatching a kernel
     through the proxy patches the namespace itself.
@@ -86,12 +87,15 @@ class _KernelNamespace:
             return _refuse_kernel(attr, name)
         if isinstance(self._moewire_namespace, _HookedModule):
             return attr  # the module object hooks its kernels itself
-        if name not in _flavours.kernel_functions() or not callable(attr):
+        # A namespace that is no module holds its staging cast as its own attribute
+        # (transformers 5.23's DeepGEMM bundle, a dataclass of entry points): hooked here.
+        cast = name in _flavours.staging_casts()
+        if not (cast or name in _flavours.kernel_functions()) or not callable(attr):
             return attr
         cached = self._moewire_wrapped.get(name)
         if cached is not None and cached[0] is attr:
             return cached[1]
-        wrapped = _wrap_kernel(attr, name)
+        wrapped = (_wrap_cast if cast else _wrap_kernel)(attr, name)
         self._moewire_wrapped[name] = (attr, wrapped)
         return wrapped
 
@@ -167,10 +171,13 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
                 "cannot find the tensor to re-sum into"
             )
         module._moewire_collect_cast_calibration()
-        staged = module._moewire_before_kernel(y)
+        # A fused shared expert's own launch on the original tokens, then the owed staging
+        # of the quantized ones (the dispatch quantizer quantizing); None otherwise.
+        shared_row = module._moewire_shared_pass(fn, args, kwargs, name)
+        staged = module._moewire_before_kernel(y, shared_pass=shared_row is not None)
         result = fn(*args, **kwargs)
         if staged is not None:
-            module._moewire_combine(y, staged, name)
+            module._moewire_combine(y, staged, name, shared_row=shared_row)
         return result
 
     kernel.__name__ = getattr(fn, "__name__", name)
@@ -330,6 +337,12 @@ def install_proxies(adapter: ExpertsAdapter) -> None:
         if not isinstance(stage, _StagingProxy):
             patches.patch_attr(module, stage_fn, _StagingProxy(stage))
     namespace = getattr(module, adapter.kernel_ns)
+    if namespace is None:
+        raise RuntimeError(
+            f"experts adapter {adapter.name!r}: {adapter.forward_module}.{adapter.kernel_ns} is "
+            "None: the forward has not loaded its DeepGEMM yet, so there is nothing to hook; "
+            f"load it before quantizing ({adapter.runtime()})"
+        )
     if not isinstance(namespace, _KernelNamespace):
         hook_module(namespace)
         patches.patch_attr(module, adapter.kernel_ns, _KernelNamespace(namespace))

@@ -186,6 +186,45 @@ def check(name: str, state: _BufferCheck, call: Combine) -> None:
         _refute_shared_readings(state, call)
 
 
+def check_shared_pass(
+    name: str,
+    state: _BufferCheck,
+    stored: torch.Tensor,
+    y: torch.Tensor,
+    flavour: _flavours.Flavour,
+    kernel: str,
+) -> None:
+    """The fused shared expert's own launch (no routed slot) returned the row the build
+    stores at slot ``k``, bit for bit: ``y = bf16(+0.0 + float(row))``, the kernel's sum
+    of that one row (``-0.0`` becomes ``+0.0``).
+
+    Eager: a mismatch raises (the shared row moewire would put back into the sum is not the
+    kernel's). Under CUDA-graph capture: a device-side assert, as :func:`check`. Does not
+    mark the buffer: the order of the rows is the next call's check.
+
+    Args:
+        name: the layer's name, for errors.
+        state: the buffer's check state.
+        stored: BF16 ``[T, H]``, the combine region's slot ``k`` after the launch.
+        y: BF16 ``[T, H]``, the launch's output.
+        flavour: the build the rows were read with.
+        kernel: the kernel function.
+    """
+    expected = (stored.float() + 0.0).to(torch.bfloat16)
+    differs = (expected.view(torch.int16) != y.view(torch.int16)).any(dim=1)
+    if _capturing(y):
+        _assert_in_graph(name, state, ~differs.any(), flavour)
+        return
+    bad = int(differs.sum())
+    if bad:
+        raise RuntimeError(
+            f"{name}: the Mega-MoE layout check failed: {kernel} launched with no routed slot "
+            "(the fused shared expert's own pass, on the original tokens) did not return the "
+            f"row kernel flavour {flavour.name!r} reads at slot k ({bad} of {y.shape[0]} "
+            f"tokens differ).{_debug_env_hint()} {_layout_causes()}"
+        )
+
+
 def _compare(name: str, state: _BufferCheck, call: Combine) -> bool:
     """The unquantized re-sum against ``y``: raise on a mismatch (eager), or record
     the comparison as a device-side assert (capture). True when an eager batch with a

@@ -15,6 +15,14 @@ back into it:
   place the flavour gives for that kernel), checked (:mod:`moewire.megamoe.layout_check`),
   fake-quantized, re-summed in the kernel's order (:func:`~moewire.megamoe.resum.resum`)
   and written into ``y`` in place.
+
+A shared expert fused into the kernel reads the staged tokens too (DeepGEMM's SM100 kernels:
+``shared_l1_acts = x``), while the dispatch quantizer stands for the wire, which the shared
+expert's tokens never cross. With the dispatch quantizer quantizing, the kernel runs twice
+(:meth:`QuantExperts._moewire_shared_pass`): first on the original tokens staged with no
+routed slot, which leaves exactly the shared expert's row (the first call's ``y``, proven
+equal to the row the build stores at slot ``k``), then on the quantized tokens; the second
+call's routed rows and the first call's shared row are re-summed in the build's order.
 """
 
 from __future__ import annotations
@@ -28,7 +36,14 @@ from torch import nn
 
 from moewire.megamoe import flavours as _flavours
 from moewire.megamoe import layout_check
-from moewire.megamoe.active import ACTIVE, CAST_CALIBRATION, PLAIN_COPY_HOOK, REACHED
+from moewire.megamoe.active import (
+    ACTIVE,
+    CAST_CALIBRATION,
+    IN_STAGING_CALL,
+    PLAIN_COPY_HOOK,
+    REACHED,
+    SHARED_PASS,
+)
 from moewire.megamoe.layout import (
     ENV_FP8_COMBINE,
     combine_fp8_rows,
@@ -139,8 +154,9 @@ class QuantExperts:
         self._moewire_refuse()
         reached: set[str] = set()
         pending: list[torch.Tensor] = []
+        owed: list[Callable[[], Any]] = []
         token, reached_token = ACTIVE.set(self), REACHED.set(reached)
-        pending_token = CAST_CALIBRATION.set(pending)
+        pending_token, owed_token = CAST_CALIBRATION.set(pending), SHARED_PASS.set(owed)
         try:
             args, kwargs = self._moewire_stage_forward(args, kwargs)
             result = fn(*args, **kwargs)
@@ -148,6 +164,15 @@ class QuantExperts:
             ACTIVE.reset(token)
             REACHED.reset(reached_token)
             CAST_CALIBRATION.reset(pending_token)
+            SHARED_PASS.reset(owed_token)
+        if owed:
+            raise RuntimeError(
+                f"{self._moewire_name}: the forward of {original_class(type(self)).__qualname__} "
+                "staged its tokens for a fused shared expert's own kernel launch, but no hooked "
+                "Mega-MoE kernel call followed, so the quantized tokens were never staged and "
+                "the buffer holds the original ones; call the kernel through the deep_gemm "
+                "module in the same forward as the staging"
+            )
         if pending:
             raise RuntimeError(
                 f"{self._moewire_name}: dispatch_quantizer is calibrating and the forward of "
@@ -255,17 +280,23 @@ class QuantExperts:
         if quantizer.mode == "disabled":
             return fn(*args, **kwargs)
         adapter = self._moewire_adapter
-        if adapter.fused_shared(self):
+        fused = adapter.fused_shared(self) and quantizer.mode == "quantize"
+        if fused and cast is not None:
             raise RuntimeError(
                 f"{self._moewire_name}: the dispatch quantizer is enabled but a shared expert "
-                "is fused into the Mega-MoE kernel, which reads the same staged tokens, so it "
-                f"would see quantized inputs too; run with {FUSION_SWITCH} (vLLM) or build "
-                "the layer with the shared expert unfused, or disable the dispatch quantizer"
+                "is fused into the Mega-MoE kernel, which reads the same staged tokens; "
+                "moewire gives it the original tokens by a second kernel launch only where "
+                "the forward stages through a staging function it can call again, and this "
+                f"forward stages with {cast}, so the shared expert would see quantized inputs "
+                f"too; run with {FUSION_SWITCH} (vLLM) or build the layer with the shared "
+                "expert unfused, or disable the dispatch quantizer"
             )
         if where is None:
             where = adapter.stage_hidden_arg if cast is None else 0
         hidden, put = _locate_hidden(fn, args, kwargs, where, self._moewire_name)
         _on_device(quantizer, hidden.device, self._moewire_name, "dispatch_quantizer")
+        if fused:
+            return self._moewire_stage_for_shared_pass(fn, args, kwargs, put(quantizer(hidden)))
         if quantizer.mode == "calibrate":
             result = fn(*args, **kwargs)
             if cast is None:
@@ -277,6 +308,86 @@ class QuantExperts:
             return result
         args, kwargs = put(quantizer(hidden))
         return fn(*args, **kwargs)
+
+    def _moewire_stage_for_shared_pass(
+        self, fn: Callable, args: tuple, kwargs: dict, quantized: tuple[tuple, dict]
+    ) -> Any:
+        """Stage a forward whose kernel fuses a shared expert, with the dispatch quantizer
+        quantizing: now the original tokens with every routed slot invalid (``topk_ids`` all
+        -1: no EPLB load is recorded, no token is dispatched), which is what the shared
+        expert's own launch reads (:meth:`_moewire_shared_pass`); the call on the quantized
+        tokens (``quantized``: its ``(args, kwargs)``) is owed to the kernel hook, which
+        makes it after that launch."""
+        name = self._moewire_name
+        try:
+            ids, put_ids = _locate_hidden(fn, args, kwargs, "topk_ids", name)
+        except RuntimeError:
+            raise RuntimeError(
+                f"{name}: the dispatch quantizer is enabled and a shared expert is fused into "
+                "the Mega-MoE kernel; moewire stages the original tokens with no routed slot "
+                "for the shared expert's own launch, but the staging call has no topk_ids "
+                f"argument to clear; run with {FUSION_SWITCH} (vLLM) or build the layer with "
+                "the shared expert unfused, or disable the dispatch quantizer"
+            ) from None
+        owed = SHARED_PASS.get()
+        if owed is None or owed:
+            raise RuntimeError(
+                f"{name}: a second staging call in one forward while the fused shared "
+                "expert's pass of the first is still owed; stage once per forward"
+            )
+        shared_args, shared_kwargs = put_ids(torch.full_like(ids, -1))
+        result = fn(*shared_args, **shared_kwargs)
+        quantized_args, quantized_kwargs = quantized
+        owed.append(lambda: fn(*quantized_args, **quantized_kwargs))
+        return result
+
+    def _moewire_shared_pass(
+        self, kernel_fn: Callable, args: tuple, kwargs: dict, kernel: str
+    ) -> torch.Tensor | None:
+        """At the kernel call of a forward that owes a quantized staging (a fused shared
+        expert, the dispatch quantizer quantizing): the shared expert's own launch, then the
+        owed staging. Returns its output (the shared row of every token, BF16 ``[T, H]``),
+        or ``None`` when nothing is owed.
+
+        The launch is the forward's own kernel call with its ``y`` replaced: the buffer holds
+        the original tokens with no routed slot, so the kernel dispatches nothing and sums
+        only the shared row, stored at slot ``k`` and never quantized; the first time a
+        buffer is unchecked, that output is checked to equal the row the build stores there
+        (:func:`~moewire.megamoe.layout_check.check_shared_pass`). Then the quantized tokens
+        are staged (with their routing), and the forward's call runs on them.
+        """
+        owed = SHARED_PASS.get()
+        if not owed:
+            return None
+        restage = owed.pop()
+        adapter = self._moewire_adapter
+        symm_buffer = adapter.get_symm_buffer(self)
+        if holds_fp8_combine(symm_buffer):
+            raise RuntimeError(
+                f"{self._moewire_name}: the buffer holds DeepGEMM's FP8 combine "
+                f"({ENV_FP8_COMBINE}=1), whose shared row moewire cannot put back in its "
+                "place; unset it, or run the dispatch quantizer with the shared expert "
+                f"unfused ({FUSION_SWITCH} under vLLM)"
+            )
+        flavour = _flavours.get(adapter.flavour(self))
+        y = args[0] if args else kwargs["y"]
+        shared_row = torch.empty_like(y)
+        if args:
+            kernel_fn(shared_row, *args[1:], **kwargs)
+        else:
+            kernel_fn(*args, **{**kwargs, "y": shared_row})
+        state = layout_check.buffer_state(symm_buffer)
+        if not state.checked:
+            rows = combine_rows(symm_buffer, flavour, kernel, fused_shared=True)
+            layout_check.check_shared_pass(
+                self._moewire_name, state, rows[-1, : y.shape[0]], shared_row, flavour, kernel
+            )
+        token = IN_STAGING_CALL.set(True)
+        try:
+            restage()
+        finally:
+            IN_STAGING_CALL.reset(token)
+        return shared_row
 
     def _moewire_collect_staged(self, hidden: torch.Tensor) -> None:
         """Calibrate the dispatch amax on the tokens staged with a valid slot."""
@@ -295,7 +406,7 @@ class QuantExperts:
     # -- combine -------------------------------------------------------------------------
 
     def _moewire_before_kernel(
-        self, y: torch.Tensor
+        self, y: torch.Tensor, shared_pass: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The staged ids and router weights of this call, copied before the kernel runs
         (or None when the combine is off): a kernel may clear the buffer
@@ -305,7 +416,9 @@ class QuantExperts:
         A buffer that holds DeepGEMM's FP8 combine rows (``DG_USE_FP8_COMBINE=1``) is read
         with the combine off too, until its layout check has passed; with the combine
         quantizer on it is refused here, before the kernel runs: the kernel already
-        quantizes its combine, and a quantizer on top would quantize it twice."""
+        quantizes its combine, and a quantizer on top would quantize it twice. After a
+        fused shared expert's own launch (``shared_pass``) they are read whatever the
+        combine's mode: its shared row goes back into the sum."""
         symm_buffer = self._moewire_adapter.get_symm_buffer(self)
         mode = self.combine_quantizer.mode
         if holds_fp8_combine(symm_buffer):
@@ -320,13 +433,17 @@ class QuantExperts:
                 )
             if layout_check.buffer_state(symm_buffer).checked:
                 return None
-        elif mode == "disabled":
+        elif mode == "disabled" and not shared_pass:
             return None
         t = y.shape[0]
         return symm_buffer.topk_idx[:t].clone(), symm_buffer.topk_weights[:t].clone()
 
     def _moewire_combine(
-        self, y: torch.Tensor, staged: tuple[torch.Tensor, torch.Tensor], kernel: str
+        self,
+        y: torch.Tensor,
+        staged: tuple[torch.Tensor, torch.Tensor],
+        kernel: str,
+        shared_row: torch.Tensor | None = None,
     ) -> None:
         """Check, then calibrate or re-sum the combine rows into ``y``.
 
@@ -335,6 +452,10 @@ class QuantExperts:
             staged: int64 ``[T, k]`` ids and FP32 ``[T, k]`` router weights, as staged
                 before the kernel ran (the weights enter the sum of a weighted kernel only).
             kernel: the kernel function that ran (``"fp8_fp4_mega_moe"``).
+            shared_row: BF16 ``[T, H]``, the fused shared expert's row on the original
+                tokens (:meth:`_moewire_shared_pass`), or ``None``. After the layout check
+                of this call's own rows it takes the place of this call's shared row (which
+                read the quantized tokens), and ``y`` is re-summed whatever the mode.
         """
         topk_idx, topk_weights = staged
         quantizer = self.combine_quantizer
@@ -372,11 +493,13 @@ class QuantExperts:
         _on_device(quantizer, y.device, name, "combine_quantizer")
         state = layout_check.buffer_state(symm_buffer)
         call = layout_check.Combine(rows, topk_idx, num_tokens, shared, weights, y, flavour, kernel)
-        if not state.checked and layout_check.one_pass(quantizer, y):
+        if shared_row is None and not state.checked and layout_check.one_pass(quantizer, y):
             layout_check.check_in_one_pass(name, quantizer, state, call)
             return
         if not state.checked:
             layout_check.check(name, state, call)
+        if shared_row is not None:
+            rows[topk_idx.shape[1], :num_tokens].copy_(shared_row)
         if quantizer.mode == "calibrate":
             # Valid rows only: invalid slots hold stale rows, padding tokens have no valid
             # slot, and the fused shared row (index k) is not on the wire. For a weighted
@@ -384,8 +507,10 @@ class QuantExperts:
             valid = (topk_idx[:num_tokens] >= 0).T
             quantizer.collect(rows[: topk_idx.shape[1], :num_tokens][valid])
             self.__dict__["_moewire_amax_rows_"] = kind
+            if shared_row is not None:
+                call.resum(out=y)
             return
-        call.resum(row_quantizer=quantizer, out=y)
+        call.resum(row_quantizer=quantizer if quantizer.mode == "quantize" else None, out=y)
 
     def _moewire_check_fp8_combine(
         self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, kernel: str

@@ -51,6 +51,9 @@ class ExpertsAdapter:
         fused_shared: ``module -> bool``, a shared expert is fused into the kernel.
         ep_group: ``module -> torch.distributed group or None`` (None: a single rank, no
             reduction of calibrated amaxes).
+        dp_groups: ``module -> tuple of groups``: the ranks that hold the same experts with
+            other batches (transformers' expert mesh: ``dp_replicate``, ``efsdp``), over which
+            calibrated amaxes are max-reduced after the EP group; default none.
         runtime: ``() -> str``, the framework and version the class comes from (``"vLLM
             0.34.0"``), for errors.
         applies: ``module -> bool`` or ``None``: for an adapter registered on a class that
@@ -75,6 +78,7 @@ class ExpertsAdapter:
     fused_shared: Callable[[nn.Module], bool]
     ep_group: Callable[[nn.Module], Any]
     runtime: Callable[[], str] = lambda: "no framework"
+    dp_groups: Callable[[nn.Module], tuple[Any, ...]] = lambda m: ()
     applies: Callable[[nn.Module], bool] | None = None
     forward_dispatch: Callable[[nn.Module], int | str | None] | None = None
     refusal: str | None = None

@@ -32,6 +32,9 @@ Inside the package the imports run one way (no cycle, subpackages included;
   ``fp8_mega_moe_sm90``; one rank): ``_alloc``, ``buffer``, ``deep_gemm_utils``.
 - ``deep_gemm`` (the thin API, re-exporting the public names): ``_alloc``, ``builds``,
   ``buffer``, ``deep_gemm_utils``, ``_kernel``, ``nvfp4.buffer``, ``nvfp4.mega_moe``.
+- ``hub_deep_gemm`` (upstream DeepGEMM's Mega-MoE signatures, the build transformers
+  loads from the kernels hub, for ``moewire.integrations.transformers``): ``deep_gemm``
+  and below.
 - ``weights``, ``experts``, ``nvfp4.weights``, ``nvfp4.experts``: ``deep_gemm`` and below.
 """
 

@@ -9,9 +9,9 @@ FP32 accumulator adds the K products (and in ``silu``, see ``docs/reference.md``
 Also the pieces ``nvfp4.mega_moe`` shares: the tensor checks, the grouped matmul and the
 all-to-all. The dequantized weights and their cache are ``_weights_cache``'s.
 
-May import: torch, ``moewire.reference._numerics``, ``_weights_cache`` and
-``moewire.reference.buffer`` (for :class:`SymmBuffer`); never the ``deep_gemm`` API, which
-imports this module.
+May import: torch, ``moewire.reference._numerics``, ``_weights_cache``,
+``moewire.reference.buffer`` (for :class:`SymmBuffer`) and ``moewire.reference.builds``
+(a build's SiTU spelling); never the ``deep_gemm`` API, which imports this module.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from moewire.reference._numerics import (
 )
 from moewire.reference._weights_cache import Experts
 from moewire.reference.buffer import SymmBuffer
+from moewire.reference.builds import SITU_ALPHA_BETA
 
 # --------------------------------------------------------------------------- checks
 
@@ -109,19 +110,83 @@ def _check_shared_given(kernel: str, buf: Any, shared_l1: Any, shared_l2: Any) -
 @dataclass(frozen=True)
 class Activation:
     """The gated activation of L1's epilogue, then the router weight (DeepGEMM
-    ``impls/sm100_fp8_fp4_mega_moe.cuh``).
+    ``impls/sm100_fp8_fp4_mega_moe.cuh``). FP32 throughout, on ``gate`` and ``up`` rounded
+    to BF16 from the L1 accumulator.
 
     ``swiglu``: ``gate = min(gate, c)``, ``up = clamp(up, -c, c)`` with a clamp ``c``, then
-    ``silu(gate) * up``. ``situ`` (Kimi-K3, ``impls/sm100_fp8_fp4_mega_moe_situ.cuh``
-    l.1076-1101): ``alpha * tanh(gate / alpha) * sigmoid(gate) * up'`` with ``up' = beta *
-    tanh(up / beta)`` when ``beta > 0`` else ``up``, ``tanh(x) = 2 * sigmoid(2x) - 1``; no
-    clamp. FP32 throughout.
+    ``h = silu(gate) * up``.
+
+    ``situ`` (Kimi-K3's SiTU; no clamp), with a gate scale ``b_g > 0`` (:attr:`alpha`) and
+    an up scale ``b_u >= 0`` (:attr:`beta`)::
+
+        h = b_g * tanh(gate / b_g) * sigmoid(gate) * up'
+        up' = b_u * tanh(up / b_u)   if b_u > 0
+        up' = up                     if b_u == 0 (unset)
+
+    ``tanh(v)`` is evaluated as ``2 * sigmoid(2v) - 1`` (vLLM 0.33/0.34's bundled
+    ``impls/sm100_fp8_fp4_mega_moe_situ.cuh`` l.1076-1101; vllm-project/DeepGEMM 51655f2's
+    kernel calls ``tanhf``/``__tanhf``: the stand-in differs there in the last bits, as in
+    ``silu``). Kimi-K3's config sets ``b_g = 4``, ``b_u = 25``.
+
+    The two scales have four spellings, and the keyword ``activation_beta`` names ``b_g`` in
+    one of them and ``b_u`` in another, so the kernel build decides (the stand-in reads the
+    buffer's build, ``KernelBuild.situ_kwargs``):
+
+    - Kimi-K3's config and vLLM's ``KimiMLP``/``SituAndMul``: ``activation_situ_beta``
+      (``b_g``), ``activation_situ_linear_beta`` (``b_u``).
+    - vllm-project/DeepGEMM's 2.6.1 SiTU line (``deep_gemm/mega/__init__.py``,
+      ``csrc/apis/mega.hpp`` at 51655f2) and vLLM main's ``KimiK3MegaMoEExperts`` (ed51064):
+      ``activation_beta`` (``b_g``, default 1), ``activation_linear_beta`` (``b_u``, default
+      unset).
+    - DeepGEMM 2.8.x: vLLM 0.32-0.34's bundled copies and vllm-project/DeepGEMM dev
+      (``deep_gemm/_C.py``, ``csrc/apis/mega_moe.hpp`` at 051140f): ``activation_alpha``
+      (``b_g``, default 1), ``activation_beta`` (``b_u``, 0 = unset). vLLM 0.32's
+      ``KimiK3MegaMoEExperts`` passes ``activation_alpha=activation_beta or 1.0`` and
+      ``activation_beta=activation_linear_beta or 0.0``.
+    - FlashInfer ``moe_ep`` (vLLM ``kimi_k3/nvidia/fi_moe.py``): ``situ_beta`` (``b_g``),
+      ``situ_linear_beta`` (``b_u``).
+
+    vLLM PR #56876 moved vLLM's pin from the first DeepGEMM spelling to the second.
     """
 
     name: str = "swiglu"
     clamp: float | None = None
     alpha: float = 1.0
     beta: float = 0.0
+
+    @classmethod
+    def from_kernel_kwargs(
+        cls,
+        kernel: str,
+        spelling: tuple[str, str],
+        activation: str,
+        clamp: float | None,
+        scales: dict[str, float | None],
+    ) -> Activation:
+        """The activation of one kernel call, its SiTU scales read in the build's spelling.
+
+        Args:
+            kernel: the kernel function (errors).
+            spelling: the build's ``(gate scale, up scale)`` keywords
+                (``KernelBuild.situ_kwargs``).
+            activation, clamp: the call's ``activation`` and ``activation_clamp``.
+            scales: keyword -> value (``None``: not given) of every SiTU scale keyword the
+                API takes.
+
+        Raises:
+            TypeError: a scale keyword this build's kernel does not take was given.
+        """
+        foreign = sorted(k for k, v in scales.items() if v is not None and k not in spelling)
+        if foreign:
+            _fail(
+                kernel,
+                f"this kernel build spells SiTU's gate and up tanh scales {spelling[0]} and "
+                f"{spelling[1]}; it takes no {', '.join(foreign)} (another DeepGEMM build's "
+                "spelling: activation_beta names a different scale there)",
+                TypeError,
+            )
+        gate, up = (scales.get(k) for k in spelling)
+        return cls(activation, clamp, 1.0 if gate is None else gate, 0.0 if up is None else up)
 
     def apply(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.name == "situ":
@@ -316,11 +381,18 @@ def mega_moe(
     activation: str,
     activation_clamp: float | None,
     stats: torch.Tensor | None,
-    activation_alpha: float = 1.0,
-    activation_beta: float = 0.0,
+    situ_scales: dict[str, float | None] | None = None,
 ) -> None:
-    """Run one Mega-MoE call (see ``deep_gemm.fp8_fp4_mega_moe`` for the math)."""
-    act = Activation(activation, activation_clamp, activation_alpha, activation_beta)
+    """Run one Mega-MoE call (see ``deep_gemm.fp8_fp4_mega_moe`` for the math).
+
+    ``situ_scales``: every SiTU scale keyword of the API -> its value (``None``: not
+    given), read in the buffer's build's spelling (:meth:`Activation.from_kernel_kwargs`).
+    """
+    build = getattr(buf, "build", None)
+    spelling = build.situ_kwargs if build is not None else SITU_ALPHA_BETA
+    act = Activation.from_kernel_kwargs(
+        kernel, spelling, activation, activation_clamp, situ_scales or {}
+    )
     t = _validate(kernel, y, l1_weights, l2_weights, buf, shared_l1, shared_l2, recipe, act)
     fp8 = kernel == "fp8_fp4_mega_moe"
     device = buf.buffer.device

@@ -1,7 +1,9 @@
 """The DeepGEMM kernel builds the stand-in imitates, and which one new buffers get.
 
-A *flavour* names a kernel build (DeepGEMM main, vLLM 0.32-0.34's bundled copies, DeepGEMM PR #323):
-``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33`` (the default) or ``deepgemm-sm90``;
+A *flavour* names a kernel build (DeepGEMM main, vLLM 0.32-0.34's bundled copies, DeepGEMM PR #323,
+the two lines of vLLM's own DeepGEMM fork ``vllm-project/DeepGEMM``): ``deepgemm-main``,
+``vllm-0.32``, ``vllm-0.33`` (the default), ``deepgemm-sm90``, ``deepgemm-vllm-situ`` or
+``deepgemm-vllm-dev``;
 :class:`KernelBuild` is what the stand-in needs to know of one (its kernels, where a fused shared
 expert is added, its buffer's extra regions and kind of views). ``moewire.megamoe.flavours`` is
 moewire's own, independent description of the same builds under the same names; the layout check is
@@ -30,6 +32,13 @@ RENAMED = {
     "sgl": "deepgemm-sm90",
 }
 MMA_OF_KERNEL = {"fp8_fp4_mega_moe": "fp8xfp4", "bf16_mega_moe": "bf16xbf16"}
+#: How a build's kernel names SiTU's two tanh scales: (gate scale, up scale) keywords.
+#: DeepGEMM 2.8.x (vLLM's bundled copies; vllm-project/DeepGEMM dev, ``deep_gemm/_C.py`` at
+#: 051140f) takes ``activation_alpha`` and ``activation_beta``; vllm-project/DeepGEMM's 2.6.1
+#: SiTU line (``deep_gemm/mega/__init__.py`` at 51655f2) takes ``activation_beta`` and
+#: ``activation_linear_beta``: the same keyword ``activation_beta`` names the other scale.
+SITU_ALPHA_BETA = ("activation_alpha", "activation_beta")
+SITU_BETA_LINEAR_BETA = ("activation_beta", "activation_linear_beta")
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,8 @@ class KernelBuild:
         norm_after_combine: mma types whose buffer has a ``combine_norm_buffer`` after the
             combine region.
         dlpack_views: the views are DLPack tensors, not storage-sharing views.
+        situ_kwargs: the keywords of SiTU's gate and up tanh scales in its kernels
+            (:data:`SITU_ALPHA_BETA` or :data:`SITU_BETA_LINEAR_BETA`).
     """
 
     name: str
@@ -52,6 +63,7 @@ class KernelBuild:
     shared_position: str | None
     norm_after_combine: tuple[str, ...] = ()
     dlpack_views: bool = False
+    situ_kwargs: tuple[str, str] = SITU_ALPHA_BETA
 
     @property
     def mma_types(self) -> tuple[str, ...]:
@@ -69,6 +81,15 @@ KERNEL_BUILDS: dict[str, KernelBuild] = {
     "deepgemm-sm90": KernelBuild(
         "deepgemm-sm90", ("fp8_fp4_mega_moe",), None, dlpack_views=True
     ),
+    # vllm-project/DeepGEMM's 2.6.1 SiTU line (51655f2): impls/sm100_fp8_fp4_mega_moe.cuh
+    # adds the valid lanes in ascending order (__ffs), the shared lane k among them: last.
+    "deepgemm-vllm-situ": KernelBuild(
+        "deepgemm-vllm-situ", ("fp8_fp4_mega_moe",), "last",
+        situ_kwargs=SITU_BETA_LINEAR_BETA,
+    ),
+    # vllm-project/DeepGEMM dev (2.8.1, 63aa62a): "Shared slot goes first" in both kernels;
+    # the combine region is the buffer's last (layout/mega_moe.cuh: no norm buffer after it).
+    "deepgemm-vllm-dev": KernelBuild("deepgemm-vllm-dev", _BOTH, "first"),
 }
 
 _flavour_setting: str | None = None

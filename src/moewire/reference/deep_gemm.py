@@ -25,6 +25,12 @@ The buffer layout and the combine order follow a named *flavour*, one per kernel
 - ``deepgemm-sm90`` (DeepGEMM PR #323): ``fp8_fp4_mega_moe``; no fused shared expert; every
   view is a DLPack tensor that shares no storage object with ``.buffer`` (as the real SM90
   build's views), though it points into it.
+- ``deepgemm-vllm-situ`` (vllm-project/DeepGEMM's 2.6.1 SiTU line, 51655f2, which vLLM
+  main's stored ``KimiK3MegaMoEExperts`` calls): ``fp8_fp4_mega_moe`` with SiTU's scales
+  spelled ``activation_beta`` (gate) and ``activation_linear_beta`` (up); the shared row
+  added last.
+- ``deepgemm-vllm-dev`` (vllm-project/DeepGEMM dev, 2.8.1 at 63aa62a): both kernels, the
+  shared row added first, the combine region last (no norm buffer after it).
 
 The combine region is BF16 ``[num_slots][Tmax][H]``, slot-major; no view exposes it.
 Choose the flavour with ``use_flavour(name)`` (a setter and a context manager) or the
@@ -313,15 +319,16 @@ def transform_weights_for_mega_moe(
 def _mega_moe(
     kernel: str, y: torch.Tensor, l1_weights: Any, l2_weights: Any, sym_buffer: SymmBuffer,
     shared_l1_weights: Any, shared_l2_weights: Any, *, recipe: tuple[int, int, int] | None,
-    activation: str | None, activation_clamp: float | None, activation_alpha: float | None,
-    activation_beta: float | None, stats: torch.Tensor | None,
+    activation: str | None, activation_clamp: float | None,
+    situ_scales: dict[str, float | None], stats: torch.Tensor | None,
 ) -> None:
-    """Hand one call of ``kernel`` to the kernel body, its activation arguments defaulted.
+    """Hand one call of ``kernel`` to the kernel body, its activation defaulted.
 
     ``None`` for an activation argument means its default: vLLM main's
     ``DeepGemmSm100MegaMoEBackend.run_mega_moe`` (``fused_moe/deep_gemm_mega_moe.py``,
     4083b32) passes ``activation``, ``activation_alpha`` and ``activation_beta`` by keyword,
-    ``None`` when the model gave none (0.32's drops them instead).
+    ``None`` when the model gave none (0.32's drops them instead). The SiTU scales are read in
+    the spelling of the buffer's build (``_kernel.Activation.from_kernel_kwargs``).
     """
     _kernel.mega_moe(
         kernel,
@@ -335,8 +342,7 @@ def _mega_moe(
         activation="swiglu" if activation is None else activation,
         activation_clamp=activation_clamp,
         stats=stats,
-        activation_alpha=1.0 if activation_alpha is None else activation_alpha,
-        activation_beta=0.0 if activation_beta is None else activation_beta,
+        situ_scales=situ_scales,
     )
 
 
@@ -351,8 +357,9 @@ def fp8_fp4_mega_moe(
     activation: str | None = "swiglu",
     activation_clamp: float | None = None,
     fast_math: bool = True,
-    activation_alpha: float | None = 1.0,
-    activation_beta: float | None = 0.0,
+    activation_alpha: float | None = None,
+    activation_beta: float | None = None,
+    activation_linear_beta: float | None = None,
     *,
     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
 ) -> None:
@@ -388,17 +395,23 @@ def fp8_fp4_mega_moe(
         activation: ``"swiglu"`` or ``"situ"`` (Kimi-K3; the buffer's activation).
         activation_clamp: SwiGLU clamp ``c`` or ``None`` (SiTU takes none).
         fast_math: accepted; the reference always uses exact ``silu`` (see the docs).
-        activation_alpha, activation_beta: SiTU's gate and up tanh scales (``alpha > 0``;
-            ``beta = 0`` leaves ``up`` as is), as the bundled DeepGEMM names them. ``None``
-            for any activation argument means its default (vLLM main passes ``None``).
+        activation_alpha, activation_beta, activation_linear_beta: SiTU's gate and up tanh
+            scales (``_kernel.Activation``: gate scale > 0, default 1; up scale >= 0, 0 or
+            unset leaves ``up`` as is), in the spelling of the buffer's build: DeepGEMM 2.8.x
+            (vLLM's bundled copies, vllm-project/DeepGEMM dev) takes ``activation_alpha``
+            (gate) and ``activation_beta`` (up); vllm-project/DeepGEMM's 2.6.1 SiTU line
+            (``deepgemm-vllm-situ``) takes ``activation_beta`` (gate) and
+            ``activation_linear_beta`` (up). A keyword of the other spelling is refused.
+            ``None`` for any activation argument means its default (vLLM main passes
+            ``None``).
         cumulative_local_expert_recv_stats: optional int32 ``[E_local]``, incremented by the
             number of (token, slot) rows each local expert received.
     """
     _mega_moe(
         "fp8_fp4_mega_moe", y, l1_weights, l2_weights, sym_buffer, shared_l1_weights,
         shared_l2_weights, recipe=recipe, activation=activation,
-        activation_clamp=activation_clamp, activation_alpha=activation_alpha,
-        activation_beta=activation_beta, stats=cumulative_local_expert_recv_stats,
+        activation_clamp=activation_clamp, stats=cumulative_local_expert_recv_stats,
+        situ_scales=_situ_scales(activation_alpha, activation_beta, activation_linear_beta),
     )
 
 
@@ -412,8 +425,9 @@ def bf16_mega_moe(
     activation: str | None = "swiglu",
     activation_clamp: float | None = None,
     fast_math: bool = True,
-    activation_alpha: float | None = 1.0,
-    activation_beta: float | None = 0.0,
+    activation_alpha: float | None = None,
+    activation_beta: float | None = None,
+    activation_linear_beta: float | None = None,
     *,
     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
 ) -> None:
@@ -428,12 +442,21 @@ def bf16_mega_moe(
         l2_weights: BF16 ``[E_local, H, I]``.
         sym_buffer: a ``bf16xbf16`` buffer.
         shared_l1_weights: BF16 ``[2Is, H]`` transformed; shared_l2_weights: BF16 ``[H, Is]``.
-        activation, activation_clamp, fast_math, cumulative_local_expert_recv_stats: as
+        activation, activation_clamp, fast_math, activation_alpha, activation_beta,
+            activation_linear_beta, cumulative_local_expert_recv_stats: as
             :func:`fp8_fp4_mega_moe`.
     """
     _mega_moe(
         "bf16_mega_moe", y, l1_weights, l2_weights, sym_buffer, shared_l1_weights,
         shared_l2_weights, recipe=None, activation=activation,
-        activation_clamp=activation_clamp, activation_alpha=activation_alpha,
-        activation_beta=activation_beta, stats=cumulative_local_expert_recv_stats,
+        activation_clamp=activation_clamp, stats=cumulative_local_expert_recv_stats,
+        situ_scales=_situ_scales(activation_alpha, activation_beta, activation_linear_beta),
     )
+
+
+def _situ_scales(
+    activation_alpha: float | None, activation_beta: float | None,
+    activation_linear_beta: float | None,
+) -> dict[str, float | None]:
+    return {"activation_alpha": activation_alpha, "activation_beta": activation_beta,
+            "activation_linear_beta": activation_linear_beta}

@@ -3,7 +3,10 @@
 The full-size shapes are the models' Hugging Face ``config.json`` values:
 ``n_routed_experts``, ``num_experts_per_tok``, ``hidden_size``, ``moe_intermediate_size``
 and ``n_shared_experts`` (DeepSeek-V4-Flash: 256, 6, 4096, 2048, 1; DeepSeek-V4-Pro: 384, 6,
-7168, 3072, 1; Kimi-K3: 896, 16, 3584 latent, 3072, 2).
+7168, 3072, 1; Kimi-K3: 896, 16, 3584 latent, 3072, 2). Kimi-K3's routed experts run on
+its latent width (``routed_expert_hidden_size``: vLLM's ``kimi_k3/nvidia/model.py`` projects
+the model's 7168 down to 3584 before the Mega-MoE and back up after its combine), so its
+preset's ``hidden`` is 3584 and the bytes on its wire are latent bytes.
 
 A preset fixes the routed experts, top-k, hidden size, expert intermediate size, shared
 experts and the router's gating function. ``demo`` is what ``moewire study`` runs with

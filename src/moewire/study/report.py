@@ -266,16 +266,23 @@ def plot_heatmap(doc: dict, path: Path) -> Path:
     by_pair = _lookup(doc)
     shown = heatmap_values(doc)
     costs, cost_what = heatmap_costs(doc)
-    width = 1.5 * len(combine) + 2.0
-    fig, (ax, cost_ax) = plt.subplots(1, 2, figsize=(2 * width, 0.9 * len(dispatch) + 2.3),
-                                      dpi=_DPI)
+    width, height = 1.5 * len(combine) + 2.0, 0.9 * len(dispatch) + 2.6
+    # Side by side up to 6 combine formats; more (the default 9) stacked, so the figure
+    # stays about as wide as a page.
+    stacked = len(combine) > 6
+    fig, (ax, cost_ax) = plt.subplots(
+        2 if stacked else 1, 1 if stacked else 2, dpi=_DPI,
+        figsize=(width, 2 * height) if stacked else (2 * width, height))
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.92")
     bottom, top = SQNR_SCALE_DB
     image = ax.imshow(shown, cmap=cmap, vmin=bottom, vmax=top, aspect="auto")
     cost_image = cost_ax.imshow(costs, cmap=matplotlib.colormaps["cividis_r"], vmin=0.0,
                                 vmax=1.0, aspect="auto")
     for a in (ax, cost_ax):
-        a.set_xticks(range(len(combine)), combine)
+        # Rotated: the real kernels' combine names (deepgemm_fp8_combine, ...) are wider
+        # than a cell and would run into each other.
+        a.set_xticks(range(len(combine)), combine, rotation=30, ha="right",
+                     rotation_mode="anchor")
         a.set_yticks(range(len(dispatch)), dispatch)
         a.set_xlabel("combine format")
     ax.set_ylabel("dispatch format")
@@ -325,19 +332,17 @@ def frontier_points(doc: dict, x_key: str) -> tuple[list[tuple[float, float, str
 
 
 def _frontier_panel(ax, doc: dict, x_key: str, xlabel: str, bf16_x: float) -> None:
-    import matplotlib.pyplot as plt
     from matplotlib.transforms import blended_transform_factory
 
-    dispatch_axis = list(doc["settings"]["dispatch"])
-    cmap = plt.get_cmap("tab10")
     measured, exact = frontier_points(doc, x_key)
-    colour = {f"{r['dispatch']}/{r['combine']}": cmap(dispatch_axis.index(r["dispatch"]) % 10)
-              for r in doc["results"]}
+    style = point_styles(doc)
     front = pareto(measured)
     on_front = {tag for _, _, tag in front}
     for x, y, tag in measured:
-        ax.scatter(x, y, color=colour[tag], s=34 if tag in on_front else 22, zorder=3,
-                   edgecolors="black" if tag in on_front else "none", linewidths=0.8)
+        colour, marker = style[tag]
+        ax.scatter(x, y, color=colour, marker=marker, s=40 if tag in on_front else 26,
+                   zorder=3, edgecolors="black" if tag in on_front else "none",
+                   linewidths=0.8)
     ax.plot([p[0] for p in front], [p[1] for p in front], color="0.4", lw=1, ls="--",
             zorder=2, label="Pareto front (ringed; ties within the noise tolerance merge)")
     # Exact pairs: on the bottom edge (axes coordinates), not at an error they do not have.
@@ -353,11 +358,15 @@ def _frontier_panel(ax, doc: dict, x_key: str, xlabel: str, bf16_x: float) -> No
         ax.text(0.5, 0.5, "no quantized pair: no error to plot", ha="center",
                 transform=ax.transAxes, fontsize=9, color="0.4")
     else:
-        lo, hi = min(p[1] for p in measured), max(p[1] for p in measured)
+        errors = [p[1] for p in measured] + [b[0] for b in [budget_rel_l2(doc)] if b]
+        lo, hi = min(errors), max(errors)
         ax.set_ylim(lo / 2.5, hi * 2.5)  # room for the labels above and below
         xs = [p[0] for p in measured] + [bf16_x]
         span = (max(xs) - min(xs)) or 1.0
         ax.set_xlim(min(xs) - 0.08 * span, max(xs) + 0.08 * span)
+    budget = budget_rel_l2(doc)
+    if budget is not None:
+        ax.axhline(budget[0], color="tab:red", ls=":", lw=1.2, zorder=1, label=budget[1])
     ax.set_xlabel(xlabel)
     ax.axvline(bf16_x, color="0.7", lw=0.8)
     ax.text(bf16_x, 0.98, "all BF16 ", fontsize=7, color="0.4", ha="right", va="top",
@@ -365,18 +374,55 @@ def _frontier_panel(ax, doc: dict, x_key: str, xlabel: str, bf16_x: float) -> No
     ax.grid(True, which="both", alpha=0.3)
 
 
-#: Label offsets tried around a point, in points: 8 directions at growing distances.
-_LABEL_RADII = (5, 12, 20, 30, 42, 56)
-_LABEL_DIRECTIONS = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1))
-_ALIGN_X = {1: "left", -1: "right", 0: "center"}
-_ALIGN_Y = {1: "bottom", -1: "top", 0: "center"}
+#: Label offsets tried around a point, in points: 16 directions at growing distances.
+_LABEL_RADII = (5, 12, 20, 30, 42, 56, 72, 90, 110)
+_LABEL_DIRECTIONS = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1),
+                     (2, 1), (2, -1), (-2, 1), (-2, -1), (1, 2), (1, -2), (-1, 2), (-1, -2))
+_ALIGN = {1: "left", 2: "left", -1: "right", -2: "right", 0: "center"}
+_VALIGN = {1: "bottom", 2: "bottom", -1: "top", -2: "top", 0: "center"}
 
 
-def place_labels(fig, ax, points: list[tuple[float, float, str]], front: set[str]) -> None:
-    """Label every ``(x, y, tag)`` point of ``ax`` without two labels (or a label and a
-    marker) overlapping: each label tries offsets at growing distances in 8 directions
-    and takes the first free one inside the axes, with a leader line to its point; front
-    labels are bold. Call after the figure's layout is final (display coordinates)."""
+def _crosses(a: tuple, b: tuple) -> bool:
+    """Whether segments ``a`` and ``b`` (``((x, y), (x, y))``) cross (touching ends do not)."""
+    def side(p, q, r) -> float:
+        return (q[0] - p[0]) * (r[1] - p[1]) - (q[1] - p[1]) * (r[0] - p[0])
+
+    (p1, p2), (q1, q2) = a, b
+    return (side(p1, p2, q1) * side(p1, p2, q2) < 0
+            and side(q1, q2, p1) * side(q1, q2, p2) < 0)
+
+
+def _hits_box(segment: tuple, box: tuple) -> bool:
+    """Whether ``segment`` passes through the box ``(x0, y0, x1, y1)``."""
+    (x0, y0), (x1, y1) = segment
+    if any(box[0] < x < box[2] and box[1] < y < box[3] for x, y in segment):
+        return True
+    corners = ((box[0], box[1]), (box[2], box[1]), (box[2], box[3]), (box[0], box[3]))
+    return any(_crosses(segment, (corners[i], corners[(i + 1) % 4])) for i in range(4))
+
+
+def crossings(box: tuple, leader: tuple, leaders: list[tuple], labels: list[tuple]) -> int:
+    """How many times a label ``box`` with its ``leader`` line crosses what is placed: the
+    other leader lines it crosses, those running through its box, and the labels its own
+    line runs through."""
+    return (sum(_crosses(leader, other) for other in leaders)
+            + sum(_hits_box(other, box) for other in leaders)
+            + sum(_hits_box(leader, other) for other in labels))
+
+
+def _anchor(box: tuple, px: float, py: float) -> tuple[float, float]:
+    """The point of ``box`` nearest to ``(px, py)``: where a leader line meets the label."""
+    return min(max(px, box[0]), box[2]), min(max(py, box[1]), box[3])
+
+
+def place_labels(fig, ax, points: list[tuple[float, float, str]],
+                 front: list[tuple[float, float, str]]) -> None:
+    """Label each ``(x, y, tag)`` point of ``front`` (bold), with a leader line to its
+    point, so that no two labels, or a label and any marker of ``points``, overlap and no
+    leader line crosses another or runs through a label: each label tries offsets at
+    growing distances in 16 directions and takes the first free one inside the axes (else
+    the one without overlap with the fewest crossings). Call after the figure's layout is
+    final (display coordinates)."""
     renderer = fig.canvas.get_renderer()
     area = ax.get_window_extent(renderer)
     pad = 4.0  # marker half-width in pixels
@@ -384,9 +430,11 @@ def place_labels(fig, ax, points: list[tuple[float, float, str]], front: set[str
     for x, y, _ in points:
         px, py = ax.transData.transform((x, y))
         taken.append((px - pad, py - pad, px + pad, py + pad))
-    taken += [tuple(t.get_window_extent(renderer).extents) for t in ax.texts]
+    labels: list[tuple] = [tuple(t.get_window_extent(renderer).extents) for t in ax.texts]
+    taken += labels
     if ax.get_legend() is not None:
         taken.append(tuple(ax.get_legend().get_window_extent(renderer).extents))
+    leaders: list[tuple] = []
 
     def overlap(box) -> float:
         total = 0.0
@@ -397,40 +445,77 @@ def place_labels(fig, ax, points: list[tuple[float, float, str]], front: set[str
         return total
 
     # Top to bottom, left to right: crowded low-error clusters get the later, freer slots.
-    for x, y, tag in sorted(points, key=lambda p: (-p[1], p[0])):
+    for x, y, tag in sorted(front, key=lambda p: (-p[1], p[0])):
+        px, py = ax.transData.transform((x, y))
         ann = ax.annotate(tag, (x, y), textcoords="offset points", xytext=(5, 5),
-                          fontsize=7, fontweight="bold" if tag in front else "normal")
+                          fontsize=7, fontweight="bold")
         best = None
         for radius in _LABEL_RADII:
             for dx, dy in _LABEL_DIRECTIONS:
                 ann.set_position((dx * radius, dy * radius))
-                ann.set_horizontalalignment(_ALIGN_X[dx])
-                ann.set_verticalalignment(_ALIGN_Y[dy])
+                ann.set_horizontalalignment(_ALIGN[dx])
+                ann.set_verticalalignment(_VALIGN[dy])
                 box = tuple(ann.get_window_extent(renderer).extents)
+                leader = ((px, py), _anchor(box, px, py))
                 inside = (box[0] >= area.x0 and box[2] <= area.x1 and box[1] >= area.y0
                           and box[3] <= area.y1)
-                score = (not inside, overlap(box))
+                score = (not inside, overlap(box) > 0, crossings(box, leader, leaders, labels),
+                         overlap(box))
                 if best is None or score < best[0]:
-                    best = (score, radius, dx, dy, box)
-                if score == (False, 0.0):
+                    best = (score, radius, dx, dy, box, leader)
+                if score == (False, False, 0, 0.0):
                     break
-            if best[0] == (False, 0.0):
+            if best[0] == (False, False, 0, 0.0):
                 break
-        _, radius, dx, dy, box = best
+        _, radius, dx, dy, box, leader = best
         ann.remove()
         # Every label gets a leader line to its own point: in a cluster, nearness alone
         # would let a reader take a label for its neighbour's.
         ax.annotate(tag, (x, y), textcoords="offset points", xytext=(dx * radius, dy * radius),
-                    ha=_ALIGN_X[dx], va=_ALIGN_Y[dy], fontsize=7, zorder=5,
-                    fontweight="bold" if tag in front else "normal",
+                    ha=_ALIGN[dx], va=_VALIGN[dy], fontsize=7, zorder=5, fontweight="bold",
                     arrowprops=dict(arrowstyle="-", lw=0.6, color="0.45", shrinkA=0,
                                     shrinkB=2))
         taken.append(box)
+        labels.append(box)
+        leaders.append(leader)
+
+
+def budget_rel_l2(doc: dict) -> tuple[float, str] | None:
+    """The verdict's budget as a relative L2 error and its legend text, or ``None``
+    (an SQNR budget of ``D`` dB is the error ``10^(-D/20)``)."""
+    verdict = doc.get("verdict")
+    if not verdict:
+        return None
+    kind, value = verdict["budget"]["kind"], float(verdict["budget"]["value"])
+    if kind == "rel_l2":
+        return value, f"budget: rel L2 {value:g}"
+    return 10 ** (-value / 20), f"budget: SQNR {value:g} dB (rel L2 {10 ** (-value / 20):.3g})"
+
+
+#: The frontier's marker of each combine format, in the order of the combine axis (``*``
+#: is the exact pair's).
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "p", "h", "d", "8", "H")
+
+
+def point_styles(doc: dict) -> dict[str, tuple[Any, str]]:
+    """``"dispatch/combine"`` -> ``(colour, marker)``: the colour tells the dispatch format,
+    the marker the combine format (both in the figure's legend)."""
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    dispatch_axis = list(doc["settings"]["dispatch"])
+    combine_axis = list(doc["settings"]["combine"])
+    return {f"{r['dispatch']}/{r['combine']}": (
+        cmap(dispatch_axis.index(r["dispatch"]) % 10),
+        _MARKERS[combine_axis.index(r["combine"]) % len(_MARKERS)]) for r in doc["results"]}
 
 
 def frontier_figure(doc: dict):
     """The frontier as a matplotlib figure: error against estimated time (left) and
-    against bytes per token (right)."""
+    against bytes per token (right). Every pair is a marker whose colour is its dispatch
+    format and whose shape is its combine format (the legend below the panels); the pairs
+    on the Pareto front are ringed and labelled, each label placed where it overlaps no
+    other label, marker or line and its leader line crosses no other."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -438,7 +523,7 @@ def frontier_figure(doc: dict):
 
     results = doc["results"]
     has_time = "comm_us" in results[0]
-    fig, axes = plt.subplots(1, 2 if has_time else 1, figsize=(14 if has_time else 8.5, 6),
+    fig, axes = plt.subplots(1, 2 if has_time else 1, figsize=(14 if has_time else 8.5, 7),
                              squeeze=False, dpi=_DPI)
     bytes_ax = axes[0][-1]
     bf16_bytes = next(r["bytes_per_token"] / r["ratio_to_bf16"] for r in results)
@@ -454,18 +539,29 @@ def frontier_figure(doc: dict):
                         results[0]["bf16_comm_us"])
         axes[0][0].set_title("error vs estimated wire time (no overlap with compute, no "
                              "congestion: docs/study.md)", fontsize=10)
-    dispatch_axis = list(doc["settings"]["dispatch"])
+    from matplotlib.lines import Line2D
+
+    # One legend below the panels, where it covers no point: what the lines and the exact
+    # marker are, then the dispatch colours, then the combine markers.
+    handles, labels = axes[0][0].get_legend_handles_labels()
     cmap = plt.get_cmap("tab10")
-    for i, d in enumerate(dispatch_axis):
-        axes[0][0].scatter([], [], color=cmap(i % 10), s=28, label=f"dispatch {d}")
-    axes[0][0].legend(fontsize=7, loc="lower left")
+    for i, d in enumerate(doc["settings"]["dispatch"]):
+        handles.append(Line2D([], [], ls="", marker="o", color=cmap(i % 10)))
+        labels.append(f"dispatch {d}")
+    for i, c in enumerate(doc["settings"]["combine"]):
+        handles.append(Line2D([], [], ls="", marker=_MARKERS[i % len(_MARKERS)], color="0.35"))
+        labels.append(f"combine {c}")
+    rows = math.ceil(len(handles) / 6)
+    fig.legend(handles, labels, loc="lower center", ncol=6, fontsize=7, frameon=False)
     fig.suptitle(f"{doc['settings']['model']}: what each dispatch/combine pair costs in error "
-                 "and buys on the wire", fontsize=11)
-    fig.tight_layout()
+                 "and buys on the wire (colour: dispatch, marker: combine; the Pareto front "
+                 "labelled)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.035 * rows + 0.01, 1, 1))
     panels = [(axes[0][-1], "bytes_per_token")] + ([(axes[0][0], "comm_us")] if has_time else [])
     for ax, x_key in panels:
         measured, _ = frontier_points(doc, x_key)
-        place_labels(fig, ax, measured, {tag for _, _, tag in pareto(measured)})
+        front = pareto(measured)
+        place_labels(fig, ax, measured, front)
     return fig
 
 

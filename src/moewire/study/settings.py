@@ -24,10 +24,14 @@ NONE = "bf16"
 _NONE_ALIASES = {"bf16", "none"}
 DEFAULT_DISPATCH = ("fp8", "mxfp8", "nvfp4", "mxfp4")
 #: The combine column: moewire's formats, then the real kernels' combines (DeepGEMM's FP8
-#: combine, TensorRT-LLM's 32e4m3xe8m0 and 16e2m1xbf16, TransformerEngine's MXFP8), each
-#: with its kernel's FP32 accumulation (docs/formats.md).
+#: combine, TensorRT-LLM's 32e4m3xe8m0 and 16e2m1xbf16, TransformerEngine's MXFP8,
+#: FlashInfer's NVFP4 and MoRI's blockwise FP8 on MI300), each with its kernel's FP32
+#: accumulation (docs/formats.md). The other shipped combines (FlashInfer's MXFP8, MoRI's
+#: direct cast and MI355 modes) are one --combine away; by default they would add pairs
+#: that equal a listed one on most layers (flashinfer_mxfp8 is te_mxfp8 but for tiny blocks).
 DEFAULT_COMBINE = ("fp8", "mxfp8", "nvfp4", "logfmt10", "deepgemm_fp8_combine",
-                   "trtllm_32e4m3xe8m0", "trtllm_16e2m1xbf16", "te_mxfp8")
+                   "trtllm_32e4m3xe8m0", "trtllm_16e2m1xbf16", "te_mxfp8", "flashinfer_nvfp4",
+                   "mori_fp8_blockwise_fnuz")
 MMA_TYPES = ("fp8xfp4", "bf16xbf16", "nvfp4")
 #: The synthetic router's default hottest-expert load over the mean (DeepSeek's
 #: bias-balanced routing keeps it at a few x).

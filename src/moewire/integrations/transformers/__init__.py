@@ -58,6 +58,17 @@ Usage::
 
 Scale names map to the serving engines' module names with :func:`serving_name` (see
 ``docs/eval.md``).
+
+Two more things run through this package:
+
+- transformers' own Mega-MoE, ``experts_implementation="deepgemm_megamoe"`` (``FP8Experts``
+  of a pre-quantized FP4 checkpoint, the kernels-hub DeepGEMM): a site moewire hooks like
+  vLLM's (:mod:`.sites`, :mod:`.megamoe`); ``prepare(model)`` loads transformers' kernel,
+  ``prepare(model, kernel="stand-in")`` opts in to moewire's stand-in of it (CPU, Hopper).
+- expert parallelism (:mod:`.ep`): under ``torchrun`` with ``DistributedConfig(tp_size=N,
+  ep_size=N, ep_implementation="moewire")`` the ``"moewire"`` experts run through
+  transformers' ``MegaMoeEP``; ``prepare`` builds each buffer on the EP group, calibration
+  reduces over EP and DP, and :func:`save_scales` writes one file from rank 0.
 """
 
 from __future__ import annotations
@@ -73,7 +84,10 @@ from torch import nn
 
 from moewire.integrations import deepgemm_sm90 as sm90
 from moewire.integrations.deepgemm_sm90 import stage_sm90_inputs
-from moewire.megamoe.api import save_scales
+from moewire.integrations.transformers import ep, megamoe
+from moewire.integrations.transformers.sites import SITES, MegaMoeSite
+from moewire.integrations.transformers.sites import recognise as sites_recognise
+from moewire.megamoe import api
 from moewire.megamoe.flavours import detect
 from moewire.megamoe.registry import (
     ExpertsAdapter,
@@ -95,8 +109,10 @@ __all__ = [
     "experts_modules",
     "prepare",
     "register",
+    "save_scales",
     "save_serving_scales",
     "serving_name",
+    "site_modules",
     "unregister",
 ]
 
@@ -263,9 +279,62 @@ def save_serving_scales(model: nn.Module, path: str | Path, host: str) -> Path:
     """
     path = Path(path)
     model_type = _model_type(model)
-    save_scales(model, path)
+    api.save_scales(model, path)
     scales = read_scales(path)
     return write_scales(path, {serving_name(n, model_type, host): s for n, s in scales.items()})
+
+
+def save_scales(model: nn.Module, path: str | Path, host: str | None = None) -> Path:
+    """One scales file for a model on one rank or under expert parallelism: every rank calls
+    it, rank 0 writes, every rank returns once the file exists.
+
+    Under a process group the amaxes must agree on every rank (calibration reduced them over
+    the EP and DP groups, :mod:`.ep`), which is checked first; the file is then the one a
+    one-rank run writes, loadable by every rank of a serving engine.
+
+    Args:
+        model: the quantized (calibrated) model.
+        path: the scales file (``.json``, ``.safetensors`` or ``.pt``).
+        host: ``"vllm"`` or ``"sglang"`` to write the engine's module names
+            (:func:`save_serving_scales`), ``None`` for transformers' names.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        RuntimeError: an amax differs between ranks (the message names the quantizers).
+        ValueError: what :func:`moewire.save_scales` refuses.
+    """
+    import torch.distributed as dist
+
+    path = Path(path)
+    differ = ep.ranks_agree(model)
+    if differ:
+        raise RuntimeError(
+            f"save_scales: the amax of {differ[:4]}{' ...' if len(differ) > 4 else ''} differs "
+            "between ranks: the model was calibrated without reducing over the EP and DP "
+            "groups; calibrate with moewire.quantize / moewire.calibrate after prepare(model), "
+            "which records the groups"
+        )
+    distributed = dist.is_available() and dist.is_initialized()
+    error: BaseException | None = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            if host is None:
+                api.save_scales(model, path)
+            else:
+                save_serving_scales(model, path, host)
+        except (ValueError, OSError) as exc:
+            error = exc
+    if distributed:
+        # Every rank learns whether rank 0 wrote the file (and the file exists on return).
+        failed = [error is not None]
+        dist.broadcast_object_list(failed, src=0)
+        if failed[0] and error is None:
+            raise RuntimeError(f"save_scales: rank 0 could not write {path}; see its error")
+    if error is not None:
+        raise error
+    return path
 
 
 # ---------------------------------------------------------------------------- the kernels
@@ -292,7 +361,8 @@ deep_gemm = _Kernels()
 
 @dataclass
 class _MegaState:
-    """The Mega-MoE form of one experts module: kernel weights and its buffer."""
+    """The Mega-MoE form of one experts module: kernel weights, its buffer and the EP group
+    the buffer spans (``None``: one rank)."""
 
     kernel: str
     mma_type: str
@@ -300,6 +370,7 @@ class _MegaState:
     l2: Any
     clamp: float | None
     buffer: Any
+    group: Any = None
 
     @property
     def function(self) -> str:
@@ -362,13 +433,20 @@ def _check_layout(module: nn.Module, arch: Architecture | None) -> None:
         )
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter transformers' EP sharded (a ``DTensor``), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _kernel_layout(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """L1 ``[E, 2I, H]`` rows ``[gate | up]`` and L2 ``[E, H, I]`` from the module's flags.
+    """L1 ``[E, 2I, H]`` rows ``[gate | up]`` and L2 ``[E, H, I]`` from the module's flags
+    (``E``: this rank's experts under transformers' EP).
 
     ``is_transposed``: ``gate_up_proj`` is ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]``;
     ``is_concatenated=False``: gate and up rows interleave (``gate0, up0, gate1, ...``).
     """
-    l1, l2 = module.gate_up_proj.detach(), module.down_proj.detach()
+    l1, l2 = _local(module.gate_up_proj).detach(), _local(module.down_proj).detach()
     if module.is_transposed:
         l1, l2 = l1.transpose(1, 2), l2.transpose(1, 2)
     if not module.is_concatenated:
@@ -377,13 +455,15 @@ def _kernel_layout(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _stand_in_form(module: nn.Module, mma_type: str, l1: torch.Tensor, l2: torch.Tensor,
-                   top_k: int, max_num_tokens: int) -> tuple[Any, Any, Any]:
-    """The stand-in's buffer and weights: ``(buffer, l1, l2)``."""
+                   top_k: int, max_num_tokens: int, group: Any) -> tuple[Any, Any, Any]:
+    """The stand-in's buffer (on ``group``, for the experts of all its ranks) and weights:
+    ``(buffer, l1, l2)``."""
     num_experts, two_i, hidden = l1.shape
+    ranks = 1 if group is None else group.size()
     try:
         buffer = stand_in.get_symm_buffer_for_mega_moe(
-            None, num_experts, max_num_tokens, top_k, hidden, two_i // 2, mma_type=mma_type,
-            device=l1.device,
+            group, num_experts * ranks, max_num_tokens, top_k, hidden, two_i // 2,
+            mma_type=mma_type, device=l1.device,
         )
     except ValueError as exc:
         raise ValueError(
@@ -416,8 +496,9 @@ def _check_sm90_alignment(module: nn.Module, hidden: int, intermediate: int) -> 
 
 
 def _sm90_form(module: nn.Module, l1: torch.Tensor, l2: torch.Tensor, top_k: int,
-               max_num_tokens: int, group: Any) -> tuple[Any, Any, Any]:
-    """DeepGEMM's SM90 buffer and FP8 128x128 block-scaled weights: ``(buffer, l1, l2)``."""
+               max_num_tokens: int, group: Any) -> tuple[Any, Any, Any, Any]:
+    """DeepGEMM's SM90 buffer (on ``group``, default a one-rank group) and FP8 128x128
+    block-scaled weights: ``(buffer, l1, l2, group)``."""
     ok, why = sm90.available()
     if not ok:
         raise RuntimeError(
@@ -440,10 +521,11 @@ def _sm90_form(module: nn.Module, l1: torch.Tensor, l2: torch.Tensor, top_k: int
     group = sm90.one_rank_group() if group is None else group
     num_experts, two_i, hidden = l1.shape
     _check_sm90_alignment(module, hidden, two_i // 2)
+    ranks = 1 if group is None else group.size()
     buffer = sm90.deep_gemm.get_symm_buffer_for_sm90_mega_moe(
-        group, num_experts, max_num_tokens, top_k, hidden, two_i // 2
+        group, num_experts * ranks, max_num_tokens, top_k, hidden, two_i // 2
     )
-    return buffer, *weights
+    return buffer, *weights, group
 
 
 def _build_state(module: nn.Module, mma_type: str | None, max_num_tokens: int,
@@ -460,7 +542,7 @@ def _build_state(module: nn.Module, mma_type: str | None, max_num_tokens: int,
             f"{_where(module)}: kernel {kernel!r} has the builds {tuple(KERNELS[kernel])}, "
             f"got mma_type={mma_type!r}; pick one of them"
         )
-    if module.gate_up_proj.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+    if _local(module.gate_up_proj).dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ValueError(
             f"{_where(module)}: weights are {module.gate_up_proj.dtype}; moewire quantizes "
             "BF16/FP16/FP32 expert weights for the kernel (dequantize the checkpoint first)"
@@ -468,20 +550,64 @@ def _build_state(module: nn.Module, mma_type: str | None, max_num_tokens: int,
     l1, l2 = _kernel_layout(module)
     top_k = int(module.config.num_experts_per_tok)
     if kernel == "deepgemm-sm90":
-        buffer, l1_k, l2_k = _sm90_form(module, l1, l2, top_k, max_num_tokens, group)
+        buffer, l1_k, l2_k, group = _sm90_form(module, l1, l2, top_k, max_num_tokens, group)
     else:
-        buffer, l1_k, l2_k = _stand_in_form(module, mma_type, l1, l2, top_k, max_num_tokens)
+        buffer, l1_k, l2_k = _stand_in_form(module, mma_type, l1, l2, top_k, max_num_tokens,
+                                            group)
     clamp = getattr(module, arch.clamp_attr) if arch.clamp_attr else None
     return _MegaState(kernel, mma_type, l1_k, l2_k, None if clamp is None else float(clamp),
-                      buffer)
+                      buffer, group)
 
 
 def _state(module: nn.Module) -> _MegaState:
     state = module.__dict__.get("_moewire_mega")
     if state is None:
+        if getattr(module, "_is_expert_parallel", False):
+            raise RuntimeError(
+                f"{_where(module)}: transformers split these experts over an expert-parallel "
+                "group, and their Mega-MoE buffer must span it; call "
+                "moewire.integrations.transformers.prepare(model) after from_pretrained"
+            )
         state = _build_state(module, "bf16xbf16", DEFAULT_MAX_TOKENS)
         module.__dict__["_moewire_mega"] = state
     return state
+
+
+def _group_name(group: Any) -> str | None:
+    return None if group is None else group.group_name
+
+
+def _check_call(module: nn.Module, state: _MegaState, hidden: torch.Tensor,
+                process_group: Any) -> None:
+    """Refuse a call the kernel cannot serve under expert parallelism: with gradients
+    (``MegaMoeEP`` runs at inference only: the kernel has no backward and the all-gather is
+    not differentiated), without the group its buffer spans, or with another group."""
+    where = _where(module)
+    if process_group is not None and torch.is_grad_enabled() and hidden.requires_grad:
+        raise RuntimeError(
+            f"{where}: under expert parallelism the Mega-MoE experts run at inference only "
+            "(the kernel has no backward and MegaMoeEP's all-gather is not differentiated), "
+            "but gradients are enabled; run the model under torch.no_grad() or "
+            "torch.inference_mode()"
+        )
+    ranks = 1 if state.group is None else state.group.size()
+    if process_group is None and ranks > 1:
+        raise RuntimeError(
+            f"{where}: the buffer spans an expert-parallel group of {ranks} ranks, but the "
+            "experts were called without process_group: an EP implementation other than "
+            f"{ep.IMPLEMENTATION!r} called them, with local expert ids the Mega-MoE buffer does "
+            f"not dispatch; load with DistributedConfig(..., ep_implementation="
+            f"{ep.IMPLEMENTATION!r})"
+        )
+    if process_group is None:
+        return
+    if process_group.size() > 1 and _group_name(process_group) != _group_name(state.group):
+        raise RuntimeError(
+            f"{where}: called with the expert-parallel group {process_group.group_name!r} "
+            f"({process_group.size()} ranks), but its buffer was built on "
+            f"{_group_name(state.group)!r}; call prepare(model) after from_pretrained, under "
+            "the same DistributedConfig"
+        )
 
 
 def moewire_experts_forward(
@@ -489,19 +615,33 @@ def moewire_experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    process_group: Any = None,
 ) -> torch.Tensor:
     """The ``"moewire"`` experts implementation (the module docstring says the steps).
+
+    Under transformers' EP, ``MegaMoeEP`` calls it with this rank's slice of the batch,
+    global expert ids (``-1`` on padding rows) and the EP group (:mod:`.ep`); inside a
+    module moewire converted it runs within the quantized forward
+    (:func:`.megamoe.run_quantized`), which EP bypasses otherwise.
 
     Args:
         self: the transformers experts module.
         hidden_states: ``[T, H]`` floating.
         top_k_index: integer ``[T, k]`` expert ids.
         top_k_weights: floating ``[T, k]`` router weights (``routed_scaling_factor`` in).
+        process_group: the EP group (given by ``MegaMoeEP``), or ``None`` on one rank.
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype (the kernel's BF16 ``y``).
     """
+    return megamoe.run_quantized(_run_kernel, self, hidden_states, top_k_index,
+                                 top_k_weights, process_group)
+
+
+def _run_kernel(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, process_group: Any) -> torch.Tensor:
     state = _state(self)
+    _check_call(self, state, hidden_states, process_group)
     buffer = state.buffer
     capacity = buffer.num_max_tokens_per_rank
     sm90_kernel = state.kernel == "deepgemm-sm90"
@@ -545,7 +685,8 @@ def _adapter(arch: Architecture) -> ExpertsAdapter:
         get_symm_buffer=sm90.symm_buffer_of(lambda m: _state(m).buffer),
         flavour=lambda m: _state(m).flavour,
         fused_shared=lambda m: False,
-        ep_group=lambda m: None,
+        ep_group=lambda m: _state(m).group,
+        dp_groups=lambda m: m.__dict__.get(megamoe.GROUPS, (None, ()))[1],
         runtime=lambda: f"transformers {transformers.__version__}",
         applies=_uses_moewire,
     )
@@ -567,19 +708,26 @@ def _experts_classes() -> Iterator[tuple[Architecture, type]]:
 
 
 def register() -> None:
-    """Register ``"moewire"`` in transformers' ``ExpertsInterface`` and an experts adapter
-    for every family in :data:`ARCHITECTURES` (idempotent; :func:`unregister` undoes it)."""
+    """Register ``"moewire"`` in transformers' ``ExpertsInterface`` and
+    ``EPImplementationInterface`` (:mod:`.ep`), an experts adapter for every family in
+    :data:`ARCHITECTURES`, and the sites of transformers' own Mega-MoE (:mod:`.megamoe`)
+    (idempotent; :func:`unregister` undoes it)."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPLEMENTATION, moewire_experts_forward)
     for arch, cls in _experts_classes():
         register_experts_class(cls, _adapter(arch))
+    ep.register()
+    megamoe.register()
 
 
 def unregister() -> None:
-    """Undo :func:`register`."""
+    """Undo :func:`register` (and the stand-in opt-in of ``prepare(kernel="stand-in")`` for
+    transformers' own Mega-MoE)."""
     from transformers.integrations.moe import ExpertsInterface
 
+    megamoe.unregister()
+    ep.unregister()
     ExpertsInterface._global_mapping.pop(IMPLEMENTATION, None)
     for _, cls in _experts_classes():
         unregister_experts_class(cls)
@@ -591,49 +739,137 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if _uses_moewire(m) and hasattr(m, "gate_up_proj")]
 
 
+def site_modules(model: nn.Module) -> list[tuple[str, nn.Module, MegaMoeSite]]:
+    """``(name, module, site)`` of every experts module of ``model`` that runs one of
+    transformers' own Mega-MoE implementations (:data:`.sites.SITES`)."""
+    found = []
+    for name, module in model.named_modules():
+        site = megamoe.site_of(module)
+        if site is not None:
+            found.append((name, module, site))
+    return found
+
+
+#: The FP8 x FP4 tile of the stand-in kernel: H and I multiples of it.
+_STAND_IN_FP4_MULTIPLE = stand_in.HIDDEN_MULTIPLE["fp8xfp4"]
+
+
+def _check_site_layout(name: str, module: nn.Module, site: MegaMoeSite) -> None:
+    """Refuse an experts module of ``site`` that the stand-in's FP8 x FP4 build cannot run."""
+    weights = _local(module.gate_up_proj)
+    hidden, intermediate = module.hidden_dim, module.intermediate_dim
+    if not getattr(module, "has_gate", True) or getattr(module, "has_bias", False):
+        raise ValueError(
+            f"{name}: {site.name} runs the gated SwiGLU experts of fp8_fp4_mega_moe without "
+            "biases; this module has has_gate=False or has_bias=True"
+        )
+    if weights.dtype != torch.int8:
+        raise ValueError(
+            f"{name}: {site.name} runs fp8_fp4_mega_moe on FP4 (int8-packed) expert weights, "
+            f"these are {weights.dtype}; load a checkpoint with expert_dtype='fp4'"
+        )
+    if hidden % _STAND_IN_FP4_MULTIPLE or intermediate % _STAND_IN_FP4_MULTIPLE:
+        raise ValueError(
+            f"{name}: the stand-in's fp8_fp4_mega_moe tiles H and I by "
+            f"{_STAND_IN_FP4_MULTIPLE} (FP4 weights, 128-byte rows), got H={hidden}, "
+            f"I={intermediate}; use a model whose sizes are multiples of it"
+        )
+
+
+def _prepare_site(site: MegaMoeSite, modules: list[tuple[str, nn.Module]],
+                  mma_type: str | None, kernel: str | None) -> None:
+    where = modules[0][0]
+    why = sites_recognise(site)
+    if why is not None:
+        raise RuntimeError(f"{where}: moewire cannot hook experts_implementation="
+                           f"{site.name!r} in this transformers: {why}")
+    if mma_type is not None:
+        raise ValueError(
+            f"{where}: experts_implementation={site.name!r} runs transformers' own "
+            f"fp8_fp4_mega_moe on the checkpoint's FP4 weights; mma_type={mma_type!r} does "
+            "not apply (leave it None)"
+        )
+    if kernel is None:
+        megamoe.load_bundle(site, where)
+        return
+    if kernel != "stand-in":
+        raise ValueError(
+            f"{where}: experts_implementation={site.name!r} runs the kernel transformers "
+            f"loads (kernel=None) or moewire's stand-in of it (kernel='stand-in'), got "
+            f"kernel={kernel!r}"
+        )
+    for name, module in modules:
+        _check_site_layout(name, module, site)
+    megamoe.install_stand_in(site)
+
+
 def prepare(
     model: nn.Module,
     mma_type: str | None = None,
     *,
     max_num_tokens: int = DEFAULT_MAX_TOKENS,
-    kernel: str = "stand-in",
+    kernel: str | None = None,
     group: Any = None,
 ) -> nn.Module:
-    """Build the Mega-MoE state (kernel weights, buffer) of every ``"moewire"`` experts module.
+    """Make every Mega-MoE experts module of ``model`` ready to run and to quantize.
 
-    Call it after ``from_pretrained(..., experts_implementation="moewire")`` and before
-    :func:`moewire.quantize`. A module without a state builds the default one on its first
-    forward.
+    Call it after ``from_pretrained`` and before :func:`moewire.quantize`.
+
+    - ``"moewire"`` experts: build the Mega-MoE state (kernel weights, buffer). A module
+      without a state builds the default one on its first forward (not under EP).
+    - transformers' ``"deepgemm_megamoe"`` experts: load the DeepGEMM transformers runs
+      (``kernel=None``: its kernels-hub build, SM100), or opt in to moewire's stand-in of that
+      build (``kernel="stand-in"``: CPU or any GPU; :mod:`.megamoe` says exactly what is
+      bypassed: transformers' SM100 assertion). The stand-in is used only when asked for.
+    - Under transformers' expert parallelism (``model`` loaded with a ``DistributedConfig``
+      with ``ep_size > 1``): every buffer spans the EP group and calibration reduces over
+      the EP group and the data-parallel dimensions of the expert mesh (:mod:`.ep`).
 
     Args:
-        model: a transformers model loaded with ``experts_implementation="moewire"``.
-        mma_type: a build of ``kernel`` (:data:`KERNELS`); default its first:
-            ``"bf16xbf16"`` for the stand-in, ``"fp8xfp8"`` for ``"deepgemm-sm90"``.
-        max_num_tokens: tokens per kernel call (a longer batch is split).
-        kernel: ``"stand-in"`` (default) or ``"deepgemm-sm90"`` (DeepGEMM's real SM90
-            ``fp8_mega_moe``; the model on a Hopper GPU).
-        group: ``"deepgemm-sm90"`` only: the process group of the buffer (default: a
-            one-rank NCCL group, ``deepgemm_sm90.one_rank_group``).
+        model: a transformers model.
+        mma_type: ``"moewire"`` experts: a build of ``kernel`` (:data:`KERNELS`); default its
+            first: ``"bf16xbf16"`` for the stand-in, ``"fp8xfp8"`` for ``"deepgemm-sm90"``.
+        max_num_tokens: ``"moewire"`` experts: tokens per kernel call (a longer batch is
+            split).
+        kernel: ``"moewire"`` experts: ``"stand-in"`` (``None``, the default) or
+            ``"deepgemm-sm90"`` (DeepGEMM's real SM90 ``fp8_mega_moe``; the model on a
+            Hopper GPU). ``"deepgemm_megamoe"`` experts: ``None`` (transformers' kernel) or
+            ``"stand-in"``.
+        group: the process group the ``"moewire"`` buffers span; default the EP group of a
+            model transformers distributed, else one rank (``"deepgemm-sm90"``: a one-rank
+            NCCL group, ``deepgemm_sm90.one_rank_group``).
 
     Returns:
         ``model``.
 
     Raises:
-        ValueError: no experts module runs ``"moewire"``; a module's layout or activation is
-            one the kernel cannot express; an unknown kernel or build (the message names the
-            module).
-        RuntimeError: ``"deepgemm-sm90"`` without a Hopper GPU or DeepGEMM's SM90 package.
+        ValueError: no experts module runs ``"moewire"`` or one of transformers' Mega-MoE
+            implementations; a module's layout or activation is one the kernel cannot
+            express; an unknown kernel or build (the message names the module).
+        RuntimeError: ``"deepgemm-sm90"`` without a Hopper GPU or DeepGEMM's SM90 package;
+            transformers' kernel without an SM100 GPU.
     """
-    modules = experts_modules(model)
-    if not modules:
+    ours, theirs = experts_modules(model), site_modules(model)
+    if not ours and not theirs:
+        names = ", ".join(repr(n) for n in (IMPLEMENTATION, *(s.name for s in SITES)))
         raise ValueError(
             f"prepare: {type(model).__name__} has no experts module running "
-            f"experts_implementation={IMPLEMENTATION!r}; load it with from_pretrained(path, "
+            f"experts_implementation {names}; load it with from_pretrained(path, "
             f"experts_implementation={IMPLEMENTATION!r}) after register()"
         )
-    for name, module in modules:
+    ep_group, dp_groups = ep.mesh_groups(model)
+    group = ep_group if group is None else group
+    for name, module in ours:
         module.__dict__["_moewire_tf_name"] = name
+        module.__dict__[megamoe.GROUPS] = (group, dp_groups)
         module.__dict__["_moewire_mega"] = _build_state(
-            module, mma_type, max_num_tokens, kernel, group
+            module, mma_type, max_num_tokens, kernel or "stand-in", group
         )
+    by_site: dict[MegaMoeSite, list[tuple[str, nn.Module]]] = {}
+    for name, module, site in theirs:
+        module.__dict__["_moewire_tf_name"] = name
+        module.__dict__[megamoe.GROUPS] = (ep_group, dp_groups)
+        by_site.setdefault(site, []).append((name, module))
+    for site, modules in by_site.items():
+        _prepare_site(site, modules, mma_type, kernel)
     return model

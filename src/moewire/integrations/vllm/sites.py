@@ -47,7 +47,22 @@ Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored 
 - ``vllm/models/deepseek_v4/nvidia/fi_moe.py`` (055e47c): ``DeepseekV4MegaMoEExpertsFI``, a
   subclass of ``DeepseekV4MegaMoEExperts`` that stages through FlashInfer
   (``kernel.stage_inputs(..., quantize_input=True)``) and runs its ``moe_ep`` megakernel:
-  recognised and refused (:data:`FLASHINFER_REFUSAL`).
+  recognised (it imports ``flashinfer.moe_ep`` with ``from ... import`` inside the forward)
+  and refused (:data:`FLASHINFER_REFUSAL`).
+- ``vllm/models/kimi_k3/nvidia/model.py`` (ed51064; 006193b holds the same experts class):
+  main's ``KimiK3MegaMoEExperts`` stages with the global ``prepare_megamoe_inputs`` on the
+  latent tokens and calls ``_import_deep_gemm().fp8_fp4_mega_moe(..., activation_beta=,
+  activation_linear_beta=)`` itself (vllm-project/DeepGEMM's 2.6.1 SiTU spelling); vLLM 0.32's
+  class calls it through the backend (``run_mega_moe(``): one entry each, told apart by the
+  call.
+- ``vllm/models/kimi_k3/nvidia/fi_moe.py`` (a48554, 4cfcde0):
+  ``KimiK3FlashInferMegaMoEExperts``, a subclass of the above running FlashInfer's
+  ``moe_ep`` (``MoEEpTensors`` imported inside the forward): recognised and refused.
+- ``vllm/models/deepseek_v4/amd/mega_moe_experts.py`` with ``mega_moe_runtime.py`` (ed837da)
+  and ``amd/mega_moe.py`` (7a6d2f8, also in vLLM 0.32): aiter's ``MegaMoEV2`` on ROCm
+  (``--moe-backend flydsl_mega_moe``); the first class is named ``DeepseekV4MegaMoEExperts``
+  like the NVIDIA one and is told apart by its module (it imports aiter, stages nothing for
+  DeepGEMM): recognised and refused (:data:`AITER_REFUSAL`).
 - ``vllm/foundation/utilities/deep_gemm.py`` (055e47c): main's new home of
   ``_import_deep_gemm`` (:data:`ACCESS_MODULES`); ``fi_moe.py`` imports
   ``vllm.foundation...`` and ``vllm.runtime...``: a class is looked up at every path of its
@@ -74,11 +89,14 @@ from moewire.megamoe.registry import ExpertsAdapter
 
 __all__ = [
     "ACCESS_MODULES",
+    "AITER_ACCESS",
+    "AITER_REFUSAL",
     "FLASHINFER_ACCESS",
     "FLASHINFER_REFUSAL",
     "IMPORT_ACCESS",
     "KERNEL_ACCESS",
     "NVFP4_STAGE_FN",
+    "REFUSED_ACCESSES",
     "SITES",
     "STAGE_FN",
     "ExpertsSite",
@@ -97,6 +115,11 @@ KERNEL_ACCESS = "_import_deep_gemm"
 IMPORT_ACCESS = "import deep_gemm"
 #: A forward that runs FlashInfer's ``moe_ep`` megakernel (no DeepGEMM call moewire hooks).
 FLASHINFER_ACCESS = "flashinfer.moe_ep"
+#: A forward that runs aiter's ``MegaMoEV2`` (FlyDSL, ROCm; no DeepGEMM call moewire hooks).
+AITER_ACCESS = "aiter.ops.flydsl.kernels.mega_moe"
+#: Accesses of kernels moewire recognises only to refuse: reached when the module (or an
+#: access module) imports the package, with ``import`` or ``from ... import``.
+REFUSED_ACCESSES = (FLASHINFER_ACCESS, AITER_ACCESS)
 #: Where vLLM keeps ``_import_deep_gemm``: 0.32 to 0.34 and main until the move, then main's
 #: ``vllm/foundation/utilities/deep_gemm.py`` (055e47c). The bridge rebinds it in each that
 #: imports.
@@ -104,16 +127,31 @@ ACCESS_MODULES = ("vllm.utils.deep_gemm", "vllm.foundation.utilities.deep_gemm")
 
 #: Why moewire refuses FlashInfer's ``moe_ep`` megakernel, and what to switch to.
 FLASHINFER_REFUSAL = (
-    "it runs FlashInfer's moe_ep megakernel (flashinfer-python 0.7.2.post1: "
+    "it runs FlashInfer's moe_ep megakernel (--moe-backend flashinfer_moe_ep_mega_*; "
+    "flashinfer-python 0.7.2.post1: "
     "moe_ep/backends/mega/kernel/sm100/*/backend.py), whose workspace keeps no "
     "per-(token, slot) combine rows moewire can read: the cutedsl megakernels reduce the "
     "top-k rows in the kernel (in-flight cross-rank atomic adds with "
     "enable_in_kernel_fc2_reduce, in an order that is not deterministic) or, only with "
     "defer_topk_reduce, in a view whose shape and offset come from the compiled kernel's "
     "descriptor (deferred_topk_reduce_region), not from a layout moewire can check. Serve "
-    "with --moe-backend deep_gemm_mega_moe (DeepseekV4MegaMoEExperts, which moewire "
-    "quantizes), or use FlashInfer's own quantized combine wire (combine_dtype='mxfp8' or "
-    "'nvfp4' of its nvfp4 cutedsl megakernel) unquantized by moewire"
+    "with --moe-backend deep_gemm_mega_moe (DeepseekV4MegaMoEExperts, KimiK3MegaMoEExperts, "
+    "which moewire quantizes), or use FlashInfer's own quantized combine wire "
+    "(combine_dtype='mxfp8' or 'nvfp4' of its nvfp4 cutedsl megakernel) unquantized by "
+    "moewire"
+)
+
+#: Why moewire refuses aiter's ``MegaMoEV2`` (ROCm), and what to switch to.
+AITER_REFUSAL = (
+    "it runs aiter's MegaMoEV2 (FlyDSL, ROCm; --moe-backend flydsl_mega_moe, vLLM PR #51918), "
+    "which quantizes the tokens to FP8 with per-1x32 E8M0 scales inside its own launch chain "
+    "(no staging call moewire could hook) and combines the rows there too, returning a view "
+    "of its symmetric combine buffer on a MoRI heap; aiter's kernel source "
+    "(aiter/ops/flydsl/kernels/mega_moe.py) is not read here, so neither where its "
+    "per-(token, slot) rows lie nor the order it adds them is known. Serve with "
+    "--moe-backend deep_gemm_mega_moe on an NVIDIA SM100 GPU (DeepseekV4MegaMoEExperts of "
+    "vllm/models/deepseek_v4/nvidia/model.py, which moewire quantizes), or leave these "
+    "layers unquantized (disable both quantizers)"
 )
 
 
@@ -205,15 +243,15 @@ class ExpertsSite:
             )
         if self.group not in ("ep", "dp"):
             raise ValueError(f"ExpertsSite {self.path}: group must be 'ep' or 'dp'")
-        accesses = (KERNEL_ACCESS, IMPORT_ACCESS, FLASHINFER_ACCESS)
+        accesses = (KERNEL_ACCESS, IMPORT_ACCESS, *REFUSED_ACCESSES)
         if self.kernel_access not in accesses:
             raise ValueError(
                 f"ExpertsSite {self.path}: kernel_access must be one of {accesses}, got "
                 f"{self.kernel_access!r}"
             )
-        if self.kernel_access == FLASHINFER_ACCESS and self.refusal is None:
+        if self.kernel_access in REFUSED_ACCESSES and self.refusal is None:
             raise ValueError(
-                f"ExpertsSite {self.path}: a site reaching {FLASHINFER_ACCESS} has no DeepGEMM "
+                f"ExpertsSite {self.path}: a site reaching {self.kernel_access} has no DeepGEMM "
                 "call to hook; give its refusal"
             )
         if self.refusal is None and (self.stage_fn is None) == (self.stage_cast is None):
@@ -267,6 +305,7 @@ class ExpertsSite:
 
 
 _MEGA = "vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe"
+_KIMI_K3 = "vllm.models.kimi_k3.nvidia.model"
 
 SITES: tuple[ExpertsSite, ...] = (
     # vLLM 0.33, 0.34.
@@ -276,7 +315,7 @@ SITES: tuple[ExpertsSite, ...] = (
     ExpertsSite("vllm.models.deepseek_v4.nvidia.model", "DeepseekV4MegaMoEExperts",
                 read_from="0.32, main (backend)", calls=("run_mega_moe(",),
                 access_modules=(_MEGA,)),
-    ExpertsSite("vllm.models.kimi_k3.nvidia.model", "KimiK3MegaMoEExperts", read_from="0.32",
+    ExpertsSite(_KIMI_K3, "KimiK3MegaMoEExperts", read_from="0.32",
                 calls=("run_mega_moe(",), access_modules=(_MEGA,)),
     # vLLM main on Hopper: inline staging, the fork's kernel.
     ExpertsSite("vllm.models.deepseek_v4.nvidia.sm90_mega_moe", "DeepseekV4MegaMoESM90Experts",
@@ -301,6 +340,25 @@ SITES: tuple[ExpertsSite, ...] = (
     ExpertsSite("vllm.models.deepseek_v4.nvidia.fi_moe", "DeepseekV4MegaMoEExpertsFI",
                 stage_fn=None, read_from="main (055e47c)", calls=("stage_inputs(",),
                 kernel_access=FLASHINFER_ACCESS, refusal=FLASHINFER_REFUSAL),
+    # vLLM main's Kimi-K3 on DeepGEMM, calling the kernel itself (no backend): SiTU spelled
+    # activation_beta/activation_linear_beta, its own buffer cache, a first-launch barrier.
+    ExpertsSite(_KIMI_K3, "KimiK3MegaMoEExperts", read_from="main (ed51064, 006193b)",
+                calls=("fp8_fp4_mega_moe(",)),
+    # Kimi-K3 on FlashInfer's moe_ep: a subclass of the Kimi-K3 experts above whose forward
+    # runs the megakernel (its in-kernel FC2 reduce on).
+    ExpertsSite("vllm.models.kimi_k3.nvidia.fi_moe", "KimiK3FlashInferMegaMoEExperts",
+                stage_fn=None, read_from="main (a48554, 4cfcde0)", calls=("MoEEpTensors(",),
+                kernel_access=FLASHINFER_ACCESS, refusal=FLASHINFER_REFUSAL),
+    # vLLM main on ROCm (--moe-backend flydsl_mega_moe): aiter's MegaMoEV2, refused. The
+    # first class has the NVIDIA class's name; it is told apart by its module.
+    ExpertsSite("vllm.models.deepseek_v4.amd.mega_moe_experts", "DeepseekV4MegaMoEExperts",
+                stage_fn=None, read_from="main (ed837da)", calls=("bind_weights(",),
+                kernel_access=AITER_ACCESS,
+                access_modules=("vllm.models.deepseek_v4.amd.mega_moe_runtime",),
+                refusal=AITER_REFUSAL),
+    ExpertsSite("vllm.models.deepseek_v4.amd.mega_moe", "DeepseekV4AiterMegaMoEExperts",
+                stage_fn=None, read_from="main (7a6d2f8)", calls=("MegaMoEV2(",),
+                kernel_access=AITER_ACCESS, refusal=AITER_REFUSAL),
 )
 
 #: Uses of the tokens' parameter that read only its metadata.
@@ -385,10 +443,14 @@ def prove_plain_copy(cls: type, plain: PlainCopy, stage_fns: tuple[str, ...] = (
 
 
 def _reaches(reach: SourceReach, access: str) -> bool:
-    """Whether a module's source reaches DeepGEMM through ``access``: calls
-    :data:`KERNEL_ACCESS`, or imports ``deep_gemm`` (:data:`IMPORT_ACCESS`)."""
+    """Whether a module's source reaches its kernel through ``access``: calls
+    :data:`KERNEL_ACCESS`, imports ``deep_gemm`` (:data:`IMPORT_ACCESS`), or imports the
+    package of a refused kernel (:data:`REFUSED_ACCESSES`, ``from ... import`` included:
+    vLLM imports ``MoEEpTensors`` from ``flashinfer.moe_ep`` inside the forward)."""
     if access == IMPORT_ACCESS:
         return reach.imports_module(IMPORT_ACCESS.split()[1])
+    if access in REFUSED_ACCESSES:
+        return reach.imports_module(access, from_imports=True)
     return reach.calls(f"{access}(")
 
 
