@@ -117,7 +117,7 @@ def launches(fn: Callable[[], object], device: str) -> tuple[int, str]:
     return count, prof.key_averages().table(sort_by=sort, row_limit=12)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--experts", type=int, default=64)
@@ -132,7 +132,7 @@ def main() -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-real", action="store_true", help="skip the real SM90 kernel rows")
     p.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import moewire
     from moewire.integrations import deepgemm_sm90
