@@ -91,6 +91,8 @@ _MASK_1E30 = tl.constexpr(float(np.float32(1e30)))
 # TensorRT-LLM's floor of the block amax (torch.clamp(min=1e-30) on an FP32 tensor).
 _TRTLLM_FLOOR = tl.constexpr(float(np.float32(1e-30)))
 _FLT_MIN = tl.constexpr(float(np.finfo(np.float32).tiny))
+# NVFP4's floor of fl(6 gs) before its reciprocal (see _nvfp4_consts).
+_GS6_FLOOR = tl.constexpr(2.0**-90)
 
 _NAN = tl.constexpr(tl.PropagateNan.ALL)
 
@@ -220,29 +222,35 @@ def _fma_exact(a, b, c, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _div_by_block(a, bs, HW_CAST: tl.constexpr, FINITE: tl.constexpr):
-    """``fl(a / bs)`` (FP32, RNE) for ``a`` [NB, 16] and one divisor ``bs`` [NB, 1] per block.
+def _div_by(a, d_neg, r, HW_CAST: tl.constexpr, FINITE: tl.constexpr):
+    """``fl(a / d)`` (FP32, RNE) from ``r = fl(1 / d)`` and ``d_neg = -d``, broadcast to ``a``.
 
-    One exact division per block, ``r = fl(1 / bs)``; per element ``q = fl(a * r)`` is
-    within an ulp of the quotient, the remainder ``e = a - q * bs`` is exact in FP32 and
-    ``fl(q + e * r)`` is the correctly rounded quotient (Markstein's theorem: ``r`` correctly
-    rounded, ``q`` faithful; checked in ``tests/kernels/test_division_free.py`` against
-    FP32 division). Where ``e`` is NaN (``a`` or ``bs`` infinite, or ``a`` NaN) ``q`` is
-    already the IEEE quotient (inf, 0 or NaN) and is kept (``FINITE``: the caller knows
-    ``a`` finite and ``a / bs`` far from overflow, and skips that select). A subnormal
-    quotient (below 2^-126, where the theorem's no-underflow premise fails) may be an ulp
-    off: E2M1 maps every quotient below 0.25 to 0, so the NVFP4 result is the reference's
-    there too.
+    Per element ``q = fl(a * r)`` is within an ulp of the quotient, the remainder ``e = a -
+    q * d`` (``fma(q, d_neg, a)``) is exact in FP32 and ``fl(q + e * r)`` is the correctly
+    rounded quotient (Markstein's theorem: ``r`` correctly rounded, ``q`` faithful; checked
+    in ``tests/kernels/test_division_free.py`` against FP32 division). Where ``e`` is NaN
+    (``a`` or ``d`` infinite, or ``a`` NaN) ``q`` is already the IEEE quotient (inf, 0 or NaN)
+    and is kept (``FINITE``: the caller knows ``a`` finite and ``a / d`` far from overflow,
+    and skips that select). A subnormal quotient (below 2^-126, where the theorem's
+    no-underflow premise fails) may be an ulp off; the callers map every such quotient to 0
+    (E2M1) or to an E4M3 scale that the scale floor replaces.
     """
-    r = tl.math.div_rn(tl.full(bs.shape, 1.0, tl.float32), bs)
     q = a * r
-    # ``a - q * bs`` as ``fma(q, -bs, a)``: the divisor is negated once per block (exactly,
-    # by ``* -1.0``; Triton lowers ``-x`` as ``0 - x``, one more instruction per element).
-    e = _fma(q, tl.broadcast_to(bs * -1.0, a.shape), a, HW_CAST)
-    q2 = _fma(e, tl.broadcast_to(r, a.shape), q, HW_CAST)
+    e = _fma(q, d_neg, a, HW_CAST)
+    q2 = _fma(e, r, q, HW_CAST)
     if not FINITE:
         q2 = tl.where(e == e, q2, q)
     return q2
+
+
+@triton.jit
+def _div_by_block(a, bs, HW_CAST: tl.constexpr, FINITE: tl.constexpr):
+    """``fl(a / bs)`` (FP32, RNE) for ``a`` [NB, 16] and one divisor ``bs`` [NB, 1] per block:
+    one exact division per block, ``r = fl(1 / bs)``, then :func:`_div_by` per element."""
+    r = tl.math.div_rn(tl.full(bs.shape, 1.0, tl.float32), bs)
+    # ``-bs`` as ``bs * -1.0``, once per block (Triton lowers ``-x`` as ``0 - x``).
+    return _div_by(a, tl.broadcast_to(bs * -1.0, a.shape), tl.broadcast_to(r, a.shape),
+                   HW_CAST, FINITE)
 
 
 @triton.jit
@@ -289,9 +297,32 @@ def _block_max(xb):
 
 
 @triton.jit
-def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, HW_CAST: tl.constexpr):
+def _nvfp4_consts(gs):
+    """What NVFP4's block-scale division needs from the global scale ``gs``, computed once
+    per program (per row for ``nvfp4_token``) instead of once per block:
+    ``(gs, -gs6, fl(1 / gs6), cap)`` with ``gs6 = max(fl(6 gs), 2^-90)``, and
+    ``cap = min(fl(449 gs6), FLT_MAX)``.
+
+    The block max is capped at ``cap`` before the division: every quotient at or above
+    448 gives the E4M3 scale 448 (the reference's ``min(bmax / gs6, 448)``), and so does
+    ``cap / gs6`` (>= 448 after rounding, and below 464, which E4M3 rounds to 448 too); the
+    cap keeps the quotient finite (an infinite block max included), so :func:`_div_by`
+    needs no NaN select. ``gs6`` below 2^-90 (a global scale far below any BF16 value's
+    reach) is raised to 2^-90 so that its reciprocal is finite: there every block scale is
+    at most ``448 gs < 1e-5``, which the reference's floor replaces by 1, whatever the
+    quotient was.
+    """
+    gs6 = tl.maximum(6.0 * gs, _GS6_FLOOR)
+    r6 = tl.math.div_rn(tl.full(gs6.shape, 1.0, tl.float32), gs6)
+    cap = tl.minimum(gs6 * 449.0, 3.4028234663852886e38)
+    return gs, gs6 * -1.0, r6, cap
+
+
+@triton.jit
+def _nvfp4_blocks(xb, sc, ZERO_SIGN: tl.constexpr, HW_CAST: tl.constexpr):
     """ModelOpt NVFP4 on blocks ``xb`` FP32 [NB, 8, 2] (each block's two halves, see
-    :func:`_load_tile`) with global scale ``gs`` (FP32, broadcastable).
+    :func:`_load_tile`) with the global scale's constants ``sc`` (:func:`_nvfp4_consts`,
+    each FP32 broadcastable).
 
     ``ZERO_SIGN``: the reference's signed zeros (``sign(x) * q * bs``: -0.0 for a negative
     ``x`` that rounds to 0, +0.0 for either zero ``x``). Without it the sign bit of ``x``
@@ -299,11 +330,14 @@ def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, HW_CAST: tl.constexpr):
     (-0.0 instead of +0.0): the combine may do that, since its sum starts at +0.0 and so is
     never -0.0, and adding either zero to it gives the same bits.
     """
+    gs, gs6_neg, r6, cap6 = sc
     ax = tl.abs(xb)
-    bmax = _block_max(xb)
-    gs6 = 6.0 * gs
-    bs = _e4m3(tl.minimum(tl.math.div_rn(bmax, gs6 + tl.zeros_like(bmax)), 448.0,
-                          propagate_nan=_NAN), HW_CAST) * gs
+    bmax = tl.minimum(_block_max(xb), cap6, propagate_nan=_NAN)
+    # fl(bmax / gs6) without a division per block; _e4m3 saturates at 448 (the reference's
+    # min(., 448)).
+    quotient = _div_by(bmax, gs6_neg + tl.zeros_like(bmax), r6 + tl.zeros_like(bmax),
+                       HW_CAST, True)
+    bs = _e4m3(quotient, HW_CAST) * gs
     bs = tl.where(bs < 1e-5, 1.0, bs)
     # |x| capped at cap = min(fl(6.5 bs), FLT_MAX) changes no result: above the cap the
     # quotient is > 6.49, which saturates to 6, and so does cap / bs (< 7); an infinite x
@@ -322,14 +356,33 @@ def _nvfp4_blocks(xb, gs, ZERO_SIGN: tl.constexpr, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexpr,
+def _tensor_consts(amax, FMT: tl.constexpr):
+    """What a format computes from its FP32 per-tensor ``amax`` (``fp8``, ``nvfp4``), once
+    per program and before any loop over rows: ``fp8`` (``fp8_e4m3fnuz``: 240 for 448):
+    ``(s, fl(1 / s), 0, 0)`` with ``s = 448 * fl(1 / safe)`` (ModelOpt's ``448 / safe``,
+    evaluated as torch does); ``nvfp4``:
+    :func:`_nvfp4_consts` of ``gs = fl(amax * fl(1 / 2688))`` (``1e-12`` for ``amax <= 0``);
+    every other format: unused zeros."""
+    if FMT == 1 or FMT == 13:
+        FP8_MAX: tl.constexpr = 448.0 if FMT == 1 else 240.0
+        safe = tl.where(amax > 5.960464477539063e-08, amax, 1.0)
+        s = FP8_MAX * tl.math.div_rn(1.0, safe)
+        out = s, tl.math.div_rn(1.0, s), 0.0, 0.0
+    elif FMT == 7:
+        out = _nvfp4_consts(tl.where(amax > 0, amax * _INV_2688, 1e-12))
+    else:
+        out = amax, 0.0, 0.0, 0.0
+    return out
+
+
+@triton.jit
+def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexpr,
          SPLIT: tl.constexpr, HW_CAST: tl.constexpr):
     """Fake-quantize one row chunk ``x`` FP32 [BLOCK_H] (whole blocks; a masked tail is 0);
     for the 16-element block formats (``SPLIT``: NVFP4's, the 16e2m1xbf16 combines)
     [BLOCK_H // 16, 8, 2] (see :func:`_load_tile`).
 
-    ``amax`` is the FP32 per-tensor amax for ``fp8``, ``nvfp4`` and ``fp8_e4m3fnuz``
-    (ignored otherwise).
+    ``sc``: the format's per-tensor constants (:func:`_tensor_consts` of its amax).
     ``ZERO_SIGN``: NVFP4's signed zeros exactly as the reference (see
     :func:`_nvfp4_blocks`; the combine passes False).
     Returns FP32 [BLOCK_H], before the cast to the output dtype. ``nvfp4_token`` needs the
@@ -338,9 +391,7 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
     if FMT == 0:
         out = x
     elif FMT == 1:
-        safe = tl.where(amax > 5.960464477539063e-08, amax, 1.0)
-        s = 448.0 * tl.math.div_rn(1.0, safe)
-        inv_s = tl.math.div_rn(1.0, s)
+        s, inv_s, _, _ = sc
         out = _e4m3(x * s, HW_CAST) * inv_s
     elif FMT <= 4:
         BS: tl.constexpr = 32 if FMT == 4 else 128
@@ -370,16 +421,15 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
         scale = tl.where(finite, _pow2(e), float("nan"))
         out = tl.reshape(q * tl.broadcast_to(scale, q.shape), (BLOCK_H,))
     elif FMT <= 8:
-        if FMT == 7:
-            ref = amax + tl.zeros((1,), tl.float32)
-            use_ref = ref > 0
-        else:
-            # A NaN row keeps a NaN global scale (the reference tests ``amax == 0``).
-            ref = tl.reduce(tl.abs(x), None, _max_nan) + tl.zeros((1,), tl.float32)
-            use_ref = ref != 0
-        gs = tl.where(use_ref, ref * _INV_2688, 1e-12)
         tl.static_assert(SPLIT, "NVFP4 tiles hold whole blocks per thread (SPLIT)")
-        out = _nvfp4_blocks(x, tl.reshape(gs, (1, 1, 1)), ZERO_SIGN, HW_CAST)
+        if FMT == 7:
+            out = _nvfp4_blocks(x, sc, ZERO_SIGN, HW_CAST)
+        else:
+            # The row's own global scale; a NaN row keeps a NaN one (the reference tests
+            # ``amax == 0``).
+            ref = tl.reduce(tl.abs(x), None, _max_nan)
+            out = _nvfp4_blocks(x, _nvfp4_consts(tl.where(ref != 0, ref * _INV_2688, 1e-12)),
+                                ZERO_SIGN, HW_CAST)
     elif FMT <= 11:
         BS2: tl.constexpr = 128 if FMT == 9 else 32
         xb = tl.reshape(x, (BLOCK_H // BS2, BS2))
@@ -429,10 +479,8 @@ def _qdq(x, amax, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.conste
         ds = tl.where(finite, ds, float("nan"))
         out = q * tl.broadcast_to(ds, q.shape)
     elif FMT == 13:
-        # fp8_e4m3fnuz: fp8's per-tensor rule with FNUZ's 240.
-        safe = tl.where(amax > 5.960464477539063e-08, amax, 1.0)
-        s = 240.0 * tl.math.div_rn(1.0, safe)
-        inv_s = tl.math.div_rn(1.0, s)
+        # fp8_e4m3fnuz: fp8's per-tensor rule with FNUZ's 240 (scale in ``sc``).
+        s, inv_s, _, _ = sc
         out = _e4m3fnuz(x * s, HW_CAST) * inv_s
     elif FMT == 14:
         # flashinfer_mxfp8: BF16 amax, cvt.rp to UE8M0, the masked reciprocal.
@@ -595,8 +643,8 @@ def qdq_kernel(
     mask = cols < H
     x = _load_tile(x_ptr + row * stride_x + cols, mask, SPLIT,
                    x_ptr.dtype.element_ty == tl.bfloat16, HW_CAST)
-    amax = _load_amax(amax_ptr, HAS_AMAX)
-    out = _qdq(x, amax, FMT, BLOCK_H, True, SPLIT, HW_CAST)
+    sc = _tensor_consts(_load_amax(amax_ptr, HAS_AMAX), FMT)
+    out = _qdq(x, sc, FMT, BLOCK_H, True, SPLIT, HW_CAST)
     if FMT == 0 or out_ptr.dtype.element_ty == tl.bfloat16:
         # ``bf16`` rounds FP32/FP16 input to BF16, as the reference's ``x.to(bfloat16)``.
         out = _round_bf16(out, HW_CAST)
@@ -604,7 +652,7 @@ def qdq_kernel(
 
 
 @triton.jit
-def _accumulate(x, w, amax, acc, raw, cmax, FMT: tl.constexpr,
+def _accumulate(x, w, sc, acc, raw, cmax, FMT: tl.constexpr,
                 WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
                 BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr,
                 ACC_F32: tl.constexpr):
@@ -613,7 +661,7 @@ def _accumulate(x, w, amax, acc, raw, cmax, FMT: tl.constexpr,
     beside it. ``q`` is the dequantized row rounded to BF16 (QDQ, ModelOpt's semantics),
     or with ``ACC_F32`` the FP32 dequantized values as they are (the real FP8/FP4
     combines)."""
-    q = _qdq(x, amax, FMT, BLOCK_H, False, SPLIT, HW_CAST)
+    q = _qdq(x, sc, FMT, BLOCK_H, False, SPLIT, HW_CAST)
     if not ACC_F32:
         q = _round_bf16(q, HW_CAST)
     if WEIGHTED:
@@ -632,7 +680,7 @@ def _accumulate(x, w, amax, acc, raw, cmax, FMT: tl.constexpr,
 
 @triton.jit
 def _combine_slot(
-    row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax, acc, raw,
+    row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, sc, acc, raw,
     cmax, routed, valid, lo, hi, valid_next, K: tl.constexpr, FMT: tl.constexpr,
     WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
     BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, HW_CAST: tl.constexpr, ACC_F32: tl.constexpr,
@@ -659,7 +707,7 @@ def _combine_slot(
     if WEIGHTED:
         w = tl.load(w_row + s * stride_wk, mask=valid, other=0.0).to(tl.float32)
     x = _widen_raw(lo, hi, SPLIT, HW_CAST)
-    acc, raw, cmax = _accumulate(x, w, amax, acc, raw, cmax, FMT, WEIGHTED, CHECK, CALIB,
+    acc, raw, cmax = _accumulate(x, w, sc, acc, raw, cmax, FMT, WEIGHTED, CHECK, CALIB,
                                  BLOCK_H, SPLIT, HW_CAST, ACC_F32)
     routed += valid.to(tl.int32)
     return acc, raw, cmax, routed, nvalid, lo_n, hi_n, valid_nn
@@ -689,7 +737,8 @@ def combine_kernel(
     t = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     cmask = cols < H
-    amax = _load_amax(amax_ptr, HAS_AMAX)
+    # The format's per-tensor constants once, before the slot loop.
+    sc = _tensor_consts(_load_amax(amax_ptr, HAS_AMAX), FMT)
     acc = tl.zeros(cols.shape, tl.float32)
     if SPLIT:
         acc = tl.join(acc, acc)
@@ -710,15 +759,26 @@ def combine_kernel(
     if not UNROLL:
         # A rolled loop holds one row (and the next) in registers at a time: the heavy
         # formats would spill with every row live (and whole-row programs compile faster).
-        for s in range(K):
+        # Two slots an iteration: the row loaded ahead alternates between two sets of
+        # registers, so no copy moves it into place at the end of each slot.
+        for s in range(0, K - 1, 2):
             acc, raw, cmax, routed, valid, lo, hi, valid_next = _combine_slot(
-                row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
+                row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, sc,
+                acc, raw, cmax, routed, valid, lo, hi, valid_next, K, FMT, WEIGHTED, CHECK,
+                CALIB, BLOCK_H, SPLIT, HW_CAST, ACC_F32)
+            acc, raw, cmax, routed, valid, lo, hi, valid_next = _combine_slot(
+                row_base, idx_row, w_row, s + 1, stride_rs, stride_ik, stride_wk, cmask, sc,
+                acc, raw, cmax, routed, valid, lo, hi, valid_next, K, FMT, WEIGHTED, CHECK,
+                CALIB, BLOCK_H, SPLIT, HW_CAST, ACC_F32)
+        if K % 2 == 1:
+            acc, raw, cmax, routed, valid, lo, hi, valid_next = _combine_slot(
+                row_base, idx_row, w_row, K - 1, stride_rs, stride_ik, stride_wk, cmask, sc,
                 acc, raw, cmax, routed, valid, lo, hi, valid_next, K, FMT, WEIGHTED, CHECK,
                 CALIB, BLOCK_H, SPLIT, HW_CAST, ACC_F32)
     else:
         for s in tl.static_range(K):
             acc, raw, cmax, routed, valid, lo, hi, valid_next = _combine_slot(
-                row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, amax,
+                row_base, idx_row, w_row, s, stride_rs, stride_ik, stride_wk, cmask, sc,
                 acc, raw, cmax, routed, valid, lo, hi, valid_next, K, FMT, WEIGHTED, CHECK,
                 CALIB, BLOCK_H, SPLIT, HW_CAST, ACC_F32)
     if SHARED == 2:
