@@ -547,9 +547,8 @@ def _run_builds(args: argparse.Namespace) -> int:
     header = ("build", "kernel", "moewire", "combine base", "sum", "rows")
     rows = _build_rows()
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    for line in (header, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
     return 0
 
 
