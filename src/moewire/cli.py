@@ -1,5 +1,5 @@
-"""The ``moewire`` command: ``moewire study`` (the main job), ``moewire eval`` (a whole model)
-and ``moewire formats``.
+"""The ``moewire`` command: ``moewire study`` (the main job), ``moewire eval`` (a whole model),
+``moewire formats`` and ``moewire builds``.
 
 Exit codes: 0 on success, 2 on a bad argument (argparse's convention; the message names
 the argument and the fix), 1 on any other failure.
@@ -401,9 +401,11 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kernel", choices=("stand-in", "deepgemm-sm90"), default="stand-in",
                    help="the Mega-MoE kernel (default stand-in; deepgemm-sm90: DeepGEMM's real "
                         "SM90 fp8_mega_moe on a Hopper GPU, FP8 128x128 block-scaled weights)")
-    p.add_argument("--mma", choices=("bf16xbf16", "fp8xfp4", "fp8xfp8"), default=None,
+    p.add_argument("--mma", choices=("bf16xbf16", "fp8xfp4", "fp4xfp4", "fp8xfp8"), default=None,
                    help="the kernel's build (default: bf16xbf16 for the stand-in, the weights "
-                        "stay BF16; fp8xfp8 for deepgemm-sm90)")
+                        "stay BF16; fp4xfp4: DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel, weights "
+                        "and tokens NVFP4, H and I multiples of 512; fp8xfp8 for "
+                        "deepgemm-sm90)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--budget", type=_float_at_least(0.0), default=None, metavar="KL",
                    help="mean-KL budget: name the cheapest pair within it")
@@ -518,9 +520,41 @@ def _run_formats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_rows() -> list[tuple[str, ...]]:
+    """One row per (DeepGEMM build, Mega-MoE kernel) of ``moewire.megamoe.builds.BUILDS``: the
+    kernel, whether moewire quantizes it there, and where its combine rows are and how they
+    add up (the refused ones say why, in short)."""
+    from moewire.megamoe.builds import BUILDS
+
+    rows = []
+    for build in BUILDS:
+        for kernel, layout in build.kernels.items():
+            if kernel in build.refused:
+                continue
+            order = {"first": "shared row first", "last": "shared row last",
+                     None: "no fused shared"}[layout.shared_position]
+            if layout.routed_scale:
+                order += f", routed sum rounded and x {layout.routed_scale}"
+            rows.append((build.name, kernel, "supported", layout.base_rule, order,
+                         "unweighted (FMA)" if layout.weighted else "weighted"))
+        for kernel, why in build.refused.items():
+            rows.append((build.name, kernel, "refused", "-", why.split(";")[0][:70] + "...",
+                         "-"))
+    return rows
+
+
+def _run_builds(args: argparse.Namespace) -> int:
+    header = ("build", "kernel", "moewire", "combine base", "sum", "rows")
+    rows = _build_rows()
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    for line in (header, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``moewire`` argument parser (subcommands ``study``, ``eval`` and ``formats``;
-    ``--version``)."""
+    """The ``moewire`` argument parser (subcommands ``study``, ``eval``, ``formats`` and
+    ``builds``; ``--version``)."""
     parser = argparse.ArgumentParser(
         prog="moewire",
         description="Simulate low-precision MoE dispatch/combine in fused Mega-MoE kernels.",
@@ -528,12 +562,14 @@ def build_parser() -> argparse.ArgumentParser:
     from moewire import __version__
 
     parser.add_argument("--version", action="version", version=f"moewire {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{study,formats,eval}")
+    sub = parser.add_subparsers(dest="command", metavar="{study,formats,eval,builds}")
     _study_parser(sub)
     _eval_parser(sub)
     fp = sub.add_parser("formats", help="print the wire-format table")
     fp.add_argument("--hidden", type=_int_at_least(1), default=4096,
                     help="hidden size for the bits-per-element column (default 4096)")
+    sub.add_parser("builds", help="print the DeepGEMM builds and Mega-MoE kernels moewire "
+                                  "knows, supported or refused")
     return parser
 
 
@@ -552,6 +588,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "formats":
             return _run_formats(args)
+        if args.command == "builds":
+            return _run_builds(args)
         if args.command == "eval":
             from moewire.eval import EvalError
 

@@ -39,6 +39,21 @@ def test_eval_runs_each_family_with_an_exact_baseline(family, checkpoint, tmp_pa
     assert (tmp_path / "kl.png").stat().st_size > 0
 
 
+def test_eval_runs_on_the_nvfp4_x_nvfp4_build(tmp_path_factory, tmp_path):
+    """``moewire eval --mma fp4xfp4``: DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel (the stand-in),
+    the BF16 wire its exact baseline, an FP8 and an NVFP4 combine measured against it."""
+    path = _tiny.checkpoint("deepseek_v3", tmp_path_factory.mktemp("dsv3-512"), hidden=512,
+                            intermediate=512, layers=1)
+    report = evaluate(path, [("bf16", "fp8"), ("bf16", "nvfp4")], text=TEXT, max_tokens=32,
+                      seq_len=32, mma_type="fp4xfp4", device="cpu", out_dir=tmp_path,
+                      log=lambda s: None)
+    base, fp8, nvfp4 = report["pairs"]
+    assert report["mma_type"] == "fp4xfp4"
+    assert base["kl_mean"] == 0.0 and base["top1_agreement"] == 1.0
+    assert 0.0 < fp8["kl_mean"] < nvfp4["kl_mean"]
+    assert nvfp4["bytes_per_token"] < fp8["bytes_per_token"] < base["bytes_per_token"]
+
+
 def test_metrics_match_an_independent_computation(checkpoint):
     """Perplexity, KL (mean and p99), top-1 and each layer's error recomputed in float64
     from the two models' logits and experts outputs, on the whole text at once."""
@@ -199,7 +214,7 @@ def test_refusals(make, message, tmp_path, capsys):
          ["--kernel", "deepgemm-sm90", "--mma", "bf16xbf16"],
          "--mma: kernel 'deepgemm-sm90' has the builds fp8xfp8, not 'bf16xbf16'"),
         ({"mma_type": "fp8xfp8"}, ["--mma", "fp8xfp8"],
-         "--mma: kernel 'stand-in' has the builds bf16xbf16, fp8xfp4, not 'fp8xfp8'"),
+         "--mma: kernel 'stand-in' has the builds bf16xbf16, fp8xfp4, fp4xfp4, not 'fp8xfp8'"),
         ({"kernel": "cutlass"}, None, "--kernel: 'cutlass' is not one of stand-in"),
     ],
     ids=["sm90-without-hopper", "sm90-stand-in-build", "stand-in-sm90-build", "unknown-kernel"],

@@ -202,6 +202,42 @@ def test_fp8xfp4_build_is_opt_in(checkpoints, moewire_registered):
     assert err["bf16"] < err["fp4"] < 0.5
 
 
+def test_fp4xfp4_build_runs_deepgemm_28s_nvfp4_kernel(checkpoints, moewire_registered):
+    """fp4xfp4: NVFP4 weights with per-expert global scales (the alphas) and NVFP4 tokens, on
+    the stand-in of DeepGEMM 2.8.0's fp4_fp4_mega_moe (flavour deepgemm-2.8): the BF16 wire
+    is the kernel's own output bit for bit, an NVFP4 combine changes it, and the model stays
+    as close to eager as the FP8 x FP4 build (both quantize the weights to 4 bits)."""
+    import transformers as tf
+
+    import moewire
+
+    mt = moewire_registered
+    path = _tiny.checkpoint("qwen3_moe", checkpoints("qwen3_moe").parent / "q512-fp4",
+                            hidden=512, intermediate=512, layers=1)
+    ids = torch.randint(0, _tiny.VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    eager = tf.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+
+    def load(mma):
+        return mt.prepare(tf.AutoModelForCausalLM.from_pretrained(
+            path, experts_implementation="moewire"), mma, max_num_tokens=32)
+
+    ours, fp8 = load("fp4xfp4"), load("fp8xfp4")
+    (_, module), = mt.experts_modules(ours)
+    assert module._moewire_mega.flavour == "deepgemm-2.8"
+    assert set(module._moewire_mega.extra) == {"l1_alphas", "l2_alphas"}
+    with torch.no_grad():
+        ref, plain, other = (m(ids).logits.float() for m in (eager, ours, fp8))
+        moewire.quantize(ours, {"quant_cfg": [
+            {"quantizer_name": "*combine_quantizer", "cfg": {"format": "bf16"}}]})
+        assert torch.equal(ours(ids).logits.float(), plain)
+        moewire.quantize(ours, {"quant_cfg": [
+            {"quantizer_name": "*combine_quantizer", "cfg": {"format": "nvfp4"}}]},
+            lambda m: m(ids))
+        assert not torch.equal(ours(ids).logits.float(), plain)
+    err, err_fp8 = ((m - ref).norm() / ref.norm() for m in (plain, other))
+    assert 0 < err < 2 * err_fp8 and err < 0.8
+
+
 def test_quantize_calibrate_scales_unquantize(checkpoints, moewire_registered, tmp_path):
     import transformers as tf
 
@@ -377,10 +413,12 @@ def test_tiny_gpt_oss_checkpoint_is_refused_with_the_kernels_reason(kernel, chec
     [
         ("fp8xfp4", r"model.layers.0.mlp.experts: the fp8xfp4 build cannot take these experts "
                     r"\(.*multiple of 512"),
-        ("fp4xfp4", r"model.layers.0.mlp.experts: kernel 'stand-in' has the builds "
-                    r"\('bf16xbf16', 'fp8xfp4'\), got mma_type='fp4xfp4'"),
+        ("fp4xfp4", r"model.layers.0.mlp.experts: the fp4xfp4 build cannot take these experts "
+                    r"\(.*hidden=128 must be a multiple of 512"),
+        ("mxf4xmxf4", r"model.layers.0.mlp.experts: kernel 'stand-in' has the builds "
+                      r"\('bf16xbf16', 'fp8xfp4', 'fp4xfp4'\), got mma_type='mxf4xmxf4'"),
     ],
-    ids=["fp8xfp4-hidden-128", "unknown-mma"],
+    ids=["fp8xfp4-hidden-128", "fp4xfp4-hidden-128", "unknown-mma"],
 )
 def test_prepare_refuses_a_build_the_shapes_do_not_fit(mma_type, message, checkpoints,
                                                        moewire_registered):

@@ -25,7 +25,7 @@ def _buffer(**overrides):
         ({"num_topk": 9}, ValueError, "num_topk=9 exceeds num_experts=8"),
         ({"num_topk": 0}, ValueError, "num_topk must be an int >= 1"),
         ({"num_max_tokens_per_rank": 0}, ValueError, "num_max_tokens_per_rank"),
-        ({"mma_type": "fp4xfp4"}, ValueError, "unknown mma_type"),
+        ({"mma_type": "mxf4xmxf4"}, ValueError, "unknown mma_type"),
         ({"activation": "gelu"}, ValueError, r"activation must be one of \('swiglu', 'situ'\)"),
         ({"group": "world"}, TypeError, "group must be a torch.distributed.ProcessGroup"),
         ({"num_shared_experts": -1}, ValueError, "num_shared_experts"),

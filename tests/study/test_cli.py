@@ -128,6 +128,15 @@ def test_formats_command_prints_the_table(capsys):
     assert "4.5" in out  # nvfp4 bits per element at H=4096
 
 
+def test_builds_command_lists_the_nvfp4_x_nvfp4_kernel_per_build(capsys):
+    """DeepGEMM 2.8.0's fp4_fp4_mega_moe supported, vLLM 0.33/0.34's refused: by build."""
+    assert cli.main(["builds"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    fp4 = {r[0]: r[2] for r in rows if r[1] == "fp4_fp4_mega_moe"}
+    assert fp4 == {"deepgemm-2.8": "supported", "vllm-0.33": "refused"}
+    assert any(r[:3] == ["vllm-0.33", "nvfp4_mega_moe", "supported"] for r in rows)
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

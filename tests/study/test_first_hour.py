@@ -257,6 +257,7 @@ def test_the_study_mma_table_agrees_with_the_stand_in():
     from moewire.study import settings
 
     assert settings.MMA_TYPES == (*deep_gemm.MMA_TYPES, "nvfp4")
+    assert "fp4xfp4" in settings.MMA_TYPES
     assert settings._HIDDEN_MULTIPLE == {**deep_gemm.HIDDEN_MULTIPLE, "nvfp4": 128}
 
 

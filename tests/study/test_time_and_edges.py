@@ -149,7 +149,7 @@ def test_the_terminal_bar_counts_what_is_done():
     assert pairs.completed == 1 and pairs.description == "dispatch bf16 x combine fp8"
 
 
-@pytest.mark.parametrize("mma", ["fp8xfp4", "bf16xbf16", "nvfp4"])
+@pytest.mark.parametrize("mma", ["fp8xfp4", "bf16xbf16", "nvfp4", "fp4xfp4"])
 def test_the_chunked_build_is_the_one_call_build(mma):
     """Building in chunks (to report progress) changes no bit of the weights."""
     cfg = StudyConfig(model="tiny", mma=mma)
@@ -160,10 +160,15 @@ def test_the_chunked_build_is_the_one_call_build(mma):
         from moewire.reference import make_nvfp4_weights
 
         want = make_nvfp4_weights(16, 512, 512, seed=0)
+    elif mma == "fp4xfp4":
+        from moewire.reference.fp4_fp4.weights import make_fp4_fp4_weights
+
+        want = make_fp4_fp4_weights(16, 512, 512, seed=0)
     else:
         want = make_weights(16, 512, 512, mma_type=mma, seed=0)
     assert got.experts == want.experts == tuple(range(16))
-    for name in ("l1", "l2", "l1_raw", "l2_raw", "l1_global_scale", "l2_global_scale"):
+    for name in ("l1", "l2", "l1_raw", "l2_raw", "l1_global_scale", "l2_global_scale",
+                 "l1_alphas", "l2_alphas"):
         if not hasattr(want, name):
             continue
         a, b = getattr(got, name), getattr(want, name)

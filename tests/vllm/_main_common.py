@@ -11,6 +11,11 @@ deep_gemm.fp8_fp4_mega_moe``, called ``kernel(y, l1, l2, symm_buffer, activation
 fast_math=)``. This module is both the experts' module and, for the tests, the bridge:
 ``deep_gemm`` is what ``_import_deep_gemm()`` returns (the stand-in kernel).
 
+``DeepseekV32MegaMoEExperts`` is written to vLLM main's NVFP4 x NVFP4 experts
+(``vllm/models/deepseek_v32/nvidia/mega_moe.py``, 30a3a7a), staging with vLLM main's
+``prepare_megamoe_nvfp4_inputs`` (the stand-in's torch copy, ``reference.fp4_fp4.staging``)
+into the ``fp4xfp4`` buffer of DeepGEMM 2.8.0's stand-in.
+
 ``ResidualExperts`` breaks the contract on purpose: its forward also adds ``hidden_states``
 to ``y``, so quantizing the argument would change more than the staged tokens.
 ``TwiceStagedExperts`` copies and then also calls the staging function.
@@ -25,8 +30,9 @@ from _standin import prepare_megamoe_inputs_reference
 from torch import nn
 
 from moewire.reference import deep_gemm as reference
-from moewire.reference import make_weights
-from moewire.reference.nvfp4._numerics import stage_nvfp4_per_token
+from moewire.reference import get_forward_context, make_weights
+from moewire.reference.fp4_fp4.staging import prepare_megamoe_nvfp4_inputs
+from moewire.reference.fp4_fp4.weights import make_fp4_fp4_weights
 
 deep_gemm: Any = reference
 prepare_megamoe_inputs = prepare_megamoe_inputs_reference
@@ -116,32 +122,24 @@ class TwiceStagedExperts(DeepGemmMegaMoEExperts):
         return torch.empty_like(hidden_states, dtype=torch.bfloat16)
 
 
-def prepare_megamoe_nvfp4_inputs(hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                                 topk_ids: torch.Tensor, x: torch.Tensor, x_sf: torch.Tensor,
-                                 topk_idx: torch.Tensor, topk_weights_out: torch.Tensor,
-                                 is_padding: torch.Tensor | None = None) -> None:
-    """The staging call of vLLM main's ``DeepseekV32MegaMoEExperts`` (its arguments as
-    ``vllm/models/deepseek_v32/nvidia/mega_moe.py`` at 30a3a7a passes them; the op itself,
-    ``.ops.prepare_megamoe_nvfp4``, is not read: NVFP4 per 16 as vLLM 0.33's dispatch)."""
-    packed, sf, _ = stage_nvfp4_per_token(hidden_states)
-    x.copy_(packed)
-    x_sf.copy_(sf)
-    topk_idx.copy_(topk_ids.to(torch.int64))
-    topk_weights_out.copy_(topk_weights.float())
-
-
 class DeepseekV32MegaMoEExperts(nn.Module):
-    """vLLM main's NVFP4 x NVFP4 experts' forward (30a3a7a), on an NVFP4 buffer; the kernel
-    ``deep_gemm.fp4_fp4_mega_moe`` with per-expert alphas, no fused shared expert."""
+    """vLLM main's NVFP4 x NVFP4 experts' forward (``vllm/models/deepseek_v32/nvidia/
+    mega_moe.py``, 30a3a7a) on the stand-in's ``fp4xfp4`` buffer (build it under the
+    ``deepgemm-2.8`` flavour): ``is_padding`` from the forward context, the staging global
+    ``prepare_megamoe_nvfp4_inputs`` (vLLM main's, 05be1d5), then
+    ``deep_gemm.fp4_fp4_mega_moe(y, l1, l2, buf, l1_alphas=, l2_alphas=)``; no fused shared
+    expert (the MoE block adds the shared expert after the experts)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
-                 max_num_tokens: int) -> None:
+                 max_num_tokens: int, *, seed: int = 0) -> None:
         super().__init__()
         self.max_num_tokens = max_num_tokens
-        self._buffer = reference.NVFP4SymmBuffer(None, num_experts, max_num_tokens, top_k,
-                                                 hidden, intermediate, device="cpu")
-        self._l1_alphas = torch.ones(num_experts, 2)
-        self._l2_alphas = torch.ones(num_experts)
+        weights = make_fp4_fp4_weights(num_experts, hidden, intermediate, seed=seed)
+        self._transformed_l1_weights, self._transformed_l2_weights = weights.l1, weights.l2
+        self._l1_alphas, self._l2_alphas = weights.l1_alphas, weights.l2_alphas
+        self._buffer = reference.get_symm_buffer_for_mega_moe(
+            None, num_experts, max_num_tokens, top_k, hidden, intermediate,
+            mma_type="fp4xfp4", device="cpu")
         self.register_buffer("anchor", torch.zeros(()))
 
     def get_symm_buffer(self) -> Any:
@@ -149,14 +147,20 @@ class DeepseekV32MegaMoEExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[0] > self.max_num_tokens:
+            raise ValueError("NVFP4 MegaMoE got more tokens than the buffer was sized for")
         y = torch.empty_like(hidden_states, dtype=torch.bfloat16)
         deep_gemm = _import_deep_gemm()
         symm_buffer = self.get_symm_buffer()
         num_tokens = hidden_states.shape[0]
+        is_padding = get_forward_context().is_padding
+        if is_padding is not None:
+            is_padding = is_padding[:num_tokens]
         prepare_megamoe_nvfp4_inputs(
             hidden_states, topk_weights, topk_ids, symm_buffer.x[:num_tokens],
             symm_buffer.x_sf[:num_tokens], symm_buffer.topk_idx[:num_tokens],
-            symm_buffer.topk_weights[:num_tokens], is_padding=None)
-        deep_gemm.fp4_fp4_mega_moe(y, None, None, symm_buffer, l1_alphas=self._l1_alphas,
-                                   l2_alphas=self._l2_alphas)
+            symm_buffer.topk_weights[:num_tokens], is_padding=is_padding)
+        deep_gemm.fp4_fp4_mega_moe(y, self._transformed_l1_weights,
+                                   self._transformed_l2_weights, symm_buffer,
+                                   l1_alphas=self._l1_alphas, l2_alphas=self._l2_alphas)
         return y

@@ -135,12 +135,19 @@ class KernelLayout:
             in the sum: ``"first"``, ``"last"``, or ``None`` (this kernel fuses none).
         weighted: the combine multiplies each row by its router weight (the rows in the
             buffer are unweighted, ``nvfp4_mega_moe``); ``False``: the rows are already
-            weighted (the weight was applied before L2) and are simply added.
+            weighted (the weight was applied before the row was written) and are simply added.
+        routed_scale: the kernel's keyword argument (``"routed_scaling_factor"``) whose factor
+            ``s`` the combine applies to the routed sum: with ``s != 1`` or a fused shared
+            row, the FP32 routed sum is rounded to BF16, multiplied by ``s`` (one more BF16
+            rounding, skipped for ``s = 1``) and the shared row (``shared_position`` last) is
+            added to it in FP32 before the final rounding (DeepGEMM 2.8.0
+            ``fp4_fp4_mega_moe``); ``None``: the kernel has no such step.
     """
 
     base_rule: str
     shared_position: str | None
     weighted: bool = False
+    routed_scale: str | None = None
 
     def __post_init__(self) -> None:
         if self.base_rule not in BASE_RULES:
@@ -155,6 +162,15 @@ class KernelLayout:
             )
         if not isinstance(self.weighted, bool):
             raise TypeError(f"KernelLayout: weighted must be a bool, got {self.weighted!r}")
+        if self.routed_scale is not None and (
+            self.shared_position == "first" or self.weighted
+        ):
+            raise ValueError(
+                "KernelLayout: a routed_scale step rounds and scales the sum of already "
+                "weighted routed rows before a shared row added last; it takes "
+                f"shared_position None or 'last' and weighted=False, got "
+                f"{self.shared_position!r} and {self.weighted!r}"
+            )
 
     def combine_base(self, symm_buffer: Any, combine_bytes: int, where: str) -> int:
         """Byte offset of the combine region (``combine_bytes`` long) in the flat buffer."""
@@ -249,27 +265,26 @@ SM90_FORK_FUNCTIONS = (
     "transform_weights_for_mega_moe_sm90",
 )
 
+# vLLM 0.33/0.34's bundled fp4_fp4_mega_moe (2.8.1) is another kernel under the same name:
+# refused on that build alone (a Build's `refused`), never by the name.
 _FP4_FP4_REFUSED = (
     "the NVFP4 x NVFP4 kernel of vLLM 0.33/0.34's DeepGEMM can RMS-normalise each "
     "expert row at combine time from FP32 squared-norm partials kept in its "
     "combine_norm_buffer (post_expert_norm_gamma; impls/sm100_fp4_fp4_mega_moe.cuh), so "
     "the rows in the buffer are not what it sums (vLLM 0.34.0; only Muse Spark's own runner "
-    "calls it)"
+    "calls it); DeepGEMM 2.8.0's kernel of that name (the deepgemm-2.8 build, vLLM main's "
+    "pin) is supported"
 )
 
-_FP4_FP4_28_REFUSED = (
-    "DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel (fp4_fp4_mega_moe with per-expert l1_alphas/"
-    "l2_alphas, a2_scales, a BF16 shared expert from x_bf16 and routed_scaling_factor; "
-    "deep_gemm/mega/__init__.py at 0274ad7) is not modelled: its combine, read in "
-    "impls/sm100_fp4_fp4_mega_moe.cuh at 794783a (the kernel of that API; 0274ad7's own "
-    "copy is not stored), writes rows bf16(bf16(acc * l2_alpha) * topk_weight) into the "
-    "NVFP4 buffer layout (layout::nvfp4::MegaMoEBuffer), sums the valid slots in ascending "
-    "order in FP32 without normalising, and with a shared expert rounds the routed sum to "
-    "BF16 and scales it by routed_scaling_factor before adding the shared row last; "
-    "moewire has no CPU stand-in of that kernel to prove a layout entry against, and its "
-    "refused-kernel table is by name across builds (vLLM 0.33/0.34's kernel of the same "
-    "name normalises)"
-)
+# DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel (PR #409). Its buffer (csrc/apis/mega_moe.hpp and
+# layout/mega_moe.cuh at 0274ad7; layout/nvfp4_mega_moe.cuh at 794783a orders the regions the
+# same way) ends with the combine region, right after the L2 scale region (l2_acts_sf, an
+# MN-major view whose data_ptr is the region's start). Its combine
+# (impls/sm100_fp4_fp4_mega_moe.cuh at 794783a): rows bf16(bf16(acc * l2_alpha * a2_scale) *
+# topk_weight), valid slots summed in ascending order in FP32 (__ffs), the shared slot k the
+# highest bit and so the last; before it (or, without one, before the final cast when the
+# factor is not 1) the routed sum is rounded to BF16 and scaled by routed_scaling_factor.
+_FP4_FP4_28 = KernelLayout("after_l2_scales", "last", routed_scale="routed_scaling_factor")
 
 # sgl-deep-gemm (the DeepGEMM SGLang pins), read from the released wheels 0.2.3.post2 (what
 # sglang 0.5.23 pins) and 0.2.5. One module holds the SM90 kernel (``fp8_mega_moe`` on
@@ -356,6 +371,7 @@ BUILDS: tuple[Build, ...] = (
             "fp8_fp4_mega_moe": KernelLayout("after_l2_scales", "first"),
             "bf16_mega_moe": KernelLayout("after_l2_scales", "first"),
             "fp8_mega_moe": _AFTER_L2,
+            "fp4_fp4_mega_moe": _FP4_FP4_28,
         },
         Recognition(("get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90",
                      "fp8_mega_moe", "fp4_fp4_mega_moe"),
@@ -364,19 +380,26 @@ BUILDS: tuple[Build, ...] = (
                     absent=("fp8_mega_moe_sm90", "mega_moe_pre_dispatch_sm90"),
                     takes=(("fp4_fp4_mega_moe", "routed_scaling_factor"),
                            ("get_symm_buffer_for_mega_moe", "num_shared_experts"))),
-        "upstream DeepGEMM 2.8.0 (SM100 and SM90 Mega-MoE in one module): SM100 kernels read "
-        "as vLLM 0.33's 2.8.1, the SM90 fp8_mega_moe (#383) as PR #323, both proven by the "
-        "layout check; fp4_fp4_mega_moe refused",
+        "upstream DeepGEMM 2.8.0 (SM100 and SM90 Mega-MoE in one module): NVFP4 x NVFP4 "
+        "fp4_fp4_mega_moe read and modelled (moewire.reference.fp4_fp4); the other SM100 "
+        "kernels read as vLLM 0.33's 2.8.1, the SM90 fp8_mega_moe (#383) as PR #323, all "
+        "proven by the layout check",
         read="deepseek-ai/DeepGEMM deep_gemm/__init__.py and deep_gemm/mega/__init__.py at "
         "0274ad7 (__version__ 2.8.0): the exported names, SymmBuffer's views and "
         "num_shared_experts, SM90SymmBuffer, fp4_fp4_mega_moe's and fp8_mega_moe's "
-        "signatures; impls/sm100_fp4_fp4_mega_moe.cuh at 794783a (its combine)",
-        unproven="the kernels' sources at 0274ad7 are not stored: the SM100 combine is taken "
-        "to be vLLM 0.33's 2.8.1 (after the L2 scales, fused shared row first), the SM90 "
-        "fp8_mega_moe's (#383: separate L1 and L2 kernels; get_symm_buffer_size_for_sm90_mega_moe "
-        "unread) to be PR #323's (after the L2 scales, no shared expert); the first batch's "
-        "layout check decides, a different layout is a refusal",
-        refused={"fp4_fp4_mega_moe": _FP4_FP4_28_REFUSED},
+        "signatures; csrc/apis/mega_moe.hpp and layout/mega_moe.cuh at 0274ad7 (the fp4xfp4 "
+        "buffer: combine region last, after l2_sf_buffer); impls/sm100_fp4_fp4_mega_moe.cuh, "
+        "csrc/apis/nvfp4_mega_moe.hpp and layout/nvfp4_mega_moe.cuh at 794783a (PR #409: "
+        "fp4_fp4_mega_moe's numerics and combine)",
+        unproven="the kernels' sources at 0274ad7 are not stored: fp4_fp4_mega_moe's is "
+        "taken to be 794783a's (the API and the buffer layout of both agree), the other SM100 "
+        "combines to be vLLM 0.33's 2.8.1 (after the L2 scales, fused shared row first), the "
+        "SM90 fp8_mega_moe's (#383: separate L1 and L2 kernels; "
+        "get_symm_buffer_size_for_sm90_mega_moe unread) to be PR #323's (after the L2 scales, "
+        "no shared expert); vLLM main pins vllm-project/DeepGEMM dev 9a86ae2b (2.8.0 plus "
+        "fork commits for SM120, SiTU and SwiGLU alpha/beta), whose source is not stored and "
+        "is taken to be upstream's; no kernel of this build ran here (SM100); the first "
+        "batch's layout check decides, a different layout is a refusal",
     ),
     Build(
         "deepgemm-sm90",

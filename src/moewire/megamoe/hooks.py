@@ -83,10 +83,10 @@ class _KernelNamespace:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._moewire_namespace, name)
+        if isinstance(self._moewire_namespace, _HookedModule):
+            return attr  # the module object hooks its kernels (and refusals) itself
         if name in _flavours.UNSUPPORTED_KERNELS and callable(attr):
             return _refuse_kernel(attr, name)
-        if isinstance(self._moewire_namespace, _HookedModule):
-            return attr  # the module object hooks its kernels itself
         # A namespace that is no module holds its staging cast as its own attribute
         # (transformers 5.23's DeepGEMM bundle, a dataclass of entry points): hooked here.
         cast = name in _flavours.staging_casts()
@@ -126,31 +126,43 @@ def _refuse_second_staging(module: QuantExperts, name: str) -> None:
         )
 
 
-def _refusal(module: QuantExperts, name: str) -> str:
-    """Why ``name`` is refused: the reason of the module's own build where it refuses the
-    kernel (two builds may refuse one name for different reasons), else the first given."""
+def _refusal(module: QuantExperts, name: str) -> str | None:
+    """Why ``name`` is refused for ``module``, or ``None`` where the module's build models it.
+
+    Refusals belong to builds, not to kernel names: two builds may ship different kernels
+    under one name (vLLM 0.33/0.34's ``fp4_fp4_mega_moe`` normalises its rows, DeepGEMM
+    2.8.0's does not). A build that neither models nor refuses ``name``, or a module whose
+    build cannot be told, gets a build's reason (fail closed).
+    """
     try:
         flavour = _flavours.get(module._moewire_adapter.flavour(module))
     except (RuntimeError, ValueError):
         return _flavours.UNSUPPORTED_KERNELS[name]
+    if name in flavour.kernels and name not in flavour.refused:
+        return None
     return flavour.refused.get(name, _flavours.UNSUPPORTED_KERNELS[name])
 
 
 def _refuse_kernel(fn: Callable, name: str) -> Callable:
-    """A kernel moewire cannot quantize around: refused inside a quantized forward whose
-    quantizers are not all disabled (``flavours.UNSUPPORTED_KERNELS`` says why)."""
+    """A kernel some build refuses (``flavours.UNSUPPORTED_KERNELS``): refused inside a
+    quantized forward whose quantizers are not all disabled when the module's own build
+    refuses it (:func:`_refusal`), else the combine hook of :func:`_wrap_kernel` where a
+    build models the name."""
+    wrapped = _wrap_kernel(fn, name) if name in _flavours.kernel_functions() else fn
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         module = ACTIVE.get()
         if module is not None and any(
             getattr(module, q).mode != "disabled" for q in QUANTIZER_NAMES
         ):
-            raise RuntimeError(
-                f"{module._moewire_name}: this Mega-MoE layer calls {name}, which moewire "
-                f"does not support: {_refusal(module, name)}; disable its "
-                "dispatch_quantizer and combine_quantizer (or leave the layer unconverted)"
-            )
-        return fn(*args, **kwargs)
+            why = _refusal(module, name)
+            if why is not None:
+                raise RuntimeError(
+                    f"{module._moewire_name}: this Mega-MoE layer calls {name}, which moewire "
+                    f"does not support on its build: {why}; disable its dispatch_quantizer "
+                    "and combine_quantizer (or leave the layer unconverted)"
+                )
+        return wrapped(*args, **kwargs)
 
     kernel.__name__ = getattr(fn, "__name__", name)
     kernel.__wrapped__ = fn
@@ -177,7 +189,7 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
         staged = module._moewire_before_kernel(y, shared_pass=shared_row is not None)
         result = fn(*args, **kwargs)
         if staged is not None:
-            module._moewire_combine(y, staged, name, shared_row=shared_row)
+            module._moewire_combine(y, staged, name, (fn, args, kwargs), shared_row=shared_row)
         return result
 
     kernel.__name__ = getattr(fn, "__name__", name)

@@ -54,12 +54,16 @@ class Combine:
     y: torch.Tensor  # the kernel's output
     flavour: _flavours.Flavour
     kernel: str
+    # The factor of a kernel that rounds and scales its routed sum before the shared row
+    # (resum's routed_scale), or None where that step is the identity or absent
+    routed_scale: float | None = None
 
     def resum(self, rows: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         """``resum`` of these rows (or a reordering of them) in this call's order."""
         return resum(
             self.rows if rows is None else rows, self.topk_idx, self.num_tokens,
-            shared_position=self.shared, weights=self.weights, **kwargs,
+            shared_position=self.shared, weights=self.weights, routed_scale=self.routed_scale,
+            **kwargs,
         )
 
 
@@ -134,7 +138,7 @@ def check_in_one_pass(name: str, quantizer: Any, state: _BufferCheck, call: Comb
         name: the layer's name, for errors.
         quantizer: the combine quantizer, in quantize mode with a static scale.
         state: the buffer's check state.
-        call: the kernel call's combine.
+        call: the kernel call's combine, without a ``routed_scale`` step.
     """
     fmt, y = quantizer.fmt, call.y
     out = torch.empty_like(y)
@@ -313,7 +317,8 @@ def _layout_causes() -> str:
 def one_pass(quantizer: Any, y: torch.Tensor) -> bool:
     """Whether the fused kernel can check and quantize this combine in one pass: a CUDA
     output, the kernels available, and a quantizer in quantize mode whose format has a
-    kernel (the same conditions under which ``resum`` takes the kernel)."""
+    kernel (the same conditions under which ``resum`` takes the kernel). A call with a
+    ``routed_scale`` step is checked apart (the fused kernel ends at one rounding)."""
     fmt = getattr(quantizer, "fmt", None)
     return (
         y.is_cuda

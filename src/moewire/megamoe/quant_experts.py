@@ -28,6 +28,7 @@ call's routed rows and the first call's shared row are re-summed in the build's 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -443,6 +444,7 @@ class QuantExperts:
         y: torch.Tensor,
         staged: tuple[torch.Tensor, torch.Tensor],
         kernel: str,
+        call_args: tuple[Callable, tuple, dict] | None = None,
         shared_row: torch.Tensor | None = None,
     ) -> None:
         """Check, then calibrate or re-sum the combine rows into ``y``.
@@ -452,6 +454,8 @@ class QuantExperts:
             staged: int64 ``[T, k]`` ids and FP32 ``[T, k]`` router weights, as staged
                 before the kernel ran (the weights enter the sum of a weighted kernel only).
             kernel: the kernel function that ran (``"fp8_fp4_mega_moe"``).
+            call_args: ``(function, args, kwargs)`` of that call, where a layout reads one
+                of its arguments (``KernelLayout.routed_scale``).
             shared_row: BF16 ``[T, H]``, the fused shared expert's row on the original
                 tokens (:meth:`_moewire_shared_pass`), or ``None``. After the layout check
                 of this call's own rows it takes the place of this call's shared row (which
@@ -492,8 +496,11 @@ class QuantExperts:
         num_tokens = y.shape[0]
         _on_device(quantizer, y.device, name, "combine_quantizer")
         state = layout_check.buffer_state(symm_buffer)
-        call = layout_check.Combine(rows, topk_idx, num_tokens, shared, weights, y, flavour, kernel)
-        if shared_row is None and not state.checked and layout_check.one_pass(quantizer, y):
+        scale = _routed_scale(name, layout, kernel, call_args, fused)
+        call = layout_check.Combine(rows, topk_idx, num_tokens, shared, weights, y, flavour, kernel,
+                                    scale)
+        if (shared_row is None and scale is None and not state.checked
+                and layout_check.one_pass(quantizer, y)):
             layout_check.check_in_one_pass(name, quantizer, state, call)
             return
         if not state.checked:
@@ -532,6 +539,44 @@ class QuantExperts:
         shared = layout.shared_position if fused else None
         call = layout_check.Combine(rows, topk_idx, num_tokens, shared, weights, y, flavour, kernel)
         layout_check.check(self._moewire_name, layout_check.buffer_state(symm_buffer), call)
+
+
+def _routed_scale(
+    name: str,
+    layout: Any,
+    kernel: str,
+    call_args: tuple[Callable, tuple, dict] | None,
+    fused: bool,
+) -> float | None:
+    """The factor of a layout's ``routed_scale`` step for this kernel call (its keyword
+    argument, by keyword or position, else the function's default), or ``None`` where the
+    step is the identity (factor 1 and no fused shared row) or the layout has none."""
+    arg = layout.routed_scale
+    if arg is None:
+        return None
+    fn, args, kwargs = call_args if call_args is not None else (None, (), {})
+    if arg in kwargs:
+        value = kwargs[arg]
+    else:
+        try:
+            bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+            bound.apply_defaults()
+            value = bound.arguments[arg]
+        except (TypeError, ValueError, KeyError):
+            raise RuntimeError(
+                f"{name}: {kernel} scales its routed sum by its argument {arg!r}, which moewire "
+                "cannot read from this call (the function's signature is unreadable or lacks "
+                f"it); pass {arg}= by keyword"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+        value
+    ):
+        raise RuntimeError(
+            f"{name}: {kernel} was called with {arg}={value!r}; moewire re-sums its combine "
+            "with a finite Python float only (DeepGEMM takes a C float)"
+        )
+    factor = float(torch.tensor(float(value), dtype=torch.float32))
+    return None if factor == 1.0 and not fused else factor
 
 
 def amax_rows(module: nn.Module) -> str | None:

@@ -84,14 +84,19 @@ class ExpertsAdapter:
     refusal: str | None = None
 
 
-_ADAPTERS: dict[type, ExpertsAdapter] = {}
+# Adapters by class. Several adapters on one class each say which instances are theirs
+# (``applies``): vLLM main's MoE layer holds gpt-oss's modular experts or ModelOpt's NVFP4
+# Mega-MoE quant method.
+_ADAPTERS: dict[type, tuple[ExpertsAdapter, ...]] = {}
 
 
 def register_experts_class(cls: type, adapter: ExpertsAdapter) -> None:
     """Register ``adapter`` for ``cls`` (and its subclasses without their own adapter).
 
     Registering a class again replaces its adapter: integrations re-register when a
-    plugin is loaded twice, and tests register variants.
+    plugin is loaded twice, and tests register variants. Adapters that each have an
+    ``applies`` predicate share the class (one per name); the first that applies to a
+    module wins.
 
     Raises:
         TypeError: ``cls`` is not an ``nn.Module`` subclass or ``adapter`` not an
@@ -109,11 +114,15 @@ def register_experts_class(cls: type, adapter: ExpertsAdapter) -> None:
             f"register_experts_class: {cls.__name__} is a class moewire generated; register "
             "the original experts class"
         )
-    _ADAPTERS[cls] = adapter
+    kept: tuple[ExpertsAdapter, ...] = ()
+    if adapter.applies is not None:
+        kept = tuple(a for a in _ADAPTERS.get(cls, ())
+                     if a.applies is not None and a.name != adapter.name)
+    _ADAPTERS[cls] = (*kept, adapter)
 
 
 def unregister_experts_class(cls: type) -> None:
-    """Remove ``cls``'s own adapter (a no-op when it has none): an integration that
+    """Remove ``cls``'s own adapters (a no-op when it has none): an integration that
     registers classes on demand undoes it with this."""
     _ADAPTERS.pop(cls, None)
 
@@ -121,9 +130,9 @@ def unregister_experts_class(cls: type) -> None:
 def adapter_for(module: nn.Module) -> ExpertsAdapter | None:
     """The adapter of ``module``'s class or its nearest registered base, else ``None``."""
     for klass in type(module).__mro__:
-        adapter = _ADAPTERS.get(klass)
-        if adapter is not None and (adapter.applies is None or adapter.applies(module)):
-            return adapter
+        for adapter in _ADAPTERS.get(klass, ()):
+            if adapter.applies is None or adapter.applies(module):
+                return adapter
     return None
 
 
@@ -134,17 +143,24 @@ def stage_fn_names(adapter: ExpertsAdapter) -> tuple[str, ...]:
 
 
 def registered_classes() -> dict[type, ExpertsAdapter]:
-    """A copy of the registry: class -> adapter."""
-    return dict(_ADAPTERS)
+    """A copy of the registry: class -> its adapter (the last registered, where several
+    share the class)."""
+    return {cls: adapters[-1] for cls, adapters in _ADAPTERS.items()}
 
 
 def _register_reference() -> None:
     from moewire.megamoe.flavours import detect
-    from moewire.reference import deep_gemm
+    from moewire.reference import deep_gemm, fp4_fp4
     from moewire.reference.experts import MegaMoEExperts
+    from moewire.reference.fp4_fp4.experts import FP4MegaMoEExperts
     from moewire.reference.nvfp4.experts import NVFP4MegaMoEExperts
 
     def stand_in(name: str, forward_module: str, stage_fn: str, **extra) -> ExpertsAdapter:
+        # The stand-in's "build" is the flavour selected now (use_flavour / env var), read
+        # from the module as from any DeepGEMM, unless the experts' kernel has one build.
+        extra.setdefault(
+            "flavour", lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name
+        )
         return ExpertsAdapter(
             name=name,
             forward_module=forward_module,
@@ -152,9 +168,6 @@ def _register_reference() -> None:
             stage_hidden_arg=0,
             kernel_ns="deep_gemm",
             get_symm_buffer=lambda m: m.get_symm_buffer(),
-            # The stand-in's "build" is the flavour selected now (use_flavour / env var),
-            # read from the module as from any DeepGEMM.
-            flavour=lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name,
             fused_shared=lambda m: m.fused_shared,
             ep_group=lambda m: m.ep_group,
             **extra,
@@ -175,6 +188,16 @@ def _register_reference() -> None:
             "reference-nvfp4",
             "moewire.reference.nvfp4.experts",
             "prepare_megamoe_nvfp4_inputs",
+        ),
+    )
+    register_experts_class(
+        FP4MegaMoEExperts,
+        stand_in(
+            "reference-fp4-fp4",
+            "moewire.reference.fp4_fp4.experts",
+            "prepare_megamoe_nvfp4_inputs",
+            # Its kernel is DeepGEMM 2.8.0's alone (moewire.reference.fp4_fp4).
+            flavour=lambda m: fp4_fp4.FLAVOUR,
         ),
     )
 

@@ -15,10 +15,17 @@ The NVFP4 kernel (``nvfp4_mega_moe`` of vLLM 0.34.0's bundled DeepGEMM) leaves *
 and weights them in its combine: ``acc = fma(float(row), w[t, s], acc)``, one FP32 rounding per step
 (``__ffma2_rn``, ``impls/sm100_nvfp4_mega_moe.cuh`` ~l.1746-1807), the shared row last with weight
 1.0 (``fma(row, 1.0, acc)`` is the FP32 add). ``resum(..., weights=w)`` does that.
+
+DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel (``fp4_fp4_mega_moe``, ``impls/sm100_fp4_fp4_mega_moe.cuh``
+at 794783a) adds weighted rows, but with a fused shared row or a ``routed_scaling_factor``
+``s != 1`` it rounds the routed sum to BF16, scales it by ``s`` (BF16 again) and only then adds
+the shared row in FP32 before the final rounding. ``resum(..., routed_scale=s)`` does that: the
+routed rows go through the same re-sum (the fused kernel included), the rest is the finish.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -102,6 +109,44 @@ def _fused_combine(
     return True
 
 
+def _resum_scaled(
+    rows: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_tokens: int,
+    shared_position: str | None,
+    row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None,
+    out: torch.Tensor | None,
+    accumulate: str | None,
+    routed_scale: float,
+) -> torch.Tensor:
+    """:func:`resum` of a kernel that rounds and scales its routed sum before the shared row
+    (``routed_scale``; the docstring there). The routed part is an ordinary re-sum without a
+    shared row (the fused kernel where it applies), into ``out`` itself when nothing follows."""
+    if shared_position == "first":
+        raise ValueError(
+            "resum: routed_scale rounds and scales the routed sum before a shared row added "
+            "last; shared_position='first' has no such step (pass routed_scale=None)"
+        )
+    if not (isinstance(routed_scale, (int, float)) and not isinstance(routed_scale, bool)
+            and math.isfinite(routed_scale)):
+        raise ValueError(f"resum: routed_scale must be a finite float, got {routed_scale!r}")
+    scale = float(torch.tensor(float(routed_scale), dtype=torch.float32))
+    k = topk_idx.shape[1]
+    finish = shared_position is not None or scale != 1.0
+    routed = resum(rows[:k], topk_idx, num_tokens, row_quantizer=row_quantizer,
+                   out=None if finish else out, accumulate=accumulate)
+    if not finish:
+        return routed
+    value = routed.float()
+    if scale != 1.0:
+        # The FP32 factor as a Python float multiplies FP32 values as that FP32 scalar.
+        value = (value * scale).bfloat16().float()
+    if shared_position == "last":
+        value = value + rows[k, :num_tokens].float()
+    result = value.to(torch.bfloat16)
+    return result if out is None else out.copy_(result)
+
+
 def resum(
     rows: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -112,6 +157,7 @@ def resum(
     row_quantizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     accumulate: str | None = None,
+    routed_scale: float | None = None,
 ) -> torch.Tensor:
     """Re-sum the combine rows in the kernel's order, optionally fake-quantizing each row.
 
@@ -147,6 +193,11 @@ def resum(
             ``dequantize``, a plain callable must return FP32. ``None``: the quantizer's
             ``accumulate`` (its format's ``combine_accumulate`` unless a recipe says
             otherwise), ``"bf16"`` for a plain callable.
+        routed_scale: ``None``, or the FP32-representable factor ``s`` of a kernel that
+            finishes its routed sum (``fp4_fp4_mega_moe``): ``r = bf16(routed sum)``, ``r =
+            bf16(fl(r * s))`` when ``s != 1``, ``y = bf16(float(r) + shared row)`` with a
+            shared row (``shared_position`` must then be ``"last"``), else ``y = r``. Needs
+            ``weights=None``.
 
     Returns:
         ``out`` (or the new BF16 ``[T, H]`` tensor).
@@ -155,6 +206,14 @@ def resum(
         "resum", rows, topk_idx, num_tokens, shared_position, out, weights,
         fp32_rows=row_quantizer is None,
     )
+    if routed_scale is not None:
+        if weights is not None:
+            raise ValueError(
+                "resum: routed_scale finishes a sum of router-weighted rows (fp4_fp4_mega_moe); "
+                "a kernel that weights its rows in the combine (weights=) has no such step"
+            )
+        return _resum_scaled(rows, topk_idx, num_tokens, shared_position, row_quantizer, out,
+                             accumulate, routed_scale)
     mode = accumulate_mode(row_quantizer, accumulate)
     if out is None:
         out = torch.empty((num_tokens, rows.shape[2]), dtype=torch.bfloat16, device=rows.device)

@@ -1,9 +1,10 @@
 """The DeepGEMM kernel builds the stand-in imitates, and which one new buffers get.
 
 A *flavour* names a kernel build (DeepGEMM main, vLLM 0.32-0.34's bundled copies, DeepGEMM PR #323,
-the two lines of vLLM's own DeepGEMM fork ``vllm-project/DeepGEMM``): ``deepgemm-main``,
-``vllm-0.32``, ``vllm-0.33`` (the default), ``deepgemm-sm90``, ``deepgemm-vllm-situ`` or
-``deepgemm-vllm-dev``;
+the two lines of vLLM's own DeepGEMM fork ``vllm-project/DeepGEMM``, DeepGEMM 2.8.0):
+``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33`` (the default), ``deepgemm-sm90``,
+``deepgemm-vllm-situ``, ``deepgemm-vllm-dev`` or ``deepgemm-2.8`` (its NVFP4 x NVFP4
+``fp4_fp4_mega_moe`` only, ``reference.fp4_fp4``);
 :class:`KernelBuild` is what the stand-in needs to know of one (its kernels, where a fused shared
 expert is added, its buffer's extra regions and kind of views). ``moewire.megamoe.flavours`` is
 moewire's own, independent description of the same builds under the same names; the layout check is
@@ -31,7 +32,11 @@ RENAMED = {
     "vllm": "vllm-0.32 (shared expert added last) or vllm-0.33 (added first)",
     "sgl": "deepgemm-sm90",
 }
-MMA_OF_KERNEL = {"fp8_fp4_mega_moe": "fp8xfp4", "bf16_mega_moe": "bf16xbf16"}
+MMA_OF_KERNEL = {
+    "fp8_fp4_mega_moe": "fp8xfp4",
+    "bf16_mega_moe": "bf16xbf16",
+    "fp4_fp4_mega_moe": "fp4xfp4",
+}
 #: How a build's kernel names SiTU's two tanh scales: (gate scale, up scale) keywords.
 #: DeepGEMM 2.8.x (vLLM's bundled copies; vllm-project/DeepGEMM dev, ``deep_gemm/_C.py`` at
 #: 051140f) takes ``activation_alpha`` and ``activation_beta``; vllm-project/DeepGEMM's 2.6.1
@@ -46,8 +51,8 @@ class KernelBuild:
     """A kernel build, as the stand-in imitates it.
 
     Attributes:
-        name: the flavour: ``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33`` or
-            ``deepgemm-sm90``.
+        name: the flavour: ``deepgemm-main``, ``vllm-0.32``, ``vllm-0.33``,
+            ``deepgemm-sm90`` or ``deepgemm-2.8``.
         kernels: the Mega-MoE kernel functions the build has.
         shared_position: where a fused shared expert's row (stored at slot ``k``) is added
             in the sum: ``"first"``, ``"last"``, or ``None`` (fusion refused).
@@ -90,6 +95,10 @@ KERNEL_BUILDS: dict[str, KernelBuild] = {
     # vllm-project/DeepGEMM dev (2.8.1, 63aa62a): "Shared slot goes first" in both kernels;
     # the combine region is the buffer's last (layout/mega_moe.cuh: no norm buffer after it).
     "deepgemm-vllm-dev": KernelBuild("deepgemm-vllm-dev", _BOTH, "first"),
+    # DeepGEMM 2.8.0 (deepseek-ai/DeepGEMM 0274ad7): the stand-in has its NVFP4 x NVFP4
+    # kernel only (reference.fp4_fp4); a BF16 shared expert's row (slot k) is added last,
+    # after the routed sum was rounded to BF16 (impls/sm100_fp4_fp4_mega_moe.cuh, 794783a).
+    "deepgemm-2.8": KernelBuild("deepgemm-2.8", ("fp4_fp4_mega_moe",), "last"),
 }
 
 _flavour_setting: str | None = None

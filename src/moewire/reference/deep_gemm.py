@@ -7,7 +7,8 @@ Same names and signatures as the DeepGEMM bundled in vLLM (``vllm/third_party/de
 same function), and the NVFP4 kernel's (``nvfp4_mega_moe``). A thin API, as DeepGEMM's
 ``mega/__init__.py``: it checks the arguments and hands over to the buffer
 (``reference.buffer``), the kernel body (``reference._kernel``) and the casts
-(``reference.deep_gemm_utils``, ``reference._numerics``).
+(``reference.deep_gemm_utils``, ``reference._numerics``); DeepGEMM 2.8.0's NVFP4 x NVFP4
+``fp4_fp4_mega_moe`` and its ``fp4xfp4`` buffer are the subpackage ``reference.fp4_fp4``'s.
 
 The buffer layout and the combine order follow a named *flavour*, one per kernel build
 (``reference.builds``: DeepGEMM main, vLLM 0.32-0.34's bundled copies, PR #323):
@@ -31,6 +32,10 @@ The buffer layout and the combine order follow a named *flavour*, one per kernel
   added last.
 - ``deepgemm-vllm-dev`` (vllm-project/DeepGEMM dev, 2.8.1 at 63aa62a): both kernels, the
   shared row added first, the combine region last (no norm buffer after it).
+- ``deepgemm-2.8`` (DeepGEMM 2.8.0, 0274ad7): ``fp4_fp4_mega_moe`` only, on the ``fp4xfp4``
+  buffer (``get_symm_buffer_for_mega_moe(..., mma_type="fp4xfp4")``, ``reference.fp4_fp4``):
+  the combine region is the buffer's last and starts where ``l2_acts_sf`` ends; a BF16
+  shared expert's row (slot ``k``) is added last, after the routed sum is rounded to BF16.
 
 The combine region is BF16 ``[num_slots][Tmax][H]``, slot-major; no view exposes it.
 Choose the flavour with ``use_flavour(name)`` (a setter and a context manager) or the
@@ -39,8 +44,8 @@ built with in ``_moewire_flavour``. :func:`moewire_flavour` says which build the
 imitates now (how ``moewire.megamoe.flavours.detect`` recognises it).
 
 May import: torch and the reference modules below the API (``_alloc``, ``_numerics``,
-``deep_gemm_utils``, ``builds``, ``buffer``, ``_kernel``, ``nvfp4.buffer``, ``nvfp4.mega_moe``);
-none of them imports it.
+``deep_gemm_utils``, ``builds``, ``buffer``, ``_kernel``, ``nvfp4.buffer``, ``nvfp4.mega_moe``,
+``fp4_fp4.buffer``, ``fp4_fp4.mega_moe``); none of them imports it.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ from moewire.reference.builds import (
     use_flavour,
 )
 from moewire.reference.deep_gemm_utils import per_token_cast_to_fp8
+from moewire.reference.fp4_fp4.buffer import FP4SymmBuffer
+from moewire.reference.fp4_fp4.mega_moe import fp4_fp4_mega_moe
 from moewire.reference.nvfp4.buffer import (
     NVFP4SymmBuffer,
     get_block_m_for_nvfp4_mega_moe,
@@ -87,6 +94,7 @@ __all__ = [
     "SymmBuffer",
     "bf16_mega_moe",
     "current_flavour",
+    "fp4_fp4_mega_moe",
     "fp8_fp4_mega_moe",
     "get_block_m_for_mega_moe",
     "get_block_m_for_nvfp4_mega_moe",
@@ -105,9 +113,10 @@ TOKEN_ALIGNMENT = 384
 # sgl-deep-gemm 0.2.5's switch for the FP8 combine (read by its C++ buffer sizing and JIT).
 ENV_FP8_COMBINE = "DG_USE_FP8_COMBINE"
 ACTIVATIONS = ("swiglu", "situ")
-MMA_TYPES = ("fp8xfp4", "bf16xbf16")
-# fp8xfp4 tiles K by 512 (FP4 weights, 128-byte rows); bf16 by 128.
-HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128}
+MMA_TYPES = ("fp8xfp4", "bf16xbf16", "fp4xfp4")
+# fp8xfp4 tiles K by 512 (FP4 weights, 128-byte rows); bf16 by 128; NVFP4 by 512
+# (DeepGEMM 2.8.0 csrc/apis/mega_moe.hpp, sf_alignment).
+HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128, "fp4xfp4": 512}
 
 
 def get_block_m_for_mega_moe(
@@ -147,7 +156,7 @@ def get_symm_buffer_for_mega_moe(
     activation: str = "swiglu",
     *,
     device: torch.device | str | None = None,
-) -> SymmBuffer:
+) -> SymmBuffer | FP4SymmBuffer:
     """Allocate one rank's Mega-MoE buffer, laid out for the current flavour.
 
     Args:
@@ -159,8 +168,10 @@ def get_symm_buffer_for_mega_moe(
         hidden: H, a multiple of 512 for ``fp8xfp4`` (128 for ``bf16xbf16``).
         intermediate_hidden: I per expert, same rule as ``hidden``.
         num_shared_experts: shared experts fused into the kernel (one combine slot).
-        mma_type: ``"fp8xfp4"`` or ``"bf16xbf16"``.
-        activation: ``"swiglu"`` or ``"situ"``.
+        mma_type: ``"fp8xfp4"``, ``"bf16xbf16"`` or (the ``deepgemm-2.8`` flavour)
+            ``"fp4xfp4"``: DeepGEMM 2.8.0's NVFP4 buffer (``fp4_fp4.buffer.FP4SymmBuffer``,
+            ``Tmax`` aligned to 1920 instead).
+        activation: ``"swiglu"`` or ``"situ"`` (``"swiglu"`` only for ``fp4xfp4``).
         device: moewire extension; default CUDA when available and the group is NCCL (or
             ``None``), else CPU.
 
@@ -209,6 +220,11 @@ def get_symm_buffer_for_mega_moe(
             "flavour (deep_gemm.use_flavour) or pass the shared expert unfused"
         )
     device = torch.device(device) if device is not None else _default_device(group)
+    if mma_type == "fp4xfp4":
+        return FP4SymmBuffer(
+            group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+            num_shared_experts, mma_type, activation, device=device,
+        )
     return SymmBuffer(
         group,
         num_experts,

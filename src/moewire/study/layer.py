@@ -68,10 +68,14 @@ def kernel_weights_from_dense(
     of vLLM 0.33/0.34): NVFP4 per expert, a global scale ``amax / 2688`` and an E4M3 scale
     per 16 (:func:`moewire.reference.nvfp4.weights.quantize_nvfp4_weight`), then the
     transform; the global scales become the kernel's ``l1_alpha`` / ``l2_alpha``.
+    ``fp4xfp4`` (DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel): NVFP4 as ModelOpt's checkpoints
+    hold it, gate, up and down each with its own per-expert global scale
+    (:func:`moewire.reference.fp4_fp4.weights.quantize_experts`), the kernel's ``l1_alphas``
+    / ``l2_alphas``.
 
     Args:
         w1: ``[E, 2I, H]`` rows ``[gate | up]``; w2: ``[E, H, I]``; any float dtype.
-        mma: ``"fp8xfp4"``, ``"bf16xbf16"`` or ``"nvfp4"``.
+        mma: ``"fp8xfp4"``, ``"bf16xbf16"``, ``"nvfp4"`` or ``"fp4xfp4"``.
 
     Returns:
         :class:`~moewire.reference.MegaMoEWeights` (or ``NVFP4MegaMoEWeights``) for
@@ -79,8 +83,15 @@ def kernel_weights_from_dense(
     """
     # The reference's own cast, so the kernel reads exactly the format it defines.
     from moewire.reference import quantize_fp4_ue8m0
+    from moewire.reference.fp4_fp4.weights import FP4MegaMoEWeights, quantize_experts
     from moewire.reference.nvfp4.weights import quantize_nvfp4_weight
 
+    if mma == "fp4xfp4":
+        raw1, raw2, a1, a2 = quantize_experts(w1.float(), w2.float())
+        raw1, raw2 = (tuple(t.to(w1.device) for t in raw) for raw in (raw1, raw2))
+        l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
+        return FP4MegaMoEWeights(tuple(range(w1.shape[0])), l1, l2, raw1, raw2,
+                                 a1.to(w1.device), a2.to(w1.device))
     if mma == "nvfp4":
         parts = [[quantize_nvfp4_weight(w[e].float()) for e in range(w.shape[0])]
                  for w in (w1, w2)]
@@ -133,8 +144,15 @@ class StudyLayer:
 
     def fresh(self) -> MoELayer:
         """A new, unconverted layer over the same weights."""
-        if self.mma == "nvfp4":
-            experts: nn.Module = NVFP4MegaMoEExperts(
+        if self.mma == "fp4xfp4":
+            from moewire.reference.fp4_fp4.experts import FP4MegaMoEExperts
+
+            experts: nn.Module = FP4MegaMoEExperts(
+                self.num_experts, self.top_k, self.hidden, self.intermediate,
+                self.max_num_tokens, weights=self.weights, device=self.device,
+            )
+        elif self.mma == "nvfp4":
+            experts = NVFP4MegaMoEExperts(
                 self.num_experts, self.top_k, self.hidden, self.intermediate,
                 self.max_num_tokens, weights=self.weights, device=self.device,
             )
@@ -187,7 +205,7 @@ def synthetic_router(num_experts: int, hidden: int, top_k: int, gating: str,
 #: and their transformed copy (4 bytes per weight) plus one expert's FP32 draw.
 # nvfp4: an estimate from what the stand-in keeps (packed E2M1 + E4M3 scales, 0.56 B, and
 # its dense FP32 weight cache on CPU, 4 B), not measured.
-_BUILD_BYTES_PER_WEIGHT = {"fp8xfp4": 1.42, "bf16xbf16": 4.5, "nvfp4": 4.6}
+_BUILD_BYTES_PER_WEIGHT = {"fp8xfp4": 1.42, "bf16xbf16": 4.5, "nvfp4": 4.6, "fp4xfp4": 4.6}
 _BUILD_FIXED_BYTES = 0.25e9
 #: Tokens per batch above which the CPU run is warned about (each forward pass costs
 #: ``2 * T * k * 3 * H * I`` FLOPs; the demo sweep does about 60 of them at T = 128).
@@ -294,7 +312,12 @@ def synthetic_kernel_weights(
     report(0, num_experts)
     for first in range(0, num_experts, step):
         ids = range(first, min(first + step, num_experts))
-        if cfg.mma == "nvfp4":
+        if cfg.mma == "fp4xfp4":
+            from moewire.reference.fp4_fp4.weights import make_fp4_fp4_weights
+
+            chunks.append(make_fp4_fp4_weights(num_experts, hidden, intermediate, experts=ids,
+                                               seed=cfg.seed, device=device))
+        elif cfg.mma == "nvfp4":
             chunks.append(make_nvfp4_weights(num_experts, hidden, intermediate, experts=ids,
                                              seed=cfg.seed, device=device))
         else:

@@ -32,7 +32,7 @@ DEFAULT_DISPATCH = ("fp8", "mxfp8", "nvfp4", "mxfp4")
 DEFAULT_COMBINE = ("fp8", "mxfp8", "nvfp4", "logfmt10", "deepgemm_fp8_combine",
                    "trtllm_32e4m3xe8m0", "trtllm_16e2m1xbf16", "te_mxfp8", "flashinfer_nvfp4",
                    "mori_fp8_blockwise_fnuz")
-MMA_TYPES = ("fp8xfp4", "bf16xbf16", "nvfp4")
+MMA_TYPES = ("fp8xfp4", "bf16xbf16", "fp4xfp4", "nvfp4")
 #: The synthetic router's default hottest-expert load over the mean (DeepSeek's
 #: bias-balanced routing keeps it at a few x).
 DEFAULT_ROUTER_IMBALANCE = 2.5
@@ -40,7 +40,7 @@ DEFAULT_ROUTER_IMBALANCE = 2.5
 KERNELS = ("reference", "deepgemm-sm90")
 # The stand-in kernel tiles K by 512 for FP8 x FP4 and by 128 for BF16 (deep_gemm). Kept here
 # (the CLI checks flags before torch loads); tests/study/test_first_hour.py keeps it in step.
-_HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128, "nvfp4": 128}
+_HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128, "nvfp4": 128, "fp4xfp4": 512}
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,11 @@ class StudyConfig:
         weights, layer: a safetensors checkpoint and the layer index to read from it.
         activations: captured hidden states ``[N, H]`` (``.pt`` / ``.safetensors``).
         mma: the stand-in kernel's MMA type, ``fp8xfp4`` (FP8 staging, FP4 weights, as
-            DeepSeek-V4 serves), ``bf16xbf16``, or ``nvfp4`` (the NVFP4 Mega-MoE of vLLM
-            0.33/0.34: per-token NVFP4 staging, NVFP4 weights, unweighted combine rows).
+            DeepSeek-V4 serves), ``bf16xbf16``, ``nvfp4`` (the NVFP4 Mega-MoE of vLLM
+            0.33/0.34: per-token NVFP4 staging, NVFP4 weights, unweighted combine rows), or
+            ``fp4xfp4`` (DeepGEMM 2.8.0's NVFP4 x NVFP4 ``fp4_fp4_mega_moe``, as vLLM main
+            serves DeepSeek V3.2 / GLM-5.2 NVFP4: NVFP4 staging per 16 without a global
+            scale, NVFP4 weights with per-expert global scales, router-weighted combine rows).
         device: ``cpu`` or ``cuda``.
         seed: seeds weights, router and synthetic tokens.
         out: output directory.

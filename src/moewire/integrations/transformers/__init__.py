@@ -37,8 +37,13 @@ Kernels (``prepare(model, kernel=...)``) and their builds (``mma_type``):
 
 - ``"stand-in"`` (the default), ``moewire.reference.deep_gemm`` on any device:
   ``"bf16xbf16"`` (the default: BF16 weights stay as they are and only the wire changes;
-  FP32 weights are rounded to BF16) or ``"fp8xfp4"`` (weights quantized to FP4 E2M1 with
-  UE8M0 scales per 32, tokens staged in FP8);
+  FP32 weights are rounded to BF16), ``"fp8xfp4"`` (weights quantized to FP4 E2M1 with
+  UE8M0 scales per 32, tokens staged in FP8) or ``"fp4xfp4"`` (DeepGEMM 2.8.0's NVFP4 x NVFP4
+  ``fp4_fp4_mega_moe``, the kernel vLLM main serves DeepSeek V3.2 / GLM-5.2 NVFP4 with:
+  BF16/FP16/FP32 weights quantized to NVFP4 as ModelOpt's checkpoints hold them, gate, up
+  and down each with a per-expert global scale passed as ``l1_alphas``/``l2_alphas``; the
+  tokens staged as vLLM main's ``prepare_megamoe_nvfp4_inputs`` does, NVFP4 per 16 without
+  a global scale; H and I multiples of 512; flavour ``deepgemm-2.8``);
 - ``"deepgemm-sm90"`` (opt-in, a Hopper GPU and DeepGEMM PR #323's package): DeepGEMM's
   real ``fp8_mega_moe`` (``mma_type="fp8xfp8"``). The BF16 expert weights are quantized to
   FP8 E4M3 with one FP32 scale per 128x128 block
@@ -73,9 +78,10 @@ Two more things run through this package:
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +102,11 @@ from moewire.megamoe.registry import (
 )
 from moewire.megamoe.scales_file import read_scales, write_scales
 from moewire.reference import deep_gemm as stand_in
+from moewire.reference import fp4_fp4
 from moewire.reference._numerics import quantize_fp4_ue8m0
 from moewire.reference.experts import stage_mega_moe_inputs
+from moewire.reference.fp4_fp4.staging import prepare_megamoe_nvfp4_inputs
+from moewire.reference.fp4_fp4.weights import quantize_experts
 
 __all__ = [
     "ARCHITECTURES",
@@ -119,7 +128,8 @@ __all__ = [
 IMPLEMENTATION = "moewire"
 #: kernel -> its builds, each build -> the kernel function the forward calls.
 KERNELS: dict[str, dict[str, str]] = {
-    "stand-in": {"bf16xbf16": "bf16_mega_moe", "fp8xfp4": "fp8_fp4_mega_moe"},
+    "stand-in": {"bf16xbf16": "bf16_mega_moe", "fp8xfp4": "fp8_fp4_mega_moe",
+                 "fp4xfp4": "fp4_fp4_mega_moe"},
     "deepgemm-sm90": {"fp8xfp8": "fp8_mega_moe"},
 }
 MMA_TYPES = tuple(mma for builds in KERNELS.values() for mma in builds)
@@ -371,6 +381,8 @@ class _MegaState:
     clamp: float | None
     buffer: Any
     group: Any = None
+    # Further kernel keywords (fp4xfp4: the per-expert l1_alphas and l2_alphas)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def function(self) -> str:
@@ -380,6 +392,10 @@ class _MegaState:
     def flavour(self) -> str:
         if self.kernel == "deepgemm-sm90":
             return sm90.FLAVOUR
+        if self.mma_type == "fp4xfp4":
+            # The stand-in's fp4_fp4_mega_moe imitates DeepGEMM 2.8.0's, whatever flavour
+            # its other kernels imitate now.
+            return fp4_fp4.FLAVOUR
         return detect(stand_in, "moewire.reference.deep_gemm").name
 
 
@@ -455,27 +471,36 @@ def _kernel_layout(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _stand_in_form(module: nn.Module, mma_type: str, l1: torch.Tensor, l2: torch.Tensor,
-                   top_k: int, max_num_tokens: int, group: Any) -> tuple[Any, Any, Any]:
-    """The stand-in's buffer (on ``group``, for the experts of all its ranks) and weights:
-    ``(buffer, l1, l2)``."""
+                   top_k: int, max_num_tokens: int,
+                   group: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """The stand-in's buffer (on ``group``, for the experts of all its ranks), weights and
+    further kernel keywords: ``(buffer, l1, l2, extra)``."""
     num_experts, two_i, hidden = l1.shape
     ranks = 1 if group is None else group.size()
     try:
-        buffer = stand_in.get_symm_buffer_for_mega_moe(
-            group, num_experts * ranks, max_num_tokens, top_k, hidden, two_i // 2,
-            mma_type=mma_type, device=l1.device,
-        )
+        # The stand-in's fp4_fp4_mega_moe imitates DeepGEMM 2.8.0's, whatever flavour its
+        # other kernels imitate now.
+        with (stand_in.use_flavour(fp4_fp4.FLAVOUR) if mma_type == "fp4xfp4"
+              else contextlib.nullcontext()):
+            buffer = stand_in.get_symm_buffer_for_mega_moe(
+                group, num_experts * ranks, max_num_tokens, top_k, hidden, two_i // 2,
+                mma_type=mma_type, device=l1.device,
+            )
     except ValueError as exc:
         raise ValueError(
             f"{_where(module)}: the {mma_type} build cannot take these experts ({exc}); use "
             "another mma_type"
         ) from exc
     if mma_type == "bf16xbf16":
-        weights = stand_in.transform_weights_for_mega_moe(l1.bfloat16(), l2.bfloat16())
-    else:
-        weights = stand_in.transform_weights_for_mega_moe(quantize_fp4_ue8m0(l1),
-                                                          quantize_fp4_ue8m0(l2))
-    return buffer, *weights
+        return buffer, *stand_in.transform_weights_for_mega_moe(l1.bfloat16(), l2.bfloat16()), {}
+    if mma_type == "fp4xfp4":
+        l1_raw, l2_raw, l1_alphas, l2_alphas = quantize_experts(l1.float(), l2.float())
+        weights = stand_in.transform_weights_for_mega_moe(l1_raw, l2_raw)
+        return buffer, *weights, {"l1_alphas": l1_alphas.to(l1.device),
+                                  "l2_alphas": l2_alphas.to(l1.device)}
+    weights = stand_in.transform_weights_for_mega_moe(quantize_fp4_ue8m0(l1),
+                                                      quantize_fp4_ue8m0(l2))
+    return buffer, *weights, {}
 
 
 def _check_sm90_alignment(module: nn.Module, hidden: int, intermediate: int) -> None:
@@ -549,14 +574,15 @@ def _build_state(module: nn.Module, mma_type: str | None, max_num_tokens: int,
         )
     l1, l2 = _kernel_layout(module)
     top_k = int(module.config.num_experts_per_tok)
+    extra: dict[str, Any] = {}
     if kernel == "deepgemm-sm90":
         buffer, l1_k, l2_k, group = _sm90_form(module, l1, l2, top_k, max_num_tokens, group)
     else:
-        buffer, l1_k, l2_k = _stand_in_form(module, mma_type, l1, l2, top_k, max_num_tokens,
-                                            group)
+        buffer, l1_k, l2_k, extra = _stand_in_form(module, mma_type, l1, l2, top_k,
+                                                   max_num_tokens, group)
     clamp = getattr(module, arch.clamp_attr) if arch.clamp_attr else None
     return _MegaState(kernel, mma_type, l1_k, l2_k, None if clamp is None else float(clamp),
-                      buffer, group)
+                      buffer, group, extra)
 
 
 def _state(module: nn.Module) -> _MegaState:
@@ -573,6 +599,16 @@ def _state(module: nn.Module) -> _MegaState:
     return state
 
 
+def stage_fp4_fp4_inputs(hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor, buffer: Any) -> None:
+    """Stage ``T`` tokens into an ``fp4xfp4`` buffer as vLLM main's
+    ``DeepseekV32MegaMoEExperts`` does (``prepare_megamoe_nvfp4_inputs``, NVFP4 per 16);
+    the arguments of :func:`~moewire.reference.experts.stage_mega_moe_inputs`."""
+    t = hidden_states.shape[0]
+    prepare_megamoe_nvfp4_inputs(
+        hidden_states, topk_weights, topk_ids, buffer.x[:t], buffer.x_sf[:t],
+        buffer.topk_idx[:t], buffer.topk_weights[:t],
+    )
 def _group_name(group: Any) -> str | None:
     return None if group is None else group.group_name
 
@@ -645,10 +681,16 @@ def _run_kernel(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     buffer = state.buffer
     capacity = buffer.num_max_tokens_per_rank
     sm90_kernel = state.kernel == "deepgemm-sm90"
-    stage = stage_sm90_inputs if sm90_kernel else stage_mega_moe_inputs
+    # Module globals read at call time: moewire's staging hook replaces them.
+    if sm90_kernel:
+        stage = stage_sm90_inputs
+    elif state.mma_type == "fp4xfp4":
+        stage = stage_fp4_fp4_inputs
+    else:
+        stage = stage_mega_moe_inputs
     # PR #323's fp8_mega_moe takes its recipe and activation by keyword.
     extra = (dict(recipe=sm90.KERNELS["fp8_mega_moe"][0], activation="swiglu") if sm90_kernel
-             else {})
+             else dict(state.extra))
     outputs = []
     for start in range(0, hidden_states.shape[0], capacity):
         tokens = hidden_states[start : start + capacity]
@@ -679,7 +721,7 @@ def _adapter(arch: Architecture) -> ExpertsAdapter:
     return ExpertsAdapter(
         name=f"transformers-{arch.model_type}",
         forward_module=__name__,
-        stage_fn=("stage_mega_moe_inputs", "stage_sm90_inputs"),
+        stage_fn=("stage_mega_moe_inputs", "stage_sm90_inputs", "stage_fp4_fp4_inputs"),
         stage_hidden_arg=0,
         kernel_ns="deep_gemm",
         get_symm_buffer=sm90.symm_buffer_of(lambda m: _state(m).buffer),

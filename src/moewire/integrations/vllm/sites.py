@@ -41,9 +41,19 @@ Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored 
   name (``kernel = deep_gemm.bf16_mega_moe if ... else deep_gemm.fp8_fp4_mega_moe``).
 - ``vllm/models/deepseek_v32/nvidia/mega_moe.py`` (30a3a7a): ``DeepseekV32MegaMoEExperts``
   (DeepSeek V3.2, GLM-5.2 NVFP4) stages with the global ``prepare_megamoe_nvfp4_inputs``
-  into an ``mma_type="fp4xfp4"`` buffer and calls ``deep_gemm.fp4_fp4_mega_moe(y, l1, l2,
-  buf, l1_alphas=, l2_alphas=)``: recognised, and the kernel is refused by every build
-  moewire knows (``moewire.megamoe.builds``: its combine is unread).
+  (``.ops.prepare_megamoe_nvfp4``, 05be1d5) into an ``mma_type="fp4xfp4"`` buffer and calls
+  ``deep_gemm.fp4_fp4_mega_moe(y, l1, l2, buf, l1_alphas=, l2_alphas=)``: quantized where
+  the DeepGEMM is 2.8.0 (``deepgemm-2.8``, vLLM main's pin), refused on vLLM 0.33/0.34's
+  bundled kernel of that name (``moewire.megamoe.builds``).
+- ``vllm/model_executor/layers/quantization/modelopt.py`` (a stored main version; its commit
+  is not recorded here): ``ModelOptNvFp4MegaMoE``, the quant method of a ModelOpt NVFP4
+  ``RoutedExperts`` layer with ``--moe-backend deep_gemm_mega_moe``: ``apply(layer, x, ...)``
+  stages with the global ``prepare_nvfp4_megamoe_inputs(x, a1_gscale, topk_weights,
+  topk_ids, x, x_sf, topk_idx, topk_weights, is_padding=)`` (``fused_moe/prepare_megamoe.py``)
+  and calls ``self._deep_gemm.fp4_fp4_mega_moe(y, l1, l2, self._symm_buffer, ...,
+  a2_scales=, routed_scaling_factor=, shared_l1_weights=, shared_l2_weights=, x_bf16=)``
+  (a fused BF16 shared expert where ``mk_fuses_shared_experts``); the DeepGEMM module is the
+  one ``_import_deep_gemm()`` returned at weight loading.
 - ``vllm/models/deepseek_v4/nvidia/fi_moe.py`` (055e47c): ``DeepseekV4MegaMoEExpertsFI``, a
   subclass of ``DeepseekV4MegaMoEExperts`` that stages through FlashInfer
   (``kernel.stage_inputs(..., quantize_input=True)``) and runs its ``moe_ep`` megakernel:
@@ -95,6 +105,7 @@ __all__ = [
     "FLASHINFER_REFUSAL",
     "IMPORT_ACCESS",
     "KERNEL_ACCESS",
+    "MODELOPT_NVFP4_STAGE_FN",
     "NVFP4_STAGE_FN",
     "REFUSED_ACCESSES",
     "SITES",
@@ -109,6 +120,8 @@ __all__ = [
 
 STAGE_FN = "prepare_megamoe_inputs"
 NVFP4_STAGE_FN = "prepare_megamoe_nvfp4_inputs"
+#: vLLM main's ModelOpt NVFP4 quant method stages with this one (a global input scale).
+MODELOPT_NVFP4_STAGE_FN = "prepare_nvfp4_megamoe_inputs"
 #: vLLM's call-time DeepGEMM lookup (``vllm.utils.deep_gemm._import_deep_gemm``).
 KERNEL_ACCESS = "_import_deep_gemm"
 #: A forward that imports DeepGEMM itself (gpt-oss's modular experts).
@@ -216,6 +229,9 @@ class ExpertsSite:
             or ``None``.
         refusal: why moewire refuses this class although it recognises it (and what to
             switch to), or ``None``; a refused site needs no staging.
+        fused_shared_attr: the experts object's attribute saying a shared expert is fused
+            into the kernel (``has_fused_shared_experts``; ModelOpt's NVFP4 quant method
+            says ``mk_fuses_shared_experts``).
     """
 
     module: str
@@ -234,6 +250,7 @@ class ExpertsSite:
     also_at: tuple[str, ...] = ()
     plain_copy: PlainCopy | None = None
     refusal: str | None = None
+    fused_shared_attr: str = "has_fused_shared_experts"
 
     def __post_init__(self) -> None:
         if (self.holder is None) != (self.holder_class is None):
@@ -332,10 +349,16 @@ SITES: tuple[ExpertsSite, ...] = (
     ExpertsSite("vllm.models.common.deep_gemm_mega_moe", "DeepGemmMegaMoEExperts",
                 read_from="main (6dfb263)", calls=("bf16_mega_moe", "fp8_fp4_mega_moe"),
                 plain_copy=PlainCopy("mma_type", "bf16xbf16")),
-    # vLLM main's NVFP4 x NVFP4 experts (DeepSeek V3.2, GLM-5.2): the kernel is refused.
+    # vLLM main's NVFP4 x NVFP4 experts (DeepSeek V3.2, GLM-5.2) on DeepGEMM 2.8.0.
     ExpertsSite("vllm.models.deepseek_v32.nvidia.mega_moe", "DeepseekV32MegaMoEExperts",
                 stage_fn=NVFP4_STAGE_FN, read_from="main (30a3a7a)",
                 calls=("fp4_fp4_mega_moe(",)),
+    # vLLM main's ModelOpt NVFP4 quant method on the same kernel: held by the MoE layer.
+    ExpertsSite("vllm.model_executor.layers.quantization.modelopt", "ModelOptNvFp4MegaMoE",
+                stage_fn=MODELOPT_NVFP4_STAGE_FN, read_from="main (modelopt.py)",
+                calls=("fp4_fp4_mega_moe(",), buffer="_symm_buffer", holder="quant_method",
+                holder_class="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts",
+                fused_shared_attr="mk_fuses_shared_experts"),
     # vLLM main's FlashInfer megakernel experts: recognised, refused.
     ExpertsSite("vllm.models.deepseek_v4.nvidia.fi_moe", "DeepseekV4MegaMoEExpertsFI",
                 stage_fn=None, read_from="main (055e47c)", calls=("stage_inputs(",),
@@ -557,7 +580,7 @@ def site_adapter(
         get_symm_buffer=get_symm_buffer or site.get_symm_buffer,
         flavour=flavour,
         fused_shared=lambda m: bool(
-            getattr(site.experts_of(m), "has_fused_shared_experts", False)
+            getattr(site.experts_of(m), site.fused_shared_attr, False)
         ),
         ep_group=ep_group,
         runtime=runtime,

@@ -1,0 +1,133 @@
+"""Seeded random weights for the stand-in NVFP4 x NVFP4 Mega-MoE (:mod:`.mega_moe`).
+
+Routed experts are NVFP4 the way ModelOpt's NVFP4 checkpoints store them and vLLM main's
+``DeepseekV32MegaMoEExperts`` loads them (``vllm/models/deepseek_v32/nvidia/mega_moe.py``,
+30a3a7a): per expert ``w1`` (gate), ``w3`` (up) and ``w2`` (down), each with its own FP32
+``weight_scale_2`` (the NVFP4 family's ``quantize_nvfp4_weight``: ``gs = fl(amax *
+fl(1/2688))``, E4M3 scales per 16 of ``amax16 / (6 gs)``); the kernel reads ``e2m1 * e4m3``
+and takes ``(gs_w1, gs_w3)`` as ``l1_alphas`` and ``gs_w2`` as ``l2_alphas``. A fused shared
+expert is BF16 (DeepGEMM 2.8.0 runs it in BF16 from ``x_bf16``).
+
+May import: torch, ``moewire.reference.deep_gemm`` (the API), ``moewire.reference.weights``
+and the NVFP4 family's ``nvfp4.weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from moewire.reference import deep_gemm
+from moewire.reference.nvfp4.weights import quantize_nvfp4_weight
+from moewire.reference.weights import _SHARED_SEED_OFFSET, _dense
+
+__all__ = ["FP4MegaMoEWeights", "make_fp4_fp4_weights", "quantize_experts"]
+
+
+@dataclass
+class FP4MegaMoEWeights:
+    """NVFP4 x NVFP4 expert weights of one rank (or any subset of experts).
+
+    Attributes:
+        experts: the global expert ids held, in order.
+        l1, l2: ``(int8, int32)`` pairs transformed for the kernel.
+        l1_raw, l2_raw: the same before the transform (L1 rows ``[gate | up]``).
+        l1_alphas: FP32 ``[E, 2]``, ``weight_scale_2`` of w1 and w3; l2_alphas: FP32 ``[E]``.
+        shared_l1, shared_l2: a fused BF16 shared expert, transformed (or None);
+        shared_l1_raw, shared_l2_raw: the same before the transform.
+    """
+
+    experts: tuple[int, ...]
+    l1: tuple[torch.Tensor, torch.Tensor]
+    l2: tuple[torch.Tensor, torch.Tensor]
+    l1_raw: tuple[torch.Tensor, torch.Tensor]
+    l2_raw: tuple[torch.Tensor, torch.Tensor]
+    l1_alphas: torch.Tensor
+    l2_alphas: torch.Tensor
+    shared_l1: torch.Tensor | None = None
+    shared_l2: torch.Tensor | None = None
+    shared_l1_raw: torch.Tensor | None = None
+    shared_l2_raw: torch.Tensor | None = None
+
+
+def quantize_experts(
+    l1: torch.Tensor, l2: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor,
+           torch.Tensor]:
+    """Dense expert weights to ModelOpt-style NVFP4 (gate and up with their own global scale).
+
+    Args:
+        l1: floating ``[E, 2I, H]``, rows ``[gate | up]``; l2: floating ``[E, H, I]``.
+
+    Returns:
+        ``(l1_raw, l2_raw, l1_alphas, l2_alphas)``: ``(int8 [E, 2I, H/2], int32 [E, 2I,
+        H/64])``, ``(int8 [E, H, I/2], int32 [E, H, I/64])`` (not transformed), FP32
+        ``[E, 2]`` and ``[E]``.
+    """
+    inter = l1.shape[1] // 2
+    parts: dict[str, list[torch.Tensor]] = {n: [] for n in ("w1", "s1", "a1", "w2", "s2", "a2")}
+    for e in range(l1.shape[0]):
+        gate = quantize_nvfp4_weight(l1[e, :inter])
+        up = quantize_nvfp4_weight(l1[e, inter:])
+        down = quantize_nvfp4_weight(l2[e])
+        parts["w1"].append(torch.cat([gate[0], up[0]]))
+        parts["s1"].append(torch.cat([gate[1], up[1]]))
+        parts["a1"].append(torch.stack([gate[2], up[2]]))
+        parts["w2"].append(down[0])
+        parts["s2"].append(down[1])
+        parts["a2"].append(down[2])
+    s = {n: torch.stack(v) for n, v in parts.items()}
+    return (s["w1"], s["s1"]), (s["w2"], s["s2"]), s["a1"].float(), s["a2"].float()
+
+
+def make_fp4_fp4_weights(
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    *,
+    experts: Iterable[int] | None = None,
+    num_shared_experts: int = 0,
+    seed: int = 0,
+    outlier_channels: int = 4,
+    outlier_scale: float = 16.0,
+    device: torch.device | str = "cpu",
+) -> FP4MegaMoEWeights:
+    """Seeded random NVFP4 expert weights (expert ``e`` from its own seed, as
+    :func:`moewire.reference.make_weights`, so a rank's subset equals a one-rank build).
+
+    Args:
+        num_experts: routed experts in the model; experts: the global ids to build.
+        hidden: H; intermediate: I per expert (multiples of 512).
+        num_shared_experts: > 0 builds a fused BF16 shared expert of ``num_shared * I``.
+        seed, outlier_channels, outlier_scale: as ``make_weights``.
+        device: where the tensors go.
+    """
+    ids = tuple(range(num_experts)) if experts is None else tuple(int(e) for e in experts)
+    if not ids or any(not 0 <= e < num_experts for e in ids):
+        raise ValueError(
+            f"make_fp4_fp4_weights: experts must be a non-empty subset of range({num_experts}), "
+            f"got {ids}"
+        )
+    device = torch.device(device)
+    dense_l1, dense_l2 = [], []
+    for e in ids:
+        seed_e = (seed * 1000003 + e) * 2
+        dense_l1.append(_dense(seed_e, 2 * intermediate, hidden, outlier_channels, outlier_scale))
+        dense_l2.append(_dense(seed_e + 1, hidden, intermediate, outlier_channels, outlier_scale))
+    l1_raw, l2_raw, a1, a2 = quantize_experts(torch.stack(dense_l1), torch.stack(dense_l2))
+    l1_raw = tuple(t.to(device) for t in l1_raw)
+    l2_raw = tuple(t.to(device) for t in l2_raw)
+    l1, l2 = deep_gemm.transform_weights_for_mega_moe(l1_raw, l2_raw)
+    weights = FP4MegaMoEWeights(ids, l1, l2, l1_raw, l2_raw, a1.to(device), a2.to(device))
+    if num_shared_experts:
+        shared_i = num_shared_experts * intermediate
+        base = (seed * 1000003 + _SHARED_SEED_OFFSET) * 2
+        s1 = _dense(base, 2 * shared_i, hidden, outlier_channels, outlier_scale).bfloat16()
+        s2 = _dense(base + 1, hidden, shared_i, outlier_channels, outlier_scale).bfloat16()
+        weights.shared_l1_raw, weights.shared_l2_raw = s1.to(device), s2.to(device)
+        weights.shared_l1, weights.shared_l2 = deep_gemm.transform_weights_for_mega_moe(
+            weights.shared_l1_raw, weights.shared_l2_raw
+        )
+    return weights
