@@ -32,11 +32,12 @@ from moewire.eval import EvalError, evaluate, runner  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 300
-ARGS = ["--pairs", "fp8:nvfp4", "--max-tokens", "64", "--seq-len", "32", "--device", "cpu"]
+ARGS = ["--pairs", "fp8:nvfp4", "--max-tokens", "64", "--seq-len", "32"]
 METRICS = ("perplexity", "kl_mean", "kl_p99", "top1_agreement")
 
 
-def _torchrun(checkpoint: Path, tmp: Path, *extra: str) -> tuple[dict, list[list[str]], str]:
+def _torchrun(checkpoint: Path, tmp: Path, *extra: str,
+              device: str = "cpu") -> tuple[dict, list[list[str]], str]:
     """Two ranks of ``rank_main.py eval`` under torchrun; returns rank 0's results.json,
     each rank's written paths under ``tmp/out`` and the command's stdout."""
     text = tmp / "text.txt"
@@ -48,7 +49,8 @@ def _torchrun(checkpoint: Path, tmp: Path, *extra: str) -> tuple[dict, list[list
                PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     out = tmp / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(HERE / "rank_main.py"), "eval", str(checkpoint), *ARGS, "--text",
+           "2", str(HERE / "rank_main.py"), "eval", str(checkpoint), *ARGS, "--device", device,
+           "--text",
            str(text), "--out", str(out), *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -57,9 +59,9 @@ def _torchrun(checkpoint: Path, tmp: Path, *extra: str) -> tuple[dict, list[list
     return json.loads((out / "results.json").read_text()), written, done.stdout
 
 
-def _one_rank(checkpoint: Path) -> dict:
+def _one_rank(checkpoint: Path, device: str = "cpu") -> dict:
     return evaluate(checkpoint, [("fp8", "nvfp4")], text=TEXT, max_tokens=64, seq_len=32,
-                    device="cpu", log=lambda s: None)
+                    device=device, log=lambda s: None)
 
 
 def _check_files(written: list[list[str]], stdout: str, tmp: Path) -> None:
@@ -82,6 +84,20 @@ def test_two_ranks_with_whole_dense_layers_equal_one_rank_bit_for_bit(checkpoint
     for got, want in zip(two["pairs"], one["pairs"], strict=True):
         assert {k: got[k] for k in (*METRICS, "layer_rel_l2", "name")} == {
             k: want[k] for k in (*METRICS, "layer_rel_l2", "name")}
+    _check_files(written, stdout, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_with_whole_dense_layers_equal_one_gpu_bit_for_bit(checkpoint, tmp_path):
+    """The same on two GPUs (NCCL, cuda:LOCAL_RANK) against one GPU."""
+    path = checkpoint("qwen3_moe")
+    two, written, stdout = _torchrun(path, tmp_path, "--no-tensor-parallel", device="cuda")
+    one = _one_rank(path, "cuda")
+    assert two["device"] == "cuda:0" and two["ranks"] == 2
+    for got, want in zip(two["pairs"], one["pairs"], strict=True):
+        assert {k: got[k] for k in (*METRICS, "layer_rel_l2")} == {
+            k: want[k] for k in (*METRICS, "layer_rel_l2")}
     _check_files(written, stdout, tmp_path)
 
 
