@@ -8,6 +8,7 @@ the argument and the fix), 1 on any other failure.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -384,7 +385,9 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
             "Run a local transformers MoE checkpoint (offline) through the Mega-MoE contract "
             "(experts_implementation='moewire') and compare each dispatch:combine pair with "
             "the same model on a BF16 wire, window by window (docs/eval.md). Every argument "
-            "and file is checked before the model loads."
+            "and file is checked before the model loads. Across ranks: torchrun "
+            "--nproc-per-node N -m moewire eval PATH ... shards the model by expert "
+            "parallelism over the N ranks; rank 0 prints and writes the results."
         ),
     )
     p.add_argument("checkpoint", help="local checkpoint directory (config.json, safetensors)")
@@ -422,6 +425,13 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
                    help="at most N documents per task (lm-eval's --limit)")
     p.add_argument("--out", type=Path, default=Path("moewire-eval"),
                    help="output directory (default ./moewire-eval)")
+    p.add_argument("--no-tensor-parallel", action="store_true",
+                   help="under torchrun: keep the dense layers (attention, embeddings, shared "
+                        "experts) whole on every rank instead of the model's tensor-parallel "
+                        "plan: more memory, and the numbers equal a one-rank run bit for bit")
+    p.add_argument("--ep-size", default=None, metavar="N",
+                   help="refused: the EP size of an eval is torchrun's --nproc-per-node (the "
+                        "wire-time column assumes EP 8, as moewire study's default --ep-size)")
     return p
 
 
@@ -439,8 +449,14 @@ def _eval_progress(bar):
 
 def _run_eval(args: argparse.Namespace) -> int:
     from moewire.eval import EvalError, evaluate, parse_pair, table
-    from moewire.eval.checks import read_text
+    from moewire.eval.checks import Ranks, read_text
 
+    if args.ep_size is not None:
+        raise EvalError("--ep-size", "moewire eval runs the model on the ranks torchrun "
+                        "starts, and its EP size is their number: launch with torchrun "
+                        f"--nproc-per-node {args.ep_size} -m moewire eval ... (the time model "
+                        "of the wire-time column is moewire study's --ep-size)")
+    first = Ranks.from_env().rank == 0
     if args.pairs is not None and not args.pairs:
         raise EvalError("--pairs", "the flag is given without a pair; pass one or more (e.g. "
                         "--pairs fp8:nvfp4 nvfp4:nvfp4), or leave --pairs out for the default "
@@ -457,8 +473,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     kwargs = dict(recipes=args.recipe, text=text, max_tokens=args.max_tokens,
                   seq_len=args.seq_len, mma_type=args.mma, kernel=args.kernel,
                   device=args.device, budget=args.budget, per_layer=per_layer, out_dir=args.out,
-                  tasks=tasks, tasks_path=args.tasks_path, task_limit=args.task_limit)
-    if sys.stderr.isatty():
+                  tasks=tasks, tasks_path=args.tasks_path, task_limit=args.task_limit,
+                  tensor_parallel=not args.no_tensor_parallel)
+    if sys.stderr.isatty() and first:
         from rich.console import Console
 
         bar = _rich_bar(Console(stderr=True))
@@ -468,6 +485,8 @@ def _run_eval(args: argparse.Namespace) -> int:
                               progress=_eval_progress(bar))
     else:
         report = evaluate(args.checkpoint, pairs, **kwargs)
+    if not first:  # rank 0 prints and writes; every rank computed the same numbers
+        return 0
     print(table(report))
     if "budget" in report:
         verdict = report["budget"]["verdict"]
@@ -596,7 +615,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 return _run_eval(args)
             except EvalError as exc:
-                print(f"moewire eval: error: {exc}", file=sys.stderr)
+                # Under torchrun every rank refuses alike; rank 0 says it once (and any
+                # rank whose RANK is not a rank).
+                rank = os.environ.get("RANK", "0")
+                if not rank.isdigit() or int(rank) == 0:
+                    print(f"moewire eval: error: {exc}", file=sys.stderr)
                 return 2
         return _run_study(args)
     except StudyArgumentError as exc:

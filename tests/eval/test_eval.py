@@ -310,7 +310,7 @@ def test_the_kl_plot_puts_the_baseline_on_the_edge_and_draws_the_budget():
              {"name": "nvfp4:nvfp4", "kl_mean": 3e-3, "bytes_per_token": 144.0,
               "wire_us": 30.0}]
     report = {"pairs": pairs, "budget": {"kl": 1e-3}, "interconnect": "nvlink-h200",
-              "ep_size": 8, "checkpoint": "/x/ckpt", "tokens": 64, "kernel": "stand-in",
+              "time_ep_size": 8, "checkpoint": "/x/ckpt", "tokens": 64, "kernel": "stand-in",
               "mma_type": "bf16xbf16"}
     fig = kl_figure(report)
     try:

@@ -5,6 +5,12 @@ window: a mistake found after that costs the whole run. So every argument and ev
 checked first (:func:`preflight`), and each refusal is one :class:`EvalError` that names
 the argument, the cause and the fix; the CLI prints it as one line and exits with code 2.
 
+Under ``torchrun`` (:class:`Ranks`, read from the variables it sets) every rank makes the
+same checks on the same arguments and files, so every rank refuses alike before any process
+group exists; the checks that depend on the rank (its memory, rank 0's output directory) run
+once the ranks have joined, and the first refusal is raised on every rank
+(:mod:`moewire.eval.runner`).
+
 May import: the standard library, torch, ``moewire.formats``, ``moewire.recipes``,
 ``moewire.integrations`` (the architectures and kernels it knows).
 """
@@ -21,10 +27,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["EvalError", "Checked", "check_out_dir", "parse_pair", "preflight", "read_text"]
+__all__ = ["EvalError", "Checked", "Ranks", "check_out_dir", "parse_pair", "preflight",
+           "read_text"]
 
 #: config.json keys that only a model with routed experts has.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+#: config.json keys of the number of routed experts (DeepSeek, Qwen3-MoE, Mixtral).
+_EXPERTS_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -34,11 +43,54 @@ class EvalError(ValueError):
 
     Attributes:
         argument: the flag or input that is wrong (``"--out"``, ``"checkpoint"``).
+        cause: the rest of the message (the cause and the fix).
     """
 
     def __init__(self, argument: str, message: str) -> None:
-        self.argument = argument
+        self.argument, self.cause = argument, message
         super().__init__(f"{argument}: {message}")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The ``torchrun`` launch this process belongs to, from the variables torchrun sets
+    (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``); one rank without them.
+
+    Under several ranks the model is sharded by transformers' expert parallelism over all of
+    them (the EP size is ``world``), each rank on its own device.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    local_world: int = 1
+
+    @classmethod
+    def from_env(cls, env: Any = None) -> Ranks:
+        """Read the launch from ``env`` (default ``os.environ``).
+
+        Raises:
+            EvalError: a variable that is not an integer, or a rank outside the world.
+        """
+        env = os.environ if env is None else env
+        if "WORLD_SIZE" not in env:
+            return cls()
+        values = {}
+        for key, name in (("RANK", "rank"), ("LOCAL_RANK", "local_rank"),
+                          ("WORLD_SIZE", "world"), ("LOCAL_WORLD_SIZE", "local_world")):
+            text = env.get(key, env["WORLD_SIZE"] if key == "LOCAL_WORLD_SIZE" else "0")
+            try:
+                values[name] = int(text)
+            except ValueError:
+                raise EvalError("torchrun", f"{key}={text!r} is not an integer; launch with "
+                                "torchrun --nproc-per-node N -m moewire eval ...") from None
+        ranks = cls(**values)
+        if not (ranks.world >= 1 and 0 <= ranks.rank < ranks.world
+                and 0 <= ranks.local_rank < ranks.local_world <= ranks.world):
+            raise EvalError("torchrun", f"RANK {ranks.rank}, LOCAL_RANK {ranks.local_rank}, "
+                            f"WORLD_SIZE {ranks.world}, LOCAL_WORLD_SIZE {ranks.local_world} "
+                            "do not describe a launch; let torchrun set them")
+        return ranks
 
 
 @dataclass(frozen=True)
@@ -170,7 +222,9 @@ def _check_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _check_device(device: str | torch.device | None) -> torch.device:
+def _check_device(device: str | torch.device | None, ranks: Ranks) -> torch.device:
+    if ranks.world > 1:
+        return _rank_device(device, ranks)
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -189,6 +243,45 @@ def _check_device(device: str | torch.device | None) -> torch.device:
             raise EvalError("--device", f"{device}: torch sees {count} CUDA device(s), "
                             f"cuda:0..cuda:{count - 1}; pass one of them")
     return dev
+
+
+def _rank_device(device: str | torch.device | None, ranks: Ranks) -> torch.device:
+    """A rank's device under torchrun: transformers binds each rank to the machine's
+    accelerator, ``cuda:LOCAL_RANK`` (5.23.0 ``distributed/utils.py``,
+    ``_bind_local_device``), or runs every rank on the CPU where there is none."""
+    cuda = torch.cuda.is_available()
+    name = ("cuda" if cuda else "cpu") if device is None else str(device)
+    if name not in ("cpu", "cuda"):
+        raise EvalError("--device", f"{name!r} under torchrun: each of the {ranks.world} ranks "
+                        "runs on its own device, cuda:LOCAL_RANK; pass --device cuda (or cpu "
+                        "on a machine without CUDA)")
+    if name == "cpu" and cuda:
+        raise EvalError("--device", "cpu under torchrun on a machine with CUDA: transformers "
+                        "places each rank on cuda:LOCAL_RANK; pass --device cuda")
+    if name == "cpu":
+        return torch.device("cpu")
+    if not cuda:
+        raise EvalError("--device", "cuda was asked for but torch sees no CUDA device; pass "
+                        "--device cpu")
+    count = torch.cuda.device_count()
+    if ranks.local_world > count:
+        raise EvalError("--device", f"torchrun starts {ranks.local_world} ranks on this node "
+                        f"and torch sees {count} CUDA device(s): one GPU per rank; launch with "
+                        f"--nproc-per-node {count} or fewer")
+    return torch.device("cuda", ranks.local_rank)
+
+
+def _check_ranks(config: dict[str, Any], ranks: Ranks) -> None:
+    """Under several ranks transformers gives each rank ``E / world`` whole experts
+    (``MoEParamShard``, ``Shard(0)``), so the world size must divide ``E``."""
+    text_config = config.get("text_config") or config
+    experts = next((int(c[k]) for k in _EXPERTS_KEYS for c in (config, text_config)
+                    if c.get(k)), 0)
+    if experts % ranks.world:
+        fits = [n for n in range(1, experts + 1) if experts % n == 0]
+        raise EvalError("--nproc-per-node", f"{ranks.world} ranks do not divide the model's "
+                        f"{experts} routed experts (expert parallelism gives each rank whole "
+                        f"experts, E / ranks of them); launch with one of {fits}")
 
 
 def _check_kernel(kernel: str, mma_type: str | None) -> None:
@@ -248,12 +341,13 @@ def preflight(
     mma_type: str | None,
     device: str | torch.device | None,
     budget: float | None,
+    ranks: Ranks = Ranks(),
 ) -> Checked:
     """Check every argument and file of :func:`moewire.eval.evaluate`; load nothing.
 
     Order: the numbers, the pairs and recipes, the kernel, the device, the checkpoint's
-    files. The caller checks the output directory last (:func:`check_out_dir` creates it),
-    so that a refused run leaves no directory behind.
+    files, the ranks (under torchrun). The caller checks the output directory last
+    (:func:`check_out_dir` creates it), so that a refused run leaves no directory behind.
 
     Raises:
         EvalError: the first thing wrong, naming the argument and the fix.
@@ -274,9 +368,11 @@ def preflight(
                         "for the default three")
     _check_recipes(recipes)
     _check_kernel(kernel, mma_type)
-    dev = _check_device(device)
+    dev = _check_device(device, ranks)
     path = Path(checkpoint)
     config = _check_config(path)
+    if ranks.world > 1:
+        _check_ranks(config, ranks)
     checked = Checked(path, config, dev, pairs, per_layer, tuple(map(str, recipes)),
                       any((path / f).is_file() for f in _TOKENIZER_FILES))
     hidden = checked.number("hidden_size")

@@ -12,10 +12,11 @@ window ends. What stays is one float64 tensor, :attr:`Totals.buffer` ``[runs, F 
 Host and device memory hold one window of logits and experts outputs whatever the number
 of tokens, plus these 8 bytes per token and run.
 
-Expert parallelism: on several ranks each holding other windows, every entry of the buffer
-is a sum over windows (a token's KL column is written by the one rank that ran it, and is 0
-elsewhere), so one ``all_reduce(SUM)`` of :attr:`Totals.buffer` (:meth:`Totals.all_reduce`)
-gives every rank the totals of the whole evaluation; read them with :meth:`Totals.result`.
+Expert parallelism (several ranks under ``torchrun``): transformers' ``MegaMoeEP`` needs
+every rank of the EP group to hold the same batch, so every rank runs every window and gets
+the same logits (the TP all-reduces and the all-gathers leave the same values on every
+rank); each rank adds the same sums. Nothing is reduced: :meth:`Totals.differing_runs`
+checks, after the windows, that the buffer is the same on every rank, bit for bit.
 
 Where float64 is needed, and where not:
 
@@ -138,11 +139,17 @@ class Totals:
         output of the same window, same shape)."""
         self.buffer[run, _SCALARS + 2 * layer] += (y.double() - y0.double()).square().sum()
 
-    def all_reduce(self, group=None) -> None:
-        """Sum the buffer over the ranks of ``group`` (each rank ran other windows)."""
+    def differing_runs(self, group=None) -> list[int]:
+        """The runs whose sums are not the same, bit for bit, on every rank of ``group``
+        (empty when they agree). Every rank calls it: a MAX and a MIN all-reduce of a copy
+        of the buffer."""
         import torch.distributed as dist
 
-        dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=group)
+        high, low = self.buffer.clone(), self.buffer.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        same = (high == low) | (high.isnan() & low.isnan())
+        return [run for run, ok in enumerate(same.all(dim=1).tolist()) if not ok]
 
     def token_kl(self, run: int) -> torch.Tensor:
         """The run's KL of every token of the evaluation, float64 ``[N]`` (a view)."""

@@ -78,7 +78,7 @@ def kl_figure(report: dict[str, Any]):
     for ax, key, label in ((axes[0], "bytes_per_token", "bytes per routed token "
                             "(dispatch + combine, mean over layers)"),
                            (axes[1], "wire_us", "estimated dispatch + combine time per layer "
-                            f"(us), {report['interconnect']}, EP {report['ep_size']}")):
+                            f"(us), {report['interconnect']}, EP {report['time_ep_size']}")):
         for r in measured:
             ax.scatter(r[key], r["kl_mean"], s=30, zorder=3)
             ax.annotate(r["name"], (r[key], r["kl_mean"]), textcoords="offset points",
@@ -108,7 +108,9 @@ def kl_figure(report: dict[str, Any]):
         ax.set_xlabel(label, fontsize=9)
         ax.set_ylabel("mean KL to the BF16 wire")
         ax.grid(True, which="both", alpha=0.3)
+    ranks = report.get("ranks", 1)
     fig.suptitle(f"{Path(report['checkpoint']).name}: {report['tokens']} tokens, kernel "
-                 f"{report['kernel']} ({report['mma_type']})", fontsize=10)
+                 f"{report['kernel']} ({report['mma_type']})"
+                 + (f", {ranks} ranks" if ranks > 1 else ""), fontsize=10)
     fig.tight_layout()
     return fig

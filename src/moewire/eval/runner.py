@@ -28,6 +28,18 @@ How it runs (one model, in lockstep):
    not grow with ``max_tokens`` (8 bytes per token and run for the exact KL percentile).
 4. With ``per_layer`` and ``budget``, the mixed recipe is measured as one more run and
    backed off layer by layer until it is within the budget (:mod:`moewire.eval.recipe`).
+
+Across ranks (``torchrun --nproc-per-node N -m moewire eval PATH``): the model is loaded
+with transformers' ``DistributedConfig(tp_size=N, ep_size=N, ep_implementation="moewire")``
+(:mod:`moewire.integrations.transformers.ep`): each rank holds ``E / N`` experts and its
+share of the attention, and every rank runs every window (``MegaMoeEP`` slices the shared
+batch itself), calibrates with amaxes reduced over the EP group, and computes the same
+metrics from the same logits, which are checked to be the same on every rank bit for bit
+after the windows (:meth:`moewire.eval.metrics.Totals.differing_runs`). Rank 0 alone logs
+and writes the files. The numbers differ from a one-rank run of the same model only where
+tensor parallelism adds partial BF16 sums (attention's row-parallel output projection) in
+another order; with ``tensor_parallel=False`` (the dense layers whole on every rank) they
+equal it bit for bit (docs/eval.md, "Across ranks").
 """
 
 from __future__ import annotations
@@ -45,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moewire.eval.checks import Checked, EvalError, check_out_dir, preflight
+from moewire.eval.checks import Checked, EvalError, Ranks, check_out_dir, preflight
 from moewire.eval.metrics import Reference, Totals, rows_per_chunk
 from moewire.eval.recipe import (
     WireCost,
@@ -203,6 +215,7 @@ class _Session:
         finally:
             self._run, self._totals = None, None
             self._reference.clear()
+        _check_ranks_agree(totals, [r.name for r in runs])
         return totals
 
     def close(self) -> None:
@@ -211,6 +224,52 @@ class _Session:
         for handle in self._handles:
             handle.remove()
         moewire.unquantize(self.model)
+
+
+def _check_ranks_agree(totals: Totals, names: list[str]) -> None:
+    """Under several ranks, fail unless every rank holds the same sums (module docstring)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    differ = totals.differing_runs()
+    if differ:
+        raise RuntimeError(
+            f"eval: the metrics of {[names[i] for i in differ]} differ between the "
+            f"{dist.get_world_size()} ranks, which must run the same windows through the same "
+            "model; launch every rank with the same arguments and files (torchrun "
+            "--nproc-per-node N -m moewire eval ...)")
+
+
+def _join(ranks: Ranks, device: torch.device) -> bool:
+    """Join the process group torchrun set up (``env://``), gloo on the CPU and NCCL on
+    CUDA, unless the caller has; returns whether this call created it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != ranks.world:
+            raise EvalError("torchrun", f"the process group has {dist.get_world_size()} ranks "
+                            f"and WORLD_SIZE is {ranks.world}; launch with torchrun alone")
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return True
+
+
+def _agree_on_refusal(error: EvalError | None) -> None:
+    """Every rank learns the first rank's refusal (by rank) and raises it; the checks of
+    one rank (its memory, rank 0's output directory) refuse the run on every rank."""
+    import torch.distributed as dist
+
+    mine = None if error is None else (error.argument, error.cause)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    first = next((e for e in every if e is not None), None)
+    if first is not None:
+        raise EvalError(*first)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -258,13 +317,15 @@ def _available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _estimate_bytes(checked: Checked, seq_len: int, tokens: int, runs: int) -> int:
-    """Weights (the checkpoint's files) and the experts' Mega-MoE copy (at most the weights
-    again); one window's logits (the baseline's and a run's, FP32 at most), their float64
-    chunks, the baseline's experts outputs and the activations; the per-token KLs of every
-    run (8 bytes each). Nothing else grows with the tokens."""
+def _estimate_bytes(checked: Checked, seq_len: int, tokens: int, runs: int,
+                    world: int = 1) -> int:
+    """Weights (the checkpoint's files; a rank's share of ``world`` ranks, which shard the
+    experts and the attention) and the experts' Mega-MoE copy (at most the weights again);
+    one window's logits (the baseline's and a run's, FP32 at most), their float64 chunks,
+    the baseline's experts outputs and the activations; the per-token KLs of every run (8
+    bytes each). Nothing else grows with the tokens."""
     weights = sum(f.stat().st_size for f in checked.path.iterdir()
-                  if f.suffix in (".safetensors", ".bin"))
+                  if f.suffix in (".safetensors", ".bin")) // world
     vocab, hidden = checked.number("vocab_size"), checked.number("hidden_size")
     layers = checked.number("num_hidden_layers")
     logits = 2 * seq_len * vocab * 4
@@ -273,18 +334,45 @@ def _estimate_bytes(checked: Checked, seq_len: int, tokens: int, runs: int) -> i
     return 2 * weights + logits + chunks + outputs + runs * tokens * 8
 
 
-def _load(checked: Checked, seq_len: int, mma_type: str | None, kernel: str) -> nn.Module:
+def _replicated_plan(checked: Checked) -> dict[str, str]:
+    """Every rule of the model's tensor-parallel plan as ``"replicate"`` (transformers 5.23
+    ``distributed/tensor_parallel.py``: a layer left whole on every rank). An override can
+    only change rules (``_resolve_parallel_plans`` merges it into the model's plan, and an
+    empty one is no plan), so every rule is named; the plan is read from the model built on
+    the meta device."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(checked.path, local_files_only=True)
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    return dict.fromkeys(skeleton.tp_plan, "replicate")
+
+
+def _load(checked: Checked, seq_len: int, mma_type: str | None, kernel: str,
+          world: int = 1, tensor_parallel: bool = True) -> nn.Module:
     import transformers
 
     import moewire.integrations.transformers as mt
 
     mt.register()
-    # With accelerate, the weights go straight to the GPU (no copy of them in host memory).
-    direct = checked.device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        checked.path, experts_implementation=mt.IMPLEMENTATION, dtype=torch.bfloat16,
-        local_files_only=True, device_map=str(checked.device) if direct else None,
-    ).to(checked.device)
+    if world > 1:
+        from transformers.distributed import DistributedConfig
+
+        # MegaMoeEP needs every rank of the EP group to hold the same batch: tp_size ==
+        # ep_size. transformers places each rank on its device (Ranks, checks.py).
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            checked.path, experts_implementation=mt.IMPLEMENTATION, dtype=torch.bfloat16,
+            local_files_only=True, distributed_config=DistributedConfig(
+                tp_size=world, ep_size=world, ep_implementation=mt.ep.IMPLEMENTATION,
+                tp_plan=None if tensor_parallel else _replicated_plan(checked)))
+    else:
+        # With accelerate, the weights go straight to the GPU (no copy in host memory).
+        direct = (checked.device.type == "cuda"
+                  and importlib.util.find_spec("accelerate") is not None)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            checked.path, experts_implementation=mt.IMPLEMENTATION, dtype=torch.bfloat16,
+            local_files_only=True, device_map=str(checked.device) if direct else None,
+        ).to(checked.device)
     model.eval()
     mt.prepare(model, mma_type, max_num_tokens=seq_len, kernel=kernel)
     return model
@@ -329,7 +417,8 @@ def evaluate(
     per_layer: tuple[str, str] | None = None,
     out_dir: str | os.PathLike | None = None,
     interconnect: str = "nvlink-h200",
-    ep_size: int = 8,
+    time_ep_size: int = 8,
+    tensor_parallel: bool = True,
     tasks: Sequence[str] = (),
     tasks_path: str | os.PathLike | None = None,
     task_limit: int | None = None,
@@ -355,30 +444,51 @@ def evaluate(
             (that pair on the layers the budget allows, the cheapest in-budget pair or BF16
             elsewhere), measured within the budget, is written to
             ``out_dir/mixed_recipe.yaml``.
-        out_dir: where ``results.json``, the plot and the recipe go.
-        interconnect, ep_size: the time model's interconnect and EP size.
+        out_dir: where ``results.json``, the plot and the recipe go (rank 0 writes them).
+        interconnect, time_ep_size: the time model's interconnect and EP size (the wire-time
+            column), not the ranks that run the model: under ``torchrun`` those are its
+            ``WORLD_SIZE``.
+        tensor_parallel: under several ranks, shard the dense layers (attention, embeddings,
+            shared experts) by the model's tensor-parallel plan (the default, least memory);
+            ``False`` keeps them whole on every rank, and the numbers then equal a one-rank
+            run bit for bit (module docstring).
         tasks: lm-evaluation-harness task names, run on every run but the per-layer ones.
         tasks_path: a directory of task YAML files (lm-eval's ``--include_path``).
         task_limit: at most this many documents per task (lm-eval's ``--limit``).
-        log: where the progress lines go.
+        log: where the progress lines go (rank 0's only).
         progress: ``progress(stage, done, total)``, called with ``done == 0`` as a stage
             (``"calibration"``, ``"window"``, ``"mixed recipe window"``, ``"tasks"``) starts
             and after each step (default: a few log lines per stage with the time to go).
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank calls it with the same arguments: the
+    model is sharded by expert parallelism over the ranks (module docstring), every rank
+    returns the same metrics, and rank 0 alone logs and writes the files.
 
     Returns:
         The results dict (as ``results.json``).
 
     Raises:
         EvalError: any argument or file that is wrong, before the model loads (the message
-            names it and the fix), or a run that does not fit in memory.
+            names it and the fix), or a run that does not fit in memory; under several
+            ranks, a refusal of any rank, on every rank.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ranks = Ranks.from_env()
+    if ranks.rank != 0:
+        log, progress = (lambda s: None), (lambda stage, done, total: None)
     plan = _plan(checkpoint, pairs, recipes=recipes, text=text, max_tokens=max_tokens,
                  seq_len=seq_len, mma_type=mma_type, kernel=kernel, device=device,
                  budget=budget, per_layer=per_layer, out_dir=out_dir,
-                 interconnect=interconnect, ep_size=ep_size, tasks=tasks,
-                 tasks_path=tasks_path, task_limit=task_limit, log=log)
-    return _run_plan(plan, log, progress or _line_progress(log))
+                 interconnect=interconnect, time_ep_size=time_ep_size,
+                 tensor_parallel=tensor_parallel, tasks=tasks, tasks_path=tasks_path,
+                 task_limit=task_limit, log=log, ranks=ranks)
+    try:
+        return _run_plan(plan, log, progress or _line_progress(log))
+    finally:
+        if plan.joined:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 @dataclass
@@ -395,22 +505,37 @@ class _Plan:
     budget: float | None
     per_layer: tuple[str, str] | None
     interconnect: str
-    ep_size: int
+    time_ep_size: int
     tasks: tuple[str, ...]
     task_manager: Any
     task_limit: int | None
+    tensor_parallel: bool
+    ranks: Ranks
+    joined: bool
 
 
 def _plan(checkpoint, pairs, *, recipes, text, max_tokens, seq_len, mma_type, kernel, device,
-          budget, per_layer, out_dir, interconnect, ep_size, tasks, tasks_path, task_limit,
-          log) -> _Plan:
+          budget, per_layer, out_dir, interconnect, time_ep_size, tensor_parallel, tasks,
+          tasks_path, task_limit, log, ranks) -> _Plan:
     """Every check of :func:`evaluate`, then the tokens and the windows; the output
-    directory is created last, once nothing else can refuse."""
+    directory is created last, once nothing else can refuse.
+
+    Under several ranks the checks up to the windows are the same on every rank (the same
+    arguments and files); then the ranks join the process group, and the checks of one rank
+    (the memory of its device, rank 0's output directory) refuse on every rank."""
     from moewire.study.comm import INTERCONNECTS
 
     checked = preflight(checkpoint, pairs, recipes=recipes, per_layer=per_layer,
                         max_tokens=max_tokens, seq_len=seq_len, kernel=kernel,
-                        mma_type=mma_type, device=device, budget=budget)
+                        mma_type=mma_type, device=device, budget=budget, ranks=ranks)
+    if not tensor_parallel and ranks.world == 1:
+        raise EvalError("--no-tensor-parallel", "one rank has no tensor parallelism to turn "
+                        "off; drop the flag, or launch several ranks with torchrun "
+                        "--nproc-per-node N -m moewire eval ...")
+    if tasks and ranks.world > 1:
+        raise EvalError("--tasks", f"lm-eval's tasks run on one rank, not under torchrun's "
+                        f"{ranks.world} ranks; measure the tasks in a one-rank run (python -m "
+                        "moewire eval ... --tasks ...), or drop --tasks here")
     if interconnect not in INTERCONNECTS:
         raise EvalError("interconnect", f"{interconnect!r} is not one of "
                         f"{', '.join(INTERCONNECTS)}")
@@ -434,20 +559,42 @@ def _plan(checkpoint, pairs, *, recipes, text, max_tokens, seq_len, mma_type, ke
     windows = _windows(ids, seq_len, dev)
     runs = 1 + len(checked.pairs) + len(checked.recipes)
     extra = checked.number("num_hidden_layers") + 1 if per_layer else 0
-    need = _estimate_bytes(checked, seq_len, windows.tokens, runs + extra)
-    have = _available_bytes(dev)
-    if need > have:
-        raise EvalError("memory", f"about {need / 2**30:.2f} GiB needed, {have / 2**30:.2f} GiB "
-                        f"free on {dev}; lower --seq-len or use a larger device")
-    out = None if out_dir is None else check_out_dir(out_dir)
+    need = _estimate_bytes(checked, seq_len, windows.tokens, runs + extra, ranks.world)
+    # The ranks of a node share its host memory.
+    have = _available_bytes(dev) // (ranks.local_world if dev.type == "cpu" else 1)
+    joined = ranks.world > 1 and _join(ranks, dev)
+    out, refused = None, None
+    try:
+        if need > have:
+            raise EvalError("memory", f"about {need / 2**30:.2f} GiB needed, "
+                            f"{have / 2**30:.2f} GiB free on {dev}"
+                            f"{' per rank' if ranks.world > 1 else ''}; lower --seq-len or use "
+                            f"{'more ranks' if ranks.world > 1 else 'a larger device'}")
+        if out_dir is not None and ranks.rank == 0:
+            out = check_out_dir(out_dir)
+    except EvalError as exc:
+        refused = exc
+    if ranks.world > 1:
+        try:
+            _agree_on_refusal(refused)
+        except EvalError:
+            if joined:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+            raise
+    elif refused is not None:
+        raise refused
+    on = f"{dev}" if ranks.world == 1 else f"{dev} per rank, {ranks.world} ranks"
     log(f"eval: {checked.path.name}: {windows.tokens} tokens in {len(windows.inputs)} windows, "
         f"{runs} runs (+{'one per layer and the mixed recipe' if per_layer else 'none'}), "
-        f"memory needed about {need / 2**30:.2f} GiB of {have / 2**30:.2f} GiB free on {dev}")
+        f"memory needed about {need / 2**30:.2f} GiB of {have / 2**30:.2f} GiB free on {on}")
     if windows.tokens < max_tokens:
         log(f"eval: the text gives {windows.tokens} tokens, fewer than --max-tokens "
             f"{max_tokens}")
     return _Plan(checked, tokenizer, windows, out, seq_len, mma_type, kernel, budget,
-                 per_layer, interconnect, ep_size, tasks, manager, task_limit)
+                 per_layer, interconnect, time_ep_size, tasks, manager, task_limit,
+                 tensor_parallel, ranks, joined)
 
 
 def _runs(plan: _Plan, names: list[str], cost: Callable) -> tuple[list[_Run], list[_Run]]:
@@ -475,12 +622,13 @@ def _run_plan(plan: _Plan, log: Callable[[str], None], progress: ProgressFn) -> 
     started = time.perf_counter()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    model = _load(plan.checked, plan.seq_len, plan.mma_type, plan.kernel)
+    model = _load(plan.checked, plan.seq_len, plan.mma_type, plan.kernel, plan.ranks.world,
+                  plan.tensor_parallel)
     modules = mt.experts_modules(model)
     names = [n for n, _ in modules]
     hidden = int(model.config.hidden_size)
     link = INTERCONNECTS[plan.interconnect]
-    traffic = uniform_traffic(plan.ep_size, 4096, int(model.config.num_experts_per_tok))
+    traffic = uniform_traffic(plan.time_ep_size, 4096, int(model.config.num_experts_per_tok))
 
     def cost(per_module: list[tuple[str, str]]) -> WireCost:
         return wire_cost(per_module, hidden,
@@ -492,7 +640,10 @@ def _run_plan(plan: _Plan, log: Callable[[str], None], progress: ProgressFn) -> 
         "checkpoint": str(plan.checked.path), "model_type": plan.checked.config.get("model_type"),
         "tokens": windows.tokens, "windows": len(windows.inputs), "seq_len": plan.seq_len,
         "kernel": plan.kernel, "mma_type": plan.mma_type or next(iter(mt.KERNELS[plan.kernel])),
-        "device": str(dev), "interconnect": plan.interconnect, "ep_size": plan.ep_size,
+        "device": str(dev), "ranks": plan.ranks.world,
+        "tensor_parallel": plan.tensor_parallel and plan.ranks.world > 1,
+        "interconnect": plan.interconnect,
+        "time_ep_size": plan.time_ep_size,
     }
     mixed_yaml = None
     loaded = time.perf_counter()
