@@ -299,11 +299,11 @@ def _tokens(tokenizer: Any, text: str, vocab: int) -> torch.Tensor:
 
 
 def _windows(ids: torch.Tensor, seq_len: int, device: torch.device) -> _Windows:
-    """Windows of ``seq_len`` inputs, each with its next tokens; a text shorter than one
-    window is one shorter window."""
-    n = max(1, (ids.numel() - 1) // seq_len)
-    chunks = [ids[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)]
-    offsets = [i * seq_len for i in range(n)]
+    """Windows of ``seq_len`` inputs, each with its next tokens; the tokens past the last
+    full window (or a text shorter than one window) are one shorter window, so every token
+    counts."""
+    offsets = list(range(0, ids.numel() - 1, seq_len))
+    chunks = [ids[i : i + seq_len + 1] for i in offsets]
     return _Windows([c[:-1].to(device) for c in chunks], [c[1:].to(device) for c in chunks],
                     offsets)
 
