@@ -68,6 +68,9 @@ CASES = {
     "device-unknown": (["--device", "tpu"], "--device: 'tpu'"),
     "seq-len-beyond-positions": (["--seq-len", "512"],
                                  "--seq-len: 512 tokens per window is more than"),
+    "mma-fp4xfp4-sizes": (["--mma", "fp4xfp4"],
+                          "--mma fp4xfp4: the NVFP4 x NVFP4 kernel needs sizes that are "
+                          "multiples of 512, but the model's hidden_size is"),
     "tasks-empty": (["--tasks", ","], "--tasks: ',' names no task"),
     "tasks-without-tokenizer": (["--tasks", "gsm8k"], "--tasks: lm-eval's tasks are text"),
 }

@@ -314,6 +314,23 @@ def _check_formats(pairs: Sequence[tuple[str, str]], argument: str, hidden: int)
                                 f"divide the model's hidden size {hidden}; drop it")
 
 
+def _check_kernel_shape(checked: Checked, mma_type: str | None) -> None:
+    """The NVFP4 x NVFP4 kernel's sizes: ``H`` and the experts' ``I`` multiples of 512
+    (DeepGEMM 2.8.0's ``csrc/apis/mega_moe.hpp``; the stand-in's ``SIZE_MULTIPLE``)."""
+    if mma_type != "fp4xfp4":
+        return
+    from moewire.reference.fp4_fp4.buffer import SIZE_MULTIPLE
+
+    sizes = {"hidden_size": checked.number("hidden_size"),
+             "moe_intermediate_size": (checked.number("moe_intermediate_size")
+                                       or checked.number("intermediate_size"))}
+    for key, size in sizes.items():
+        if size % SIZE_MULTIPLE:
+            raise EvalError("--mma fp4xfp4", f"the NVFP4 x NVFP4 kernel needs sizes that are "
+                            f"multiples of {SIZE_MULTIPLE}, but the model's {key} is {size}; "
+                            "use --mma fp8xfp4 or bf16xbf16 for this model")
+
+
 def _check_recipes(recipes: Sequence[str]) -> None:
     from moewire import recipes as recipe_registry
 
@@ -375,6 +392,7 @@ def preflight(
         _check_ranks(config, ranks)
     checked = Checked(path, config, dev, pairs, per_layer, tuple(map(str, recipes)),
                       any((path / f).is_file() for f in _TOKENIZER_FILES))
+    _check_kernel_shape(checked, mma_type)
     hidden = checked.number("hidden_size")
     _check_formats(pairs, "--pairs", hidden)
     if per_layer is not None:
