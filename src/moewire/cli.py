@@ -490,7 +490,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     print(table(report))
     if "budget" in report:
         verdict = report["budget"]["verdict"]
-        print(f"budget KL {args.budget:g}: " + (verdict or "no pair within budget; keep the BF16 wire"))
+        print(f"budget KL {args.budget:g}: "
+              + (verdict or "no pair within budget; keep the BF16 wire"))
     mixed = report.get("per_layer", {})
     if mixed.get("recipe"):
         print(f"mixed recipe: {mixed['pair'][0]}:{mixed['pair'][1]} on layers "
