@@ -24,11 +24,11 @@ parts=("$@")
 for part in "${parts[@]}"; do
   case $part in
     combine)
-      timeout 170 python3 benchmarks/combine_formats.py --tokens 8192 \
+      timeout 150 python3 benchmarks/combine_formats.py --tokens 8192 \
         --out "$R/combine_formats.json" > "$R/combine_formats.log" 2>&1
       echo "== combine (rc $?)"; grep -E "^\S+ +8192|model" "$R/combine_formats.log" | tail -70 ;;
     ncu)
-      timeout 80 ncu --clock-control none -k regex:combine_kernel --launch-skip 2 \
+      timeout 60 ncu --clock-control none -k regex:combine_kernel --launch-skip 2 \
         --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy \
         --section SchedulerStats --metrics smsp__inst_executed.sum,launch__registers_per_thread \
         python3 benchmarks/profile_combine.py --fmt nvfp4 --k 6 --hidden 7168 \
@@ -38,15 +38,15 @@ for part in "${parts[@]}"; do
         "$R/ncu_nvfp4.txt" | head -12 ;;
     forward)
       if [ -f .real-kernel/run.sh ]; then
-        OUT=$R timeout 170 bash .real-kernel/run.sh benchmarks/forward_overhead.py --profile \
+        OUT=$R timeout 150 bash .real-kernel/run.sh benchmarks/forward_overhead.py --profile \
           --iters 10 --out "$R/forward/forward.json" > "$R/forward.log" 2>&1
       else
-        timeout 170 python3 benchmarks/forward_overhead.py --profile --iters 10 \
+        timeout 150 python3 benchmarks/forward_overhead.py --profile --iters 10 \
           --out "$R/forward/forward.json" > "$R/forward.log" 2>&1
       fi
       echo "== forward (rc $?)"; grep -E "^-- |^moewire|^grouped_mm|^row|tokens," "$R/forward.log" | tail -24 ;;
     eval)
-      timeout 170 python3 benchmarks/eval_throughput.py --tokens 4096 16384 65536 \
+      timeout 150 python3 benchmarks/eval_throughput.py --tokens 4096 16384 65536 \
         --out "$R/eval" > "$R/eval_throughput.log" 2>&1
       echo "== eval (rc $?)"; tail -14 "$R/eval_throughput.log" ;;
   esac
