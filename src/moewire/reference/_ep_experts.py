@@ -121,6 +121,20 @@ class EPExperts(nn.Module):
             "shared_l2_weights": self.shared_l2_weights,
         }
 
+    def _check_call(self, hidden_states: torch.Tensor, shared_experts: nn.Module | None) -> int:
+        """The checks vLLM's NVFP4 forwards make before staging: an unfused shared expert
+        only without a fused one, and no more tokens than the buffer holds.
+
+        Returns:
+            the call's token count ``T``.
+        """
+        if shared_experts is not None and self.fused_shared:
+            raise ValueError(f"{type(self).__name__} fuses the shared expert; pass "
+                             "shared_experts=None")
+        num_tokens = hidden_states.shape[0]
+        self._check_num_tokens(num_tokens)
+        return num_tokens
+
     def _check_num_tokens(self, num_tokens: int) -> None:
         """Raises ``ValueError`` for more tokens than the buffer holds (vLLM's check)."""
         if num_tokens > self.max_num_tokens:

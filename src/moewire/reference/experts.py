@@ -142,6 +142,14 @@ def stage_mega_moe_inputs(
     buf.topk_weights[:t].copy_(weights)
 
 
+
+def padding_rows(num_tokens: int) -> torch.Tensor | None:
+    """The forward context's padding flags of the call's ``num_tokens`` tokens, or ``None``
+    when the context has none."""
+    is_padding = get_forward_context().is_padding
+    return None if is_padding is None else is_padding[:num_tokens]
+
+
 class MegaMoEExperts(EPExperts):
     """Mega-MoE routed experts of one EP rank, with vLLM's forward contract.
 

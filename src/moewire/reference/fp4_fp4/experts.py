@@ -25,7 +25,7 @@ from torch import nn
 
 from moewire.reference import deep_gemm
 from moewire.reference._ep_experts import EPExperts
-from moewire.reference.experts import get_forward_context
+from moewire.reference.experts import padding_rows
 from moewire.reference.fp4_fp4 import FLAVOUR
 from moewire.reference.fp4_fp4.staging import prepare_megamoe_nvfp4_inputs
 from moewire.reference.fp4_fp4.weights import FP4MegaMoEWeights, make_fp4_fp4_weights
@@ -140,14 +140,8 @@ class FP4MegaMoEExperts(EPExperts):
         Returns:
             BF16 ``[T, H]``.
         """
-        name = type(self).__name__
-        if shared_experts is not None and self.fused_shared:
-            raise ValueError(f"{name} fuses the shared expert; pass shared_experts=None")
-        num_tokens = hidden_states.shape[0]
-        self._check_num_tokens(num_tokens)
-        is_padding = get_forward_context().is_padding
-        if is_padding is not None:
-            is_padding = is_padding[:num_tokens]
+        num_tokens = self._check_call(hidden_states, shared_experts)
+        is_padding = padding_rows(num_tokens)
         buf = self.get_symm_buffer()
         y = torch.empty_like(hidden_states, dtype=torch.bfloat16)
         prepare_megamoe_nvfp4_inputs(
