@@ -42,6 +42,13 @@ def positive_int(value: Any, name: str, where: str, minimum: int = 1) -> int:
     return value
 
 
+def check_buffer_sizes(where: str, **sizes: int) -> None:
+    """Each of ``sizes`` (a buffer's ``num_experts``, ``num_max_tokens_per_rank``, ...)
+    checked by :func:`positive_int`, in the order given; ``num_shared_experts`` may be 0."""
+    for name, value in sizes.items():
+        positive_int(value, name, where, minimum=0 if name == "num_shared_experts" else 1)
+
+
 def group_size_rank(group: Any, where: str) -> tuple[int, int]:
     """``(world size, rank)`` of an EP group; ``None`` is one rank.
 

@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from moewire.reference._alloc import align, default_device, group_size_rank, positive_int
+from moewire.reference._alloc import (
+    align,
+    check_buffer_sizes,
+    default_device,
+    group_size_rank,
+)
 from moewire.reference.buffer import Region, RegionBuffer
 from moewire.reference.fp4_fp4 import FLAVOUR
 
@@ -89,15 +94,11 @@ class FP4SymmBuffer(RegionBuffer):
     ) -> None:
         where = "SymmBuffer(mma_type='fp4xfp4')"
         num_ranks, _ = group_size_rank(group, where)
-        for name, value in (
-            ("num_experts", num_experts),
-            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
-            ("num_topk", num_topk),
-            ("hidden", hidden),
-            ("intermediate_hidden", intermediate_hidden),
-        ):
-            positive_int(value, name, where)
-        positive_int(num_shared_experts, "num_shared_experts", where, minimum=0)
+        check_buffer_sizes(
+            where, num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank,
+            num_topk=num_topk, hidden=hidden, intermediate_hidden=intermediate_hidden,
+            num_shared_experts=num_shared_experts,
+        )
         if mma_type != "fp4xfp4" or activation != "swiglu":
             _fail(
                 where,

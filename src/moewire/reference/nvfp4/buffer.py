@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from moewire.reference._alloc import align as _align
+from moewire.reference._alloc import check_buffer_sizes
 from moewire.reference._alloc import default_device as _default_device
 from moewire.reference._alloc import group_size_rank as _group_size_rank
-from moewire.reference._alloc import positive_int as _positive_int
 from moewire.reference.buffer import Region, RegionBuffer, num_max_shared_sf_tokens
 
 __all__ = [
@@ -123,15 +123,11 @@ class NVFP4SymmBuffer(RegionBuffer):
     ) -> None:
         where = "NVFP4SymmBuffer"
         num_ranks, _ = _group_size_rank(group, where)
-        for name, value in (
-            ("num_experts", num_experts),
-            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
-            ("num_topk", num_topk),
-            ("hidden", hidden),
-            ("intermediate_hidden", intermediate_hidden),
-        ):
-            _positive_int(value, name, where)
-        _positive_int(num_shared_experts, "num_shared_experts", where, minimum=0)
+        check_buffer_sizes(
+            where, num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank,
+            num_topk=num_topk, hidden=hidden, intermediate_hidden=intermediate_hidden,
+            num_shared_experts=num_shared_experts,
+        )
         if num_experts % num_ranks:
             _fail(
                 where,
