@@ -99,24 +99,33 @@ def scale_groups(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
 def quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, ``sign << 3 | index``) of FP32 values, round to nearest even.
 
-    Magnitudes above 6 saturate to 6. ``-0`` and values that round to zero get code 0.
+    Magnitudes above 6 saturate to 6. ``-0`` and values that round to zero get code 0; NaN
+    gets index 7 (every comparison below counts it).
+
+    ``index`` is the number of midpoints ``m`` that ``|x|`` passes: ``|x| > m`` where a tie
+    goes down, ``|x| >= m`` where it goes up. Written as comparisons with Python scalars, so
+    it allocates no constant tensor (safe inside CUDA-graph capture).
     """
     a = x.float().abs()
-    # index = number of midpoints m with a > m (a >= m where the tie goes up): a strict
-    # comparison against the float just below m does the latter, so one bucketize suffices.
-    midpoints = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=a.device)
-    up = torch.tensor(_E2M1_TIE_GOES_UP, device=a.device)
-    bounds = torch.where(up, torch.nextafter(midpoints, torch.zeros_like(midpoints)), midpoints)
-    index = torch.bucketize(a, bounds).to(torch.uint8)
+    index = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for m, tie_goes_up in zip(_E2M1_MIDPOINTS, _E2M1_TIE_GOES_UP, strict=True):
+        passed = ~(a < m) if tie_goes_up else ~(a <= m)
+        index += passed.to(torch.uint8)
     negative = (x < 0) & (index != 0)
     return index | (negative.to(torch.uint8) << 3)
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """FP32 values of E2M1 codes (any integer dtype, low 4 bits used)."""
-    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    table = torch.cat([magnitudes, -magnitudes]).to(codes.device)
-    return table[codes.to(torch.int32) & 0xF]
+    """FP32 values of E2M1 codes (any integer dtype, low 4 bits used).
+
+    Index ``i`` is ``i / 2`` below 4 and ``2^(i // 2 - 1) * (1 + (i & 1) / 2)`` from 4 on
+    (0, 0.5, 1, 1.5, 2, 3, 4, 6): exact arithmetic, no table to copy to the device."""
+    c = codes.to(torch.int32) & 0xF
+    i = (c & 0x7).float()
+    low = i * 0.5
+    high = torch.exp2(torch.floor(i * 0.5) - 1.0) * (1.0 + (c & 1).float() * 0.5)
+    magnitude = torch.where(i < 4, low, high)
+    return torch.where((c & 0x8) != 0, -magnitude, magnitude)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -122,9 +122,11 @@ def _activation(
     """
     gate, up = gu.chunk(2, dim=-1)
     if clamp is not None:
-        c16 = torch.tensor(float(clamp)).bfloat16()
+        # c rounded to BF16 once, then used as a Python scalar: exact in BF16, so the BF16
+        # clamp equals __hmin2's, and no host tensor meets a CUDA one (CUDA-graph safe).
+        c16 = float(torch.tensor(float(clamp)).bfloat16())
         if activation == "swiglu":
-            gate = torch.minimum(gate, c16)
+            gate = torch.clamp(gate, max=c16)
         up = torch.clamp(up, min=-c16, max=c16)
     gate, up = gate.float(), up.float()
     sigmoid_input = gate * alpha if alpha != 1.0 else gate
