@@ -51,6 +51,22 @@ def stand_in_package(monkeypatch):
     return pkg
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """The real kernel's tests start a one-rank NCCL world (``sm90.one_rank_group``, directly
+    or through ``prepare``); it is destroyed after each, with the buffers cached over it, so
+    the real-kernel tier's own ``ep_group`` can start one later in the same process."""
+    import torch.distributed as dist
+
+    had = dist.is_initialized()
+    yield
+    if not had and dist.is_initialized():
+        from transformers.integrations.deepgemm import destroy_megamoe_buffers
+
+        destroy_megamoe_buffers()
+        dist.destroy_process_group()
+
+
 def _model(mt, implementation: str = "moewire", hidden: int = 512, intermediate: int = 256):
     import transformers as tf
 
