@@ -14,6 +14,9 @@ float32 array: the result before the final cast to the input dtype.
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import torch
@@ -254,18 +257,43 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 def _rcp_ftz(v: np.ndarray) -> np.ndarray:
-    """rcp.approx.ftz.f32 taken as the correctly rounded reciprocal (an FP32 division); a
+    """rcp.approx.ftz.f32 as the correctly rounded reciprocal (an FP32 division); a
     subnormal input is flushed to 0 and its reciprocal +inf; min(., FLT_MAX) as the
-    encoders cap it."""
+    encoders cap it. Exact on powers of two (``tests/kernels/test_gpu.py``)."""
     with np.errstate(divide="ignore"):
         r = np.where(v < _TINY, np.inf, F32(1) / np.where(v < _TINY, F32(1), v))
     return np.minimum(r.astype(F32), _FP32_MAX)
 
 
-def _flashinfer_enc(scale: np.ndarray) -> np.ndarray:
+RCP_DUMP = (Path(__file__).resolve().parents[2] / "benchmarks/results/rcp-approx"
+            / "rcp_approx_bf16_amax.npz")
+
+
+@functools.cache
+def _measured_rcp() -> tuple[np.ndarray, np.ndarray]:
+    """``(ds_bits, rcp_bits)`` sorted by ``ds_bits``: what ``rcp.approx.ftz.f32`` gave on the
+    GPU for the decode scale of every positive normal BF16 amax (the committed measurement
+    of ``benchmarks/rcp_approx_table.py``)."""
+    dump = np.load(RCP_DUMP)
+    order = np.argsort(dump["ds_bits"])
+    return dump["ds_bits"][order], dump["rcp_bits"][order]
+
+
+def _rcp_measured(ds: np.ndarray) -> np.ndarray:
+    """The device's ``rcp.approx.ftz.f32`` of NVFP4 decode scales of BF16 amaxes, read from
+    the measurement (a value it does not hold: the correctly rounded reciprocal, as
+    :func:`_rcp_ftz`)."""
+    keys, values = _measured_rcp()
+    bits = np.ascontiguousarray(ds, dtype=F32).view(np.int32)
+    at = np.clip(np.searchsorted(keys, bits), 0, len(keys) - 1)
+    found = (keys[at] == bits) & (ds >= _TINY)
+    return np.where(found, values[at].view(F32), _rcp_ftz(ds)).astype(F32)
+
+
+def _flashinfer_enc(scale: np.ndarray, rcp=_rcp_ftz) -> np.ndarray:
     """FlashInfer's _enc_mxfp8 / _enc_nvfp4: fmin(rcp, FLT_MAX) * fmin(scale * 1e30, 1)."""
     mask = np.minimum((scale * _MASK).astype(F32), F32(1))
-    return (_rcp_ftz(scale) * mask).astype(F32)
+    return (rcp(scale) * mask).astype(F32)
 
 
 def flashinfer_mxfp8(x: np.ndarray, amax=None) -> np.ndarray:
@@ -282,11 +310,12 @@ def flashinfer_mxfp8(x: np.ndarray, amax=None) -> np.ndarray:
 
 
 def flashinfer_nvfp4(x: np.ndarray, amax=None) -> np.ndarray:
-    """FlashInfer 16e2m1xbf16: BF16 amax, ds = amax * fl(1/6), the masked reciprocal, E2M1
-    with the sign kept (ml_dtypes), decode q * ds in FP32."""
+    """FlashInfer 16e2m1xbf16: BF16 amax, ds = amax * fl(1/6), the masked reciprocal (the
+    GPU's rcp.approx.ftz.f32, as measured), E2M1 with the sign kept (ml_dtypes), decode
+    q * ds in FP32."""
     xb, a, finite = _block_amax(x, 16)
     ds = (_bf16(a) * recip32(6.0)).astype(F32)
-    enc = _flashinfer_enc(ds)
+    enc = _flashinfer_enc(ds, _rcp_measured)
     q = e2m1((xb * enc).astype(F32))
     out = np.where(finite, (q.astype(F32) * ds).astype(F32), np.nan)
     return out.astype(F32).reshape(x.shape)

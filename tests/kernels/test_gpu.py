@@ -205,32 +205,20 @@ def test_rcp_approx_is_exact_on_powers_of_two():
     assert torch.equal(_rcp_approx(pow2(k)), pow2(-k))
 
 
-def test_rcp_approx_changes_no_flashinfer_nvfp4_code_on_bf16_rows():
+def test_rcp_approx_model_is_this_gpus_instruction_on_every_bf16_decode_scale():
     """FlashInfer's NVFP4 combine encodes with ``rcp.approx.ftz.f32`` of its decode scale
-    ``ds = fl(a * fl(1/6))``; ``flashinfer_nvfp4`` takes the correctly rounded reciprocal.
-    For every positive normal BF16 block amax ``a`` and every BF16 element ``x`` in
-    ``[a * 2^-6, a]`` (below that, ``x * enc < 0.25`` rounds to 0 either way) the E2M1
-    code of ``fl(x * enc)`` must not depend on which reciprocal ``enc`` is built from (the
-    mask ``min(ds * 1e30, 1)`` included): then the two encoders agree on every BF16 row.
-    The instruction runs on this GPU's MUFU (Hopper's on the H200; the kernel runs on
-    Blackwell's). Prints how many reciprocals differ at all."""
-    from moewire.formats._numerics import e2m1_magnitude, mul_recip
+    ``ds = fl(a * fl(1/6))``; ``flashinfer_nvfp4`` models it as the correctly rounded
+    reciprocal moved by the offset measured for ``a``'s significand. On this GPU's MUFU the
+    model must be the instruction on every positive normal BF16 ``a`` (so every E2M1 code of
+    ``fl(x * enc)`` is the device's). Prints how many reciprocals the model moves."""
+    from moewire.formats._numerics import mul_recip, rcp_approx_bf16_decode_scale
 
     bits = torch.arange(0x0080, 0x7F80, dtype=torch.int32, device=CUDA)  # positive normals
     a = bits.to(torch.int16).view(torch.bfloat16).float()
     ds = mul_recip(a, 6.0)
-    approx = _rcp_approx(ds)
-    exact = torch.reciprocal(ds)
-    differ = approx != exact
-    print(f"rcp.approx.ftz.f32 != 1/ds on {int(differ.sum())} of {ds.numel()} decode scales")
-    mask = (ds * torch.tensor(1e30, dtype=torch.float32)).clamp(max=1.0)
     normal = ds >= torch.finfo(torch.float32).tiny
-    pick = (differ & normal).nonzero().flatten()
-    changed = 0
-    for chunk in pick.split(2048):
-        x_bits = (bits[chunk, None] - torch.arange(0, 6 * 128 + 1, device=CUDA)).clamp(min=0)
-        x = x_bits.to(torch.int16).view(torch.bfloat16).float()
-        codes = [e2m1_magnitude((x * (r[chunk] * mask[chunk])[:, None]).abs().clamp(max=6.0))
-                 for r in (approx, exact)]
-        changed += int((codes[0] != codes[1]).sum())
-    assert changed == 0, f"{changed} (amax, element) pairs change their E2M1 code"
+    device, model = _rcp_approx(ds), rcp_approx_bf16_decode_scale(ds, a)
+    moved = int((model != torch.reciprocal(ds))[normal].sum())
+    print(f"the model moves {moved} of {int(normal.sum())} reciprocals off 1/ds")
+    assert moved > 0
+    assert torch.equal(device[normal].view(torch.int32), model[normal].view(torch.int32))

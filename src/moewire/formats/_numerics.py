@@ -25,6 +25,35 @@ _E2M1_UP_AT_TIE = (False, True, False, True, False, True, False)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+# ``rcp.approx.ftz.f32(ds) - fl(1/ds)``, in units in the last place, for the NVFP4 decode
+# scale ``ds = fl(a * fl(1/6))`` of a BF16 amax ``a``, by the 7 significand bits of ``a``: one
+# ulp up at these, one down at those, none at the other 112. Measured on an H100 (sm_90) for
+# every positive normal BF16 ``a`` by ``benchmarks/rcp_approx_table.py``
+# (``benchmarks/results/rcp-approx/``); the offset depends on the significand of ``ds``
+# alone (checked there on all 2^23 significands at seven exponents from 2^-125 to 2^125).
+RCP_APPROX_UP_AT = (11, 12, 17, 29, 35, 41, 42, 55, 73, 117, 121)
+RCP_APPROX_DOWN_AT = (65, 70, 94, 97, 98)
+
+
+def rcp_approx_bf16_decode_scale(ds: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``rcp.approx.ftz.f32(ds)`` for ``ds = fl(a * fl(1/6))`` >= 2^-126, ``a`` BF16-valued FP32.
+
+    The correctly rounded ``fl(1 / ds)`` moved by the measured offset of ``a``'s significand
+    (:data:`RCP_APPROX_UP_AT`, :data:`RCP_APPROX_DOWN_AT`), on the bits: ``1 / ds`` is a
+    positive normal FP32 number, so one up or down in its bit pattern is one ulp (across a
+    binade too). Python-scalar comparisons only: no constant tensor (CUDA-graph safe).
+    """
+    import torch
+
+    m = (a.view(torch.int32) >> 16) & 0x7F
+    offset = torch.zeros_like(m)
+    for s in RCP_APPROX_UP_AT:
+        offset += (m == s).to(torch.int32)
+    for s in RCP_APPROX_DOWN_AT:
+        offset -= (m == s).to(torch.int32)
+    return (torch.reciprocal(ds).view(torch.int32) + offset).view(torch.float32)
+
+
 def mul_recip(t: torch.Tensor, c: float) -> torch.Tensor:
     """``t / c`` for a constant ``c``, written as torch computes it on CUDA: ``t * fl(1/c)``.
 

@@ -60,6 +60,7 @@ from moewire.formats._numerics import (
     exponent_fields,
     mul_recip,
     pow2,
+    rcp_approx_bf16_decode_scale,
 )
 from moewire.formats.base import register
 
@@ -343,21 +344,25 @@ class FlashInferNVFP4Combine(BlockCombineFormat):
     value is FP32 that BF16 cannot hold (the FP32 accumulation and a QDQ-to-BF16 sum differ,
     as for ``trtllm_16e2m1xbf16``).
 
-    Not modelled: ``rcp`` is ``rcp.approx.ftz.f32`` on the device (the kernel package's own
-    oracle calls the same instruction through Triton, ``_rcp_approx_ftz_f32_cuda``); moewire
-    takes the correctly rounded reciprocal. PTX allows the approximation one ulp of error,
-    and one ulp matters: BF16 rows put many elements exactly on an E2M1 midpoint of
-    ``x / ds`` (``x = 5a/12`` is a BF16 value whenever ``a``'s significand is a multiple of
-    3), where the last bit of ``enc`` decides the rounding. So this format is the device's
-    bit for bit exactly where the instruction is correctly rounded on the decode scales;
-    ``ds`` takes only 128 significands (one per BF16 significand of ``a``), and
-    ``tests/kernels/test_gpu.py`` checks every BF16 (amax, element) pair on the H200
-    (Hopper's MUFU; the kernel runs on Blackwell's). Assumed, not read: that the E2M1
-    convert keeps the sign of a value that rounds to zero (IEEE's rule; the host oracle's
-    table writes +0.0).
+    ``rcp`` is ``rcp.approx.ftz.f32``, as on the device (the kernel package's own oracle
+    calls the same instruction through Triton, ``_rcp_approx_ftz_f32_cuda``), modelled
+    bit for bit: PTX allows the approximation one ulp of error, and one ulp matters, since
+    BF16 rows put many elements exactly on an E2M1 midpoint of ``x / ds`` (``x = 5a/12`` is
+    a BF16 value whenever ``a``'s significand is a multiple of 3), where the last bit of
+    ``enc`` decides the rounding. ``ds`` takes one significand per BF16 significand of ``a``
+    (128), and the instruction's result depends on the significand of ``ds`` alone, so the
+    model is the correctly rounded reciprocal moved by one ulp at 16 of them
+    (``_numerics.rcp_approx_bf16_decode_scale``). Measured on an H100 (Hopper's MUFU:
+    4024 of the 32512 positive normal BF16 amaxes get a reciprocal one ulp off the
+    correctly rounded one, and 2926 (amax, BF16 element) pairs a different E2M1 code);
+    ``tests/formats/test_flashinfer_rcp.py`` checks the model against that measurement on
+    every BF16 amax. Assumed, not measured: that Blackwell's MUFU, where the kernel runs,
+    gives the same results; and that the E2M1 convert keeps the sign of a value that
+    rounds to zero (IEEE's rule; the host oracle's table writes +0.0).
 
-    How it differs from ``trtllm_16e2m1xbf16`` (the kernel package's host oracle): the mask
-    (blocks with ``a`` below about 6e-30), the sign of a zero, and nothing else.
+    How it differs from ``trtllm_16e2m1xbf16`` (the kernel package's host oracle, with the
+    correctly rounded reciprocal): the device's reciprocal, the mask (blocks with ``a``
+    below about 6e-30) and the sign of a zero.
     """
 
     name = "flashinfer_nvfp4"
@@ -368,10 +373,12 @@ class FlashInferNVFP4Combine(BlockCombineFormat):
     def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
 
-        ds = mul_recip(block_amax.to(torch.bfloat16).to(torch.float32), E2M1_MAX)
+        a = block_amax.to(torch.bfloat16).to(torch.float32)
+        ds = mul_recip(a, E2M1_MAX)
         mask = (ds * torch.tensor(_FLASHINFER_MASK, dtype=torch.float32)).clamp(max=1.0)
         normal = ds >= torch.finfo(torch.float32).tiny
-        enc = torch.where(normal, torch.reciprocal(ds) * mask, torch.zeros_like(ds))
+        rcp = rcp_approx_bf16_decode_scale(ds, a)
+        enc = torch.where(normal, rcp * mask, torch.zeros_like(ds))
         v = xb * enc
         q = torch.copysign(e2m1_magnitude(v.abs().clamp(max=E2M1_MAX)), v)
         return q * ds

@@ -19,6 +19,10 @@ Every format's math here is the math of its torch reference in ``moewire.formats
 - NVFP4's per-element quotient ``fl(|x| / bs)`` is computed without a per-element division
   (:func:`_div_by_block`): one exact reciprocal per 16-element block, then Markstein's
   correction (two FMAs), which gives the correctly rounded quotient bit for bit;
+- ``rcp.approx.ftz.f32``, where a format takes the device's approximate reciprocal
+  (``flashinfer_nvfp4``), is the correctly rounded one moved by the measured offset of its
+  input's significand (:func:`_rcp_approx_bf16_decode_scale`), so CPU, interpreter and GPU
+  agree bit for bit;
 - an FMA is one rounding: ``tl.fma`` on the GPU; under the interpreter (whose ``fma`` is a
   multiply then an add, two roundings) :func:`_fma` computes it exactly in FP64 with
   round-to-odd.
@@ -31,6 +35,8 @@ from __future__ import annotations
 import numpy as np
 import triton
 import triton.language as tl
+
+from moewire.formats._numerics import RCP_APPROX_DOWN_AT, RCP_APPROX_UP_AT
 
 FORMAT_CODES = {
     "bf16": 0,
@@ -91,6 +97,18 @@ _MASK_1E30 = tl.constexpr(float(np.float32(1e30)))
 # TensorRT-LLM's floor of the block amax (torch.clamp(min=1e-30) on an FP32 tensor).
 _TRTLLM_FLOOR = tl.constexpr(float(np.float32(1e-30)))
 _FLT_MIN = tl.constexpr(float(np.finfo(np.float32).tiny))
+# rcp.approx.ftz.f32's offset from the correctly rounded reciprocal on a BF16 amax's NVFP4
+# decode scale, by the amax's 7 significand bits (formats._numerics.RCP_APPROX_UP_AT and
+# RCP_APPROX_DOWN_AT), as eight 16-bit words per direction: bit (m & 15) of word m >> 4.
+def _rcp_words(at: tuple[int, ...]) -> tuple[int, ...]:
+    words = [0] * 8
+    for m in at:
+        words[m >> 4] |= 1 << (m & 15)
+    return tuple(words)
+
+
+_RCP_UP = tl.constexpr(_rcp_words(RCP_APPROX_UP_AT))
+_RCP_DOWN = tl.constexpr(_rcp_words(RCP_APPROX_DOWN_AT))
 # NVFP4's floor of fl(6 gs) before its reciprocal (see _nvfp4_consts).
 _GS6_FLOOR = tl.constexpr(2.0**-90)
 
@@ -270,6 +288,29 @@ def _e2m1_magnitude(a, HW_CAST: tl.constexpr, BOUNDED: tl.constexpr):
     p = p.to(tl.float32, bitcast=True)
     s = _fma_exact(p, 6291456.0, a, HW_CAST)
     return _fma_exact(p, -6291456.0, s, HW_CAST)
+
+
+@triton.jit
+def _table_bit(m, W: tl.constexpr):
+    """Bit ``m & 15`` of word ``m >> 4`` of the eight 16-bit words ``W`` (``m`` in 0..127)."""
+    hi = m >> 4
+    word = tl.where(hi < 4,
+                    tl.where(hi < 2, tl.where(hi == 0, W[0], W[1]),
+                             tl.where(hi == 2, W[2], W[3])),
+                    tl.where(hi < 6, tl.where(hi == 4, W[4], W[5]),
+                             tl.where(hi == 6, W[6], W[7])))
+    return (word >> (m & 15)) & 1
+
+
+@triton.jit
+def _rcp_approx_bf16_decode_scale(ds, a):
+    """``rcp.approx.ftz.f32(ds)`` for ``ds = fl(a * fl(1/6)) >= 2^-126`` with ``a``
+    BF16-valued (``formats._numerics.rcp_approx_bf16_decode_scale``): the correctly rounded
+    reciprocal moved by the measured offset of ``a``'s significand, on the bits."""
+    m = (a.to(tl.int32, bitcast=True) >> 16) & 0x7F
+    offset = _table_bit(m, _RCP_UP) - _table_bit(m, _RCP_DOWN)
+    exact = tl.math.div_rn(tl.full(ds.shape, 1.0, tl.float32), ds)
+    return (exact.to(tl.int32, bitcast=True) + offset).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -510,8 +551,7 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
         a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
         ds = a * _INV_6
         mask = tl.minimum(ds * _MASK_1E30, 1.0)
-        enc = tl.where(ds >= _FLT_MIN,
-                       tl.math.div_rn(tl.full(ds.shape, 1.0, tl.float32), ds) * mask, 0.0)
+        enc = tl.where(ds >= _FLT_MIN, _rcp_approx_bf16_decode_scale(ds, a) * mask, 0.0)
         v = xb * enc
         mag = _e2m1_magnitude(tl.abs(v), HW_CAST, False)
         sign_bit = v.to(tl.int32, bitcast=True) & -2147483648

@@ -287,20 +287,39 @@ def _grouped_matmul(
                 x.to(experts.dtype), experts.dense.transpose(1, 2), offs=ends,
                 out_dtype=out_dtype,
             )
-        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            # torch's CUDA _grouped_mm takes BF16 in and BF16 out only (its fallback wants
+            # out_dtype == mat_a's dtype and reads the offsets on the host). Under a capture
+            # the rows of each expert are selected on the device instead.
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "moewire.reference: torch._grouped_mm is unavailable here "
-                    f"({exc}), and the per-expert fallback reads row counts on the host, "
-                    "which a CUDA graph capture forbids; run eagerly, or raise "
-                    "MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES so the weights stay cached"
-                ) from exc
+                return _masked_grouped_matmul(x, experts, ends)
+    elif x.is_cuda and x.shape[0] and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "moewire.reference: the expert weights are not cached (larger than "
+            "MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES), and the per-expert loop reads row counts "
+            "on the host, which a CUDA graph capture forbids; run eagerly, or raise "
+            "MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES so the weights stay cached"
+        )
     out = torch.empty((x.shape[0], experts.n), dtype=torch.float32, device=x.device)
     bounds = [0, *ends.tolist()]
     for e in range(len(bounds) - 1):
         if bounds[e + 1] > bounds[e]:
             rows = slice(bounds[e], bounds[e + 1])
             torch.mm(x[rows], experts[e].t(), out=out[rows])
+    return out
+
+
+def _masked_grouped_matmul(x: torch.Tensor, experts: Any, ends: torch.Tensor) -> torch.Tensor:
+    """FP32 ``x[rows of e] @ W[e].T`` with no host sync: each expert's product over all rows,
+    kept where the row is that expert's (``E`` times the work of the grouped product; the
+    stand-in takes it only inside a CUDA-graph capture). The products are those of the
+    per-expert loop: FP32 inputs exact in the cache's dtype, FP32 accumulation."""
+    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+    group = torch.searchsorted(ends, rows, right=True)
+    xf = x.float()
+    out = torch.zeros((x.shape[0], experts.n), dtype=torch.float32, device=x.device)
+    for e in range(experts.dense.shape[0]):
+        out = torch.where((group == e).unsqueeze(1), xf @ experts.dense[e].float().t(), out)
     return out
 
 
