@@ -113,3 +113,22 @@ def test_grouped_matmul_groups_rows_by_expert(cached, out_dtype):
     out = _kernel._grouped_matmul(x, _Experts(weights, cached), ends, out_dtype)
     assert out.dtype == torch.float32 and out.shape == (10, 8)
     torch.testing.assert_close(out, torch.cat([x[:4] @ weights[0].T, x[4:] @ weights[2].T]))
+
+
+def test_the_capture_path_selects_each_experts_rows_like_the_loop():
+    """``_masked_grouped_matmul`` (what a CUDA-graph capture takes when torch's grouped GEMM
+    refuses FP32 out) gives each row its own expert's product, zeros past the last group,
+    and the loop's values: small integers keep every product and sum exact, so any row sent
+    to another expert (or an off-by-one at a group end) shows."""
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.randint(-3, 4, (4, 8, 16), generator=gen).float()
+    x = torch.randint(-3, 4, (13, 16), generator=gen).float()
+    ends = torch.tensor([3, 3, 7, 11], dtype=torch.int32)  # expert 1 empty, rows 11-12 unused
+    experts = _Experts(weights, cached=True)
+    got = _kernel._masked_grouped_matmul(x, experts, ends)
+    loop = _kernel._grouped_matmul(x, _Experts(weights, cached=False), ends)
+    assert torch.equal(got[:11], loop[:11])
+    assert torch.equal(got[11:], torch.zeros(2, 8))
+    owner = [0, 0, 0, 2, 2, 2, 2, 3, 3, 3, 3]
+    want = torch.stack([x[r] @ weights[e].T for r, e in enumerate(owner)])
+    assert torch.equal(got[:11], want)
