@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moewire.kernels import rcp_approx
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,14 +27,10 @@ _E2M1_UP_AT_TIE = (False, True, False, True, False, True, False)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-# ``rcp.approx.ftz.f32(ds) - fl(1/ds)``, in units in the last place, for the NVFP4 decode
-# scale ``ds = fl(a * fl(1/6))`` of a BF16 amax ``a``, by the 7 significand bits of ``a``: one
-# ulp up at these, one down at those, none at the other 112. Measured on an H100 (sm_90) for
-# every positive normal BF16 ``a`` by ``benchmarks/rcp_approx_table.py``
-# (``benchmarks/results/rcp-approx/``); the offset depends on the significand of ``ds``
-# alone (checked there on all 2^23 significands at seven exponents from 2^-125 to 2^125).
-RCP_APPROX_UP_AT = (11, 12, 17, 29, 35, 41, 42, 55, 73, 117, 121)
-RCP_APPROX_DOWN_AT = (65, 70, 94, 97, 98)
+# rcp.approx.ftz.f32's offset from the correctly rounded reciprocal on the NVFP4 decode
+# scale of a BF16 amax, by the amax's 7 significand bits (measured: moewire.kernels.rcp_approx).
+RCP_APPROX_UP_AT = rcp_approx.UP_AT
+RCP_APPROX_DOWN_AT = rcp_approx.DOWN_AT
 
 
 def rcp_approx_bf16_decode_scale(ds: torch.Tensor, a: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from moewire.formats._numerics import RCP_APPROX_DOWN_AT, RCP_APPROX_UP_AT
+from moewire.kernels.rcp_approx import DOWN_AT as RCP_APPROX_DOWN_AT
+from moewire.kernels.rcp_approx import UP_AT as RCP_APPROX_UP_AT
 
 FORMAT_CODES = {
     "bf16": 0,
@@ -98,8 +99,8 @@ _MASK_1E30 = tl.constexpr(float(np.float32(1e30)))
 _TRTLLM_FLOOR = tl.constexpr(float(np.float32(1e-30)))
 _FLT_MIN = tl.constexpr(float(np.finfo(np.float32).tiny))
 # rcp.approx.ftz.f32's offset from the correctly rounded reciprocal on a BF16 amax's NVFP4
-# decode scale, by the amax's 7 significand bits (formats._numerics.RCP_APPROX_UP_AT and
-# RCP_APPROX_DOWN_AT), as eight 16-bit words per direction: bit (m & 15) of word m >> 4.
+# decode scale, by the amax's 7 significand bits (kernels.rcp_approx, measured), as eight
+# 16-bit words per direction: bit (m & 15) of word m >> 4.
 def _rcp_words(at: tuple[int, ...]) -> tuple[int, ...]:
     words = [0] * 8
     for m in at:
