@@ -9,8 +9,9 @@ and the bridge, registered through moewire's own site entries
   SiTU spelled ``activation_beta``/``activation_linear_beta``, on the build that spelling
   belongs to (``deepgemm-vllm-situ``); quantized, calibrated and undone at latent width;
 - DeepSeek-V4's fused shared expert on by default (``_main_backend`` with a fused shared
-  expert) on the DeepGEMM vLLM main pins (``deepgemm-vllm-dev``), and the serial fallback of
-  ``VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=1``, with a dispatch quantizer;
+  expert) on vllm-project/DeepGEMM's dev head (``deepgemm-vllm-dev``, 63aa62a), and the
+  serial fallback of ``VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION=1``, with a dispatch
+  quantizer;
 - the refusals: FlashInfer's Kimi-K3 experts, AMD's aiter Mega-MoE (one class has the
   NVIDIA class's name), told apart by their modules.
 """
@@ -210,7 +211,7 @@ def _backend_site():
 @pytest.mark.parametrize("fused", [True, False],
                          ids=["fused-default", "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION"])
 def test_dsv4_dispatch_with_and_without_the_fused_shared_expert(fused, monkeypatch):
-    """On the DeepGEMM vLLM main pins (``deepgemm-vllm-dev``: shared row added first):
+    """On vllm-project/DeepGEMM's dev head (``deepgemm-vllm-dev``: shared row added first):
     with the fusion on (the default), the dispatch quantizer changes only the routed experts'
     tokens: the output is the routed rows of a run on q(x) and the shared row of a run on x,
     summed shared-first; with it off (the env var: the serial shared MLP after the kernel),

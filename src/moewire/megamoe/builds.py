@@ -430,8 +430,9 @@ BUILDS: tuple[Build, ...] = (
         "layout/mega_moe.cuh l.458-471",
         refused={"fp4_fp4_mega_moe": _FP4_FP4_REFUSED},
     ),
-    # vllm-project/DeepGEMM (vLLM's own DeepGEMM fork), the builds vLLM main pins: its dev
-    # branch (2.8.1) and its 2.6.1 SiTU line, which vLLM main's stored Kimi-K3 experts call.
+    # vllm-project/DeepGEMM (vLLM's own DeepGEMM fork, which vLLM main pins: 9a86ae2b since
+    # PR #56876, not stored): its dev head as read (2.8.1, 63aa62a) and its 2.6.1 SiTU line,
+    # which vLLM main's stored Kimi-K3 experts call.
     Build(
         "deepgemm-vllm-dev",
         {
@@ -447,7 +448,8 @@ BUILDS: tuple[Build, ...] = (
                     absent=("fp4_fp4_mega_moe", "get_symm_buffer_for_sm90_mega_moe",
                             "mega_moe_pre_dispatch_sm90"),
                     takes=(("get_symm_buffer_for_mega_moe", "num_shared_experts"),)),
-        "vllm-project/DeepGEMM dev (2.8.1, the DeepGEMM vLLM main pins): fused shared "
+        "vllm-project/DeepGEMM dev (2.8.1 at 63aa62a, the fork's head after vLLM main's pin "
+        "9a86ae2b): fused shared "
         "expert added first",
         read="vllm-project/DeepGEMM at 63aa62a: deep_gemm/__init__.py (__version__ 2.8.1, its "
         "exports), layout/mega_moe.cuh (MegaMoEBuffer), impls/sm100_fp8_fp4_mega_moe.cuh and "
