@@ -1,6 +1,6 @@
 """What the stand-in experts modules share: the EP partition of the experts, the default
-device, the buffer cache, the checks of the weights' experts and of the token count, and
-the fused shared expert's kernel arguments.
+device, the buffer cache, the routed weights under vLLM's parameter names, the checks of the
+weights' experts and of the token count, and the fused shared expert's kernel arguments.
 
 vLLM caches one symmetric buffer per (EP group, device, shapes, shared count, ...), and
 layers of the same shapes share it; so does the stand-in, in one cache that holds
@@ -22,7 +22,7 @@ from torch import nn
 
 from moewire.reference._alloc import default_device
 
-__all__ = ["EPExperts"]
+__all__ = ["EPExperts", "kernel_weights"]
 
 _SYMM_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -107,6 +107,29 @@ class EPExperts(nn.Module):
             _SYMM_BUFFERS[key] = buffer
         return buffer
 
+    def _register_routed_weights(self, l1: Any, l2: Any, *, scaled: bool = True) -> None:
+        """The routed experts' weights under vLLM's parameter names: ``w13_weight`` and
+        ``w13_weight_scale`` (L1), ``w2_weight`` and ``w2_weight_scale`` (L2).
+
+        Args:
+            l1, l2: ``(weight, scale)`` pairs, or with ``scaled=False`` the BF16 weights
+                alone (their ``*_weight_scale`` is then None).
+        """
+        for name, weights in (("w13", l1), ("w2", l2)):
+            weight, scale = weights if scaled else (weights, None)
+            self.register_buffer(f"{name}_weight", weight)
+            self.register_buffer(f"{name}_weight_scale", scale)
+
+    @property
+    def l1_weights(self) -> Any:
+        """The kernel's L1 argument: ``(w13_weight, w13_weight_scale)``, or the BF16 weight."""
+        return kernel_weights(self.w13_weight, self.w13_weight_scale)
+
+    @property
+    def l2_weights(self) -> Any:
+        """The kernel's L2 argument: ``(w2_weight, w2_weight_scale)``, or the BF16 weight."""
+        return kernel_weights(self.w2_weight, self.w2_weight_scale)
+
     def get_symm_buffer(self) -> Any:
         """The layer's symmetric buffer (shared by layers of the same shapes and group)."""
         return self.symm_buffer
@@ -143,3 +166,9 @@ class EPExperts(nn.Module):
                 f"{self.max_num_tokens}; split the batch or build the layer with a larger "
                 "max_num_tokens"
             )
+
+
+def kernel_weights(weight: torch.Tensor | None, scale: torch.Tensor | None) -> Any:
+    """The kernel's weights argument: ``(weight, scale)`` for scaled (FP8 or FP4) weights,
+    the BF16 weight alone (no scale), ``None`` for an absent shared expert."""
+    return weight if scale is None else (weight, scale)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moewire.reference import deep_gemm
-from moewire.reference._ep_experts import EPExperts
+from moewire.reference._ep_experts import EPExperts, kernel_weights
 from moewire.reference.deep_gemm import per_token_cast_to_fp8
 from moewire.reference.weights import MegaMoEWeights, make_weights
 
@@ -206,10 +206,7 @@ class MegaMoEExperts(EPExperts):
             )
         self._check_weights(weights, where)
         fp8 = mma_type == "fp8xfp4"
-        self.register_buffer("w13_weight", weights.l1[0] if fp8 else weights.l1)
-        self.register_buffer("w13_weight_scale", weights.l1[1] if fp8 else None)
-        self.register_buffer("w2_weight", weights.l2[0] if fp8 else weights.l2)
-        self.register_buffer("w2_weight_scale", weights.l2[1] if fp8 else None)
+        self._register_routed_weights(weights.l1, weights.l2, scaled=fp8)
         shared = weights.shared_l1 is not None
         self.register_buffer("shared_w13_weight", _part(weights.shared_l1, 0, fp8, shared))
         self.register_buffer("shared_w13_weight_scale", _part(weights.shared_l1, 1, fp8, shared))
@@ -243,20 +240,12 @@ class MegaMoEExperts(EPExperts):
         )
 
     @property
-    def l1_weights(self) -> Any:
-        return _kernel_weights(self.w13_weight, self.w13_weight_scale)
-
-    @property
-    def l2_weights(self) -> Any:
-        return _kernel_weights(self.w2_weight, self.w2_weight_scale)
-
-    @property
     def shared_l1_weights(self) -> Any:
-        return _kernel_weights(self.shared_w13_weight, self.shared_w13_weight_scale)
+        return kernel_weights(self.shared_w13_weight, self.shared_w13_weight_scale)
 
     @property
     def shared_l2_weights(self) -> Any:
-        return _kernel_weights(self.shared_w2_weight, self.shared_w2_weight_scale)
+        return kernel_weights(self.shared_w2_weight, self.shared_w2_weight_scale)
 
     def forward(
         self,
@@ -298,12 +287,6 @@ class MegaMoEExperts(EPExperts):
         if shared_experts is not None:
             y += shared_experts(hidden_states)
         return y
-
-
-def _kernel_weights(weight: torch.Tensor | None, scale: torch.Tensor | None) -> Any:
-    """The kernel's weights argument: ``(weight, scale)`` for ``fp8xfp4``, the BF16 weight
-    alone for ``bf16xbf16`` (no scale), ``None`` for an absent shared expert."""
-    return weight if scale is None else (weight, scale)
 
 
 def _part(weights: Any, index: int, fp8: bool, present: bool) -> torch.Tensor | None:

@@ -100,23 +100,12 @@ class FP4MegaMoEExperts(EPExperts):
                 f"{where}: num_fused_shared_experts={num_fused_shared_experts} does not match "
                 "the weights' shared expert; build both with the same count"
             )
-        self.register_buffer("w13_weight", weights.l1[0])
-        self.register_buffer("w13_weight_scale", weights.l1[1])
-        self.register_buffer("w2_weight", weights.l2[0])
-        self.register_buffer("w2_weight_scale", weights.l2[1])
+        self._register_routed_weights(weights.l1, weights.l2)
         self.register_buffer("l1_alphas", weights.l1_alphas.float().contiguous())
         self.register_buffer("l2_alphas", weights.l2_alphas.float().contiguous())
         self.a2_scales = None if a2_scales is None else a2_scales.float().to(device)
         self.shared_l1_weights: Any = weights.shared_l1
         self.shared_l2_weights: Any = weights.shared_l2
-
-    @property
-    def l1_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.w13_weight, self.w13_weight_scale)
-
-    @property
-    def l2_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.w2_weight, self.w2_weight_scale)
 
     @property
     def has_fused_shared_experts(self) -> bool:

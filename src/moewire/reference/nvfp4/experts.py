@@ -110,11 +110,8 @@ class NVFP4MegaMoEExperts(EPExperts):
                 f"shared_dtype={shared_dtype} does not match the weights' shared expert "
                 f"({weights.shared_dtype})"
             )
-        self.register_buffer("w13_weight", weights.l1[0])
-        self.register_buffer("w13_weight_scale", weights.l1[1])
+        self._register_routed_weights(weights.l1, weights.l2)
         self.register_buffer("w13_weight_scale_2", weights.l1_global_scale.float())
-        self.register_buffer("w2_weight", weights.l2[0])
-        self.register_buffer("w2_weight_scale", weights.l2[1])
         self.register_buffer("w2_weight_scale_2", weights.l2_global_scale.float())
         self.register_buffer(
             "_l2_alpha", torch.zeros(self.num_local_experts, device=device), persistent=False
@@ -133,14 +130,6 @@ class NVFP4MegaMoEExperts(EPExperts):
                 shared_dtype=self.shared_dtype, device=device,
             ),
         )
-
-    @property
-    def l1_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.w13_weight, self.w13_weight_scale)
-
-    @property
-    def l2_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.w2_weight, self.w2_weight_scale)
 
     def forward(
         self,
