@@ -1,10 +1,12 @@
-"""Run a gloo worker in one spawned process per rank and collect what each rank wrote."""
+"""Run a gloo worker in one spawned process per rank and collect what each rank wrote:
+JSON (:func:`run_ranks`) or tensors saved with ``torch.save`` (:func:`run_torch_ranks`)."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,3 +48,31 @@ def run_ranks(
     assert not errors, "\n".join(errors)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def run_torch_ranks(
+    worker: Callable[[int, int, str, str], None], world: int, out_dir: Path, timeout_s: float
+) -> list:
+    """Spawn ``worker(rank, world, init_file, out_dir)`` with torch's process starter (a
+    rank's exception is raised here with its traceback) and return what each rank saved
+    with ``torch.save`` to ``rank{r}.pt``, in rank order.
+
+    Fails the test, after killing the ranks still alive, when they have not all finished
+    within ``timeout_s``.
+    """
+    import pytest
+    import torch
+    import torch.multiprocessing as torch_mp
+
+    context = torch_mp.start_processes(
+        worker, args=(world, str(out_dir / "init"), str(out_dir)), nprocs=world, join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"{world}-rank gloo run did not finish within {timeout_s} s")
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]

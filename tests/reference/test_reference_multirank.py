@@ -11,17 +11,16 @@ differ with the batch an expert sees, so agreement is asserted to one BF16 ulp p
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
 import reference_oracle as O
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from reference_cases import SMALL, cached_weights, routing, run_kernel, tokens
 
 from moewire.reference import MegaMoEExperts, deep_gemm, make_weights, stage_mega_moe_inputs
+from spawn_ranks import run_torch_ranks
 
 TIMEOUT_S = 240
 CONFIGS = {
@@ -102,18 +101,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def _spawn(world: int, tmp_path) -> list:
-    context = mp.start_processes(
-        _worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-        join=False, start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"{world}-rank gloo run did not finish within {TIMEOUT_S} s")
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    return run_torch_ranks(_worker, world, tmp_path, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["2ranks", "4ranks"])

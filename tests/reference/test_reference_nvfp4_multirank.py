@@ -11,19 +11,17 @@ of a matmul may differ with the batch an expert sees, so within one BF16 ulp per
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from nvfp4_cases import SHARED, SMALL, cached_weights, run, stage
 from nvfp4_oracle import combine_base, combine_rows, resum
 from reference_cases import routing, tokens
 from reference_oracle import bf16_values, np_bytes
 
 from moewire.reference import deep_gemm, make_nvfp4_weights
+from spawn_ranks import run_torch_ranks
 
 TIMEOUT_S = 240
 CONFIGS = [
@@ -84,18 +82,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_two_ranks_rows_resum_and_match_one_rank(tmp_path):
-    context = mp.start_processes(
-        _worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"2-rank gloo run did not finish within {TIMEOUT_S} s")
-    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    per_rank = run_torch_ranks(_worker, 2, tmp_path, TIMEOUT_S)
     for n, cfg in enumerate(CONFIGS):
         buf = _buffer(None, cfg["shared"])
         dtype = SHARED[cfg["shared"]]
