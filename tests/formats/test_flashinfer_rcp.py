@@ -17,13 +17,9 @@ import torch
 from fmt_oracle import RCP_DUMP, expected
 
 from moewire import formats
-from moewire.formats._numerics import (
-    RCP_APPROX_DOWN_AT,
-    RCP_APPROX_UP_AT,
-    e2m1_magnitude,
-    mul_recip,
-    rcp_approx_bf16_decode_scale,
-)
+from moewire.formats._numerics import e2m1_magnitude, mul_recip, rcp_approx_bf16_decode_scale
+from moewire.kernels.rcp_approx import DOWN_AT as RCP_APPROX_DOWN_AT
+from moewire.kernels.rcp_approx import UP_AT as RCP_APPROX_UP_AT
 
 
 def _dump() -> dict[str, torch.Tensor]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moewire.kernels import rcp_approx
-
 if TYPE_CHECKING:
     import torch
 
@@ -27,27 +25,25 @@ _E2M1_UP_AT_TIE = (False, True, False, True, False, True, False)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-# rcp.approx.ftz.f32's offset from the correctly rounded reciprocal on the NVFP4 decode
-# scale of a BF16 amax, by the amax's 7 significand bits (measured: moewire.kernels.rcp_approx).
-RCP_APPROX_UP_AT = rcp_approx.UP_AT
-RCP_APPROX_DOWN_AT = rcp_approx.DOWN_AT
-
-
 def rcp_approx_bf16_decode_scale(ds: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``rcp.approx.ftz.f32(ds)`` for ``ds = fl(a * fl(1/6))`` >= 2^-126, ``a`` BF16-valued FP32.
 
     The correctly rounded ``fl(1 / ds)`` moved by the measured offset of ``a``'s significand
-    (:data:`RCP_APPROX_UP_AT`, :data:`RCP_APPROX_DOWN_AT`), on the bits: ``1 / ds`` is a
+    (``moewire.kernels.rcp_approx.UP_AT`` and ``DOWN_AT``), on the bits: ``1 / ds`` is a
     positive normal FP32 number, so one up or down in its bit pattern is one ulp (across a
     binade too). Python-scalar comparisons only: no constant tensor (CUDA-graph safe).
     """
     import torch
 
+    # Imported here, not at the top: importing moewire.kernels imports torch, and this
+    # module's import stays torch-free (`moewire formats` runs without torch).
+    from moewire.kernels.rcp_approx import DOWN_AT, UP_AT
+
     m = (a.view(torch.int32) >> 16) & 0x7F
     offset = torch.zeros_like(m)
-    for s in RCP_APPROX_UP_AT:
+    for s in UP_AT:
         offset += (m == s).to(torch.int32)
-    for s in RCP_APPROX_DOWN_AT:
+    for s in DOWN_AT:
         offset -= (m == s).to(torch.int32)
     return (torch.reciprocal(ds).view(torch.int32) + offset).view(torch.float32)
 
