@@ -301,7 +301,9 @@ def flashinfer_mxfp8(x: np.ndarray, amax=None) -> np.ndarray:
     the masked reciprocal (the subnormal 2^-127 flushed by rcp.approx.ftz), E4M3."""
     xb, a, finite = _block_amax(x, 32)
     c = (_bf16(a) * recip32(448.0)).astype(F32)
-    byte = np.where(c == 0, 0, np.clip(_ceil_log2(c) + 127, 0, 254))
+    # satfinite: an FP32 amax that rounds to BF16 infinity gives c = inf, byte 254.
+    byte = np.where(c == 0, 0,
+                    np.where(np.isinf(c), 254, np.clip(_ceil_log2(c) + 127, 0, 254)))
     sf = exact_pow2(byte - 127).astype(F32)
     enc = _flashinfer_enc(sf)
     q = e4m3((xb * enc).astype(F32))

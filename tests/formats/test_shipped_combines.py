@@ -76,6 +76,18 @@ def test_flashinfer_mxfp8_reads_the_block_amax_as_bf16():
     _agrees_with_oracle("flashinfer_mxfp8", x)
 
 
+def test_flashinfer_mxfp8_saturates_the_scale_of_an_amax_that_rounds_to_bf16_infinity():
+    # 0x7F7F8000 (about 3.3962e38) is the tie between BF16's largest finite and 2^128: the
+    # BF16 amax is +inf, c = inf, and cvt.rp.satfinite gives byte 254 (sf 2^127), not the
+    # 127 a finite-only ceil(log2) would give. x * 2^-127 = 1.99609375 rounds to E4M3's 2,
+    # so q * sf = 2^128 overflows to inf; 1.5 * 2^127 decodes exactly; 1.0 is below half
+    # of E4M3's smallest subnormal at that scale and is 0.
+    big = float(np.array(0x7F7F8000, dtype=np.uint32).view(np.float32))
+    x = _row([big, -1.5 * 2.0**127, 1.0], hidden=32, dtype=torch.float32)
+    assert _q("flashinfer_mxfp8", x)[:3] == [float("inf"), -1.5 * 2.0**127, 0.0]
+    _agrees_with_oracle("flashinfer_mxfp8", x)
+
+
 def test_flashinfer_mxfp8_equals_te_mxfp8_on_ordinary_bf16_rows():
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(8, 1024, generator=g) * torch.logspace(-20, 6, 8).unsqueeze(1)).bfloat16()

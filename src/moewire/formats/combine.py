@@ -72,8 +72,9 @@ _FLASHINFER_MASK = 1e30
 
 
 def _ue8m0_round_up(v: torch.Tensor) -> torch.Tensor:
-    """``cvt.rp.satfinite.ue8m0x2.f32`` of FP32 ``v >= 0`` (finite): the E8M0 byte (int32) of
-    the smallest power of two ``2^(byte - 127) >= v``, ``2^-127 .. 2^127``.
+    """``cvt.rp.satfinite.ue8m0x2.f32`` of FP32 ``v >= 0``: the E8M0 byte (int32) of the
+    smallest power of two ``2^(byte - 127) >= v``, ``2^-127 .. 2^127``; ``+inf`` saturates to
+    byte 254 like every ``v > 2^127``.
 
     From the bits: a normal ``v`` gives its biased exponent, plus one when the mantissa is
     non-zero, at most 254 (saturating); a subnormal ``v`` rounds up to ``2^-127`` (byte 0)
