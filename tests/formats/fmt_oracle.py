@@ -185,9 +185,11 @@ def logfmt10(x: np.ndarray, amax=None) -> np.ndarray:
 
 
 def _ceil_log2(v: np.ndarray) -> np.ndarray:
-    """ceil(log2 v) of positive finite values (float64 frexp: v = m * 2^k, m in [0.5, 1))."""
+    """ceil(log2 v) of positive values (float64 frexp: v = m * 2^k, m in [0.5, 1)); +inf gives
+    128, above every FP32 exponent, so a caller's clip saturates it as ``satfinite`` does
+    (frexp alone would read inf as exponent 0)."""
     m, k = np.frexp(np.where(v > 0, v, 1.0).astype(np.float64))
-    return np.where(m == 0.5, k - 1, k).astype(np.int64)
+    return np.where(np.isposinf(v), 128, np.where(m == 0.5, k - 1, k)).astype(np.int64)
 
 
 def _block_amax(x: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -301,9 +303,7 @@ def flashinfer_mxfp8(x: np.ndarray, amax=None) -> np.ndarray:
     the masked reciprocal (the subnormal 2^-127 flushed by rcp.approx.ftz), E4M3."""
     xb, a, finite = _block_amax(x, 32)
     c = (_bf16(a) * recip32(448.0)).astype(F32)
-    # satfinite: an FP32 amax that rounds to BF16 infinity gives c = inf, byte 254.
-    byte = np.where(c == 0, 0,
-                    np.where(np.isinf(c), 254, np.clip(_ceil_log2(c) + 127, 0, 254)))
+    byte = np.where(c == 0, 0, np.clip(_ceil_log2(c) + 127, 0, 254))
     sf = exact_pow2(byte - 127).astype(F32)
     enc = _flashinfer_enc(sf)
     q = e4m3((xb * enc).astype(F32))
