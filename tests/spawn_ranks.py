@@ -10,6 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+import torch
+import torch.multiprocessing as torch_mp
+
 
 def run_ranks(
     worker: Callable[[int, int, str, str], None], world: int, out_dir: Path, timeout_s: float
@@ -60,10 +64,6 @@ def run_torch_ranks(
     Fails the test, after killing the ranks still alive, when they have not all finished
     within ``timeout_s``.
     """
-    import pytest
-    import torch
-    import torch.multiprocessing as torch_mp
-
     context = torch_mp.start_processes(
         worker, args=(world, str(out_dir / "init"), str(out_dir)), nprocs=world, join=False,
         start_method="spawn",
