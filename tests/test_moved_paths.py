@@ -1,6 +1,7 @@
-"""The flat module paths of moewire 0.1.0 are deprecated aliases of the host packages'
-modules for one release (``moewire.integrations._moved``): importing one warns, naming the
-new path, and gives the very module object of the new path."""
+"""moewire's old module paths (the flat ``integrations/`` modules of moewire 0.1.0,
+``moewire.config`` and ``moewire.calibration``) are deprecated aliases of the modules that
+replaced them (``moewire._moved``): importing one warns, naming the new path and the release
+that removes the old one, and gives the very module object of the new path."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 import moewire.integrations
-from moewire.integrations._moved import MOVED
+from moewire._moved import MOVED, REMOVED_IN
 
 # The vLLM worker module builds its class from vLLM's platform worker at import time: it
 # needs vLLM, so its alias is tested in the vLLM tier too (tests/vllm/test_vllm_one_launch.py).
@@ -35,14 +36,15 @@ def _installed(*distributions: str) -> bool:
 def fresh_alias(request):
     """The alias not yet imported, and forgotten again afterwards (a later import warns too)."""
     old = request.param
-    leaf = old.rpartition(".")[2]
-    had = sys.modules.pop(old, None), moewire.integrations.__dict__.pop(leaf, None)
+    parent, _, leaf = old.rpartition(".")
+    package = sys.modules[parent]
+    had = sys.modules.pop(old, None), package.__dict__.pop(leaf, None)
     yield old
     sys.modules.pop(old, None)
-    moewire.integrations.__dict__.pop(leaf, None)
+    package.__dict__.pop(leaf, None)
     if had[0] is not None:
         sys.modules[old] = had[0]
-        setattr(moewire.integrations, leaf, had[1])
+        setattr(package, leaf, had[1])
 
 
 @pytest.mark.parametrize("fresh_alias", sorted(MOVED), indirect=True,
@@ -53,17 +55,18 @@ def test_an_old_path_warns_and_is_the_new_module(fresh_alias):
     if needed and not _installed(*needed):
         pytest.skip(f"{old} needs {needed[0]} installed")
     new = importlib.import_module(MOVED[old])
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]}"):
+    removed = f"removed in moewire {REMOVED_IN}"
+    with pytest.warns(DeprecationWarning, match=rf"{old} moved to {MOVED[old]};.*{removed}"):
         got = importlib.import_module(old)
     assert got is new
     assert sys.modules[old] is new
 
 
 def test_every_old_flat_module_is_an_alias():
-    """Each alias file is named in ``MOVED`` and each ``MOVED`` key has its file, so that
-    the list the warning and this test read is the list of files."""
+    """Each flat alias file of ``integrations/`` is named in ``MOVED`` and each such ``MOVED``
+    key has its file, so that the list the warning and this test read is the list of files."""
     root = moewire.integrations.__path__[0]
     flat = {f"moewire.integrations.{p.stem}" for p in pathlib.Path(root).glob("*.py")}
     shared = {"moewire.integrations.__init__", "moewire.integrations._host",
-              "moewire.integrations._moved", "moewire.integrations.deepgemm_sm90"}
-    assert flat - shared == set(MOVED)
+              "moewire.integrations.deepgemm_sm90"}
+    assert flat - shared == {old for old in MOVED if old.startswith("moewire.integrations.")}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moewire import formats
-from moewire.config import CFG_KEYS, CfgError, QuantizerSpec, modelopt_table, parse_cfg
 from moewire.quantizer import WireQuantizer, WireQuantizerLike
+from moewire.quantizer.config import CFG_KEYS, CfgError, QuantizerSpec, modelopt_table, parse_cfg
 
 NVFP4_BLOCKS = {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}
 MX_BLOCKS = {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}

@@ -2,8 +2,8 @@
 
 import pytest
 
-from moewire.config import USE_CONSTANT_AMAX, CfgError, parse_cfg
 from moewire.quantizer import WireQuantizer
+from moewire.quantizer.config import USE_CONSTANT_AMAX, CfgError, parse_cfg
 
 
 @pytest.mark.parametrize(

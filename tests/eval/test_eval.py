@@ -136,7 +136,7 @@ def test_mixed_recipe_selects_exactly_the_layers_it_names():
     text = mixed_recipe_yaml(("nvfp4", "nvfp4"), [1, 3], ("fp8", "fp8"), "test")
     path_entries = yaml.safe_load(text)["quant_cfg"]
     recipe = moewire.recipes.Recipe.from_entries(path_entries, modelopt=True)
-    from moewire.config import parse_cfg
+    from moewire.quantizer.config import parse_cfg
 
     for prefix in ("model.layers.{n}.mlp.experts", "model.layers.{n}.ffn.experts",
                    "model.layers.{n}.block_sparse_moe.experts"):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from moewire import formats
-from moewire.config import CfgError, parse_cfg
 from moewire.kernels import ACCUMULATE_MODES as KERNEL_MODES
 from moewire.megamoe.resum import resum
 from moewire.quantizer import WireQuantizer
+from moewire.quantizer.config import CfgError, parse_cfg
 
 FMT = "trtllm_16e2m1xbf16"
 

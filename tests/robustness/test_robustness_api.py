@@ -13,8 +13,8 @@ from rb_helpers import RECIPE, Model, snapshot, tried
 
 import moewire
 from moewire import formats, recipes
-from moewire.config import CFG_KEYS, CfgError, parse_cfg
 from moewire.quantizer import WireQuantizer
+from moewire.quantizer.config import CFG_KEYS, CfgError, parse_cfg
 
 FAST = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

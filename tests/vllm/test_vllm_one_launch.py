@@ -351,7 +351,7 @@ def test_worker_is_the_platform_worker_with_the_rpcs():
 
 def test_the_old_worker_path_still_launches_with_a_warning():
     """moewire 0.1.0's ``--worker-cls`` value: vLLM resolves it by qualified name, and gets
-    the same class (``moewire.integrations._moved``), with a ``DeprecationWarning``."""
+    the same class (``moewire._moved``), with a ``DeprecationWarning``."""
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     old = "moewire.integrations" + ".vllm_worker"

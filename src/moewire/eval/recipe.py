@@ -79,7 +79,7 @@ def recipe_formats(recipe: Any, module_names: Sequence[str]) -> list[tuple[str, 
         module_names: the experts modules' names (``model.layers.3.mlp.experts``).
     """
     from moewire import recipes
-    from moewire.config import parse_cfg
+    from moewire.quantizer.config import parse_cfg
 
     if isinstance(recipe, dict):
         loaded = recipes.Recipe.from_entries(recipe["quant_cfg"], modelopt=True)

@@ -51,7 +51,7 @@ def _kernel_qdq(name: str, x: torch.Tensor, amax: torch.Tensor | None) -> torch.
 
 @dataclass(frozen=True)
 class ModelOptSpelling:
-    """How ModelOpt's quantizer attributes name a format (``moewire.config`` reads them back).
+    """How ModelOpt's quantizer attributes name a format (``moewire.quantizer`` reads them back).
 
     The block size is the format's own ``block_size``; ModelOpt writes it as
     ``block_sizes={-1: block_size, "type": "dynamic", "scale_bits": scale_bits}``.

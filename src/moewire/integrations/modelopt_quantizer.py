@@ -1,6 +1,6 @@
-"""Deprecated alias of :mod:`moewire.integrations.modelopt.quantizer` (``_moved`` says why)."""
+"""Deprecated alias of :mod:`moewire.integrations.modelopt.quantizer` (see ``moewire._moved``)."""
 
-from moewire.integrations._moved import alias
+from moewire._moved import alias
 from moewire.integrations.modelopt import quantizer
 
 alias(__name__, quantizer)

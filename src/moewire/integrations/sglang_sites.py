@@ -1,6 +1,6 @@
-"""Deprecated alias of :mod:`moewire.integrations.sglang.sites` (``_moved`` says why)."""
+"""Deprecated alias of :mod:`moewire.integrations.sglang.sites` (``moewire._moved`` says why)."""
 
-from moewire.integrations._moved import alias
+from moewire._moved import alias
 from moewire.integrations.sglang import sites
 
 alias(__name__, sites)

@@ -13,7 +13,6 @@ from typing import Any
 
 from torch import nn
 
-from moewire.calibration import WireQuantizerLike, calibration
 from moewire.formats.base import amax_is_valid
 from moewire.megamoe.convert import (
     _module_device,
@@ -32,6 +31,7 @@ from moewire.megamoe.scales_file import (
     write_scales,
 )
 from moewire.quantizer import WireQuantizer
+from moewire.quantizer.contract import WireQuantizerLike, calibration
 
 __all__ = ["calibrate", "calibrating", "load_scales", "quantize", "quantizers", "save_scales",
            "summary", "unquantize"]
@@ -284,7 +284,7 @@ def _keep_amax(old: WireQuantizerLike, new: WireQuantizer, name: str, calibratin
 def calibrating(
     model: nn.Module, *, extra_groups: Sequence[Any] = ()
 ) -> contextlib.AbstractContextManager[None]:
-    """The calibration context of a quantized model (``moewire.calibration.calibration``).
+    """The calibration context of a quantized model (``moewire.quantizer.calibration``).
 
     Inside, every enabled quantizer collects while values pass through unquantized
     (ModelOpt's semantics); the combine quantizer sees only valid rows and the dispatch

@@ -20,23 +20,24 @@ branch on a tensor value), so both can be captured in a CUDA graph; every check 
 read a value runs on the host in ``load_calib_amax``, ``load_amax`` and ``sync_amax``.
 
 What callers may use is written down once, as the Protocol
-:class:`~moewire.calibration.WireQuantizerLike` (ModelOpt's ``WireTensorQuantizer``
+:class:`~moewire.quantizer.contract.WireQuantizerLike` (ModelOpt's ``WireTensorQuantizer``
 implements it too), and every calibration runs through
-:func:`~moewire.calibration.calibration`: collect, then sync across ranks, then load (both
-in :mod:`moewire.calibration`, re-exported here). ModelOpt-style configuration dicts map to
-formats in :mod:`moewire.config` (:func:`~moewire.config.parse_cfg`, re-exported here).
+:func:`~moewire.quantizer.contract.calibration`: collect, then sync across ranks, then load
+(both in ``contract.py``, re-exported here). ModelOpt-style configuration dicts map to
+formats in ``config.py`` (:func:`~moewire.quantizer.config.parse_cfg`, re-exported here):
+configuration apart from state, as torchao's and ModelOpt's ``config.py`` keep it.
 
-May import: torch, ``moewire.formats``, ``moewire.config`` and ``moewire.calibration``
-(and its own modules, which never import this package back).
+May import: torch and ``moewire.formats`` (and its own modules, which never import this
+package back).
 """
 
 from __future__ import annotations
 
-from moewire.calibration import WireQuantizerLike, calibration, max_all_reduce
+from moewire.quantizer.binding import WireQuantizer
 
 # parse_cfg and CfgError are imported from here too, as 0.1.0 documented them here.
-from moewire.config import CfgError, parse_cfg
-from moewire.quantizer.binding import WireQuantizer
+from moewire.quantizer.config import CfgError, parse_cfg
+from moewire.quantizer.contract import WireQuantizerLike, calibration, max_all_reduce
 from moewire.quantizer.state import MODES
 
 __all__ = [

@@ -2,15 +2,15 @@
 
 :class:`WireQuantizer` is what the Mega-MoE wrapper puts on the dispatch and the combine
 path. It resolves a format name or ModelOpt-style cfg (:meth:`~WireQuantizer.from_cfg`,
-parsed by :func:`moewire.config.parse_cfg`) to a :class:`~moewire.formats.WireFormat`,
+parsed by :func:`moewire.quantizer.config.parse_cfg`) to a :class:`~moewire.formats.WireFormat`,
 picks the amax the format's scale uses (:meth:`~WireQuantizer.scale_amax`), runs the
 format's math in ``forward`` / ``dequantize``, and saves and checks the format with the
 state (``get_extra_state``, ``set_extra_state``, ``_load_from_state_dict``). Its state is
 :class:`~moewire.quantizer.state.QuantizerState`'s, its calibration
 :class:`~moewire.quantizer.calibrate.QuantizerCalibration`'s.
 
-May import: torch, ``moewire.formats``, ``moewire.config``, ``moewire.quantizer.state`` and
-``moewire.quantizer.calibrate``; nothing else of moewire.
+May import: torch, ``moewire.formats`` and the package's own ``config``, ``state`` and
+``calibrate``; nothing else of moewire.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from moewire import formats
-from moewire.config import parse_cfg
 from moewire.quantizer.calibrate import QuantizerCalibration
+from moewire.quantizer.config import parse_cfg
 from moewire.quantizer.state import host_amax
 
 
@@ -88,7 +88,7 @@ class WireQuantizer(QuantizerCalibration):
 
     @classmethod
     def from_cfg(cls, cfg: Mapping[str, Any], *, name: str | None = None) -> WireQuantizer:
-        """Build a quantizer from a ModelOpt-style cfg dict (:func:`moewire.config.parse_cfg`).
+        """Build a quantizer from a ModelOpt-style cfg dict (:func:`~.config.parse_cfg`).
 
         Raises:
             CfgError: (``ValueError``) the cfg cannot be mapped; the message names the key.

@@ -1,8 +1,8 @@
 """The wire quantizer's calibration: collect the max of ``|x|``, sync it, load it as amax.
 
 :class:`QuantizerCalibration` adds to :class:`~moewire.quantizer.state.QuantizerState` the
-steps :func:`moewire.calibration.calibration` drives (the one calibration every path uses:
-collect, then sync across ranks, then load): :meth:`~QuantizerCalibration.collect`,
+steps :func:`moewire.quantizer.contract.calibration` drives (the one calibration every path
+uses: collect, then sync across ranks, then load): :meth:`~QuantizerCalibration.collect`,
 :meth:`~QuantizerCalibration.begin_calibration` / ``end_calibration``,
 :meth:`~QuantizerCalibration.sync_amax`, :meth:`~QuantizerCalibration.load_calib_amax`, and
 :meth:`~QuantizerCalibration.calibrating` for one quantizer alone.
@@ -13,8 +13,7 @@ collected amax is NaN or inf. moewire cannot read values while collecting, so
 ``load_calib_amax`` then warns with the count. An inf is kept in the max, and
 ``load_calib_amax`` refuses it.
 
-May import: torch, ``moewire.calibration`` and ``moewire.quantizer.state``; nothing else of
-moewire.
+May import: torch and the package's own ``contract`` and ``state``; nothing else of moewire.
 """
 
 from __future__ import annotations
@@ -27,14 +26,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from moewire.calibration import calibration, max_all_reduce
+from moewire.quantizer.contract import calibration, max_all_reduce
 from moewire.quantizer.state import QuantizerState
 
 _Calibrated = TypeVar("_Calibrated", bound="QuantizerCalibration")
 
 
 class QuantizerCalibration(QuantizerState):
-    """The calibration steps of a wire quantizer (see :func:`moewire.calibration.calibration`)."""
+    """The calibration steps of a wire quantizer (see :func:`~.contract.calibration`)."""
 
     @torch.no_grad()
     def collect(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:

@@ -17,7 +17,8 @@ the state ModelOpt's ``TensorQuantizer`` holds for one format:
 A fixed amax is set here, on the host, with its checks: :meth:`~QuantizerState.set_constant_amax`
 and :meth:`~QuantizerState.load_amax`.
 
-May import: torch, ``moewire.formats`` and ``moewire.config``; nothing else of moewire.
+May import: torch, ``moewire.formats`` and the package's own ``config``; nothing else of
+moewire.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import torch
 from torch import nn
 
 from moewire import formats
-from moewire.config import CfgError, positive_amax
 from moewire.formats.base import amax_is_valid
+from moewire.quantizer.config import CfgError, positive_amax
 
 MODES = ("quantize", "calibrate", "disabled")
 

@@ -1,6 +1,6 @@
 """The settings of one study (the CLI flags), and their validation.
 
-Not to be confused with :mod:`moewire.config`, which parses ModelOpt-style quantizer cfgs.
+Not to be confused with :mod:`moewire.quantizer.config`, which parses ModelOpt-style quantizer cfgs.
 
 Every check raises :class:`~moewire.study.errors.StudyArgumentError` naming the flag, the
 cause and the fix; the CLI turns it into exit code 2.

@@ -53,11 +53,11 @@ from modelopt.torch.quantization.plugins import custom as _mo_plugins
 from modelopt.torch.utils.distributed import ParallelState
 
 # isort: on
-from moewire.calibration import WireQuantizerLike
 from moewire.formats.base import amax_is_valid
 from moewire.integrations._host import register_host_classes
 from moewire.megamoe.quant_experts import QUANTIZER_NAMES
 from moewire.quantizer import WireQuantizer
+from moewire.quantizer.contract import WireQuantizerLike
 
 __all__ = [
     "BACKEND",

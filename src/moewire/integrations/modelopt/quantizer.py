@@ -1,5 +1,5 @@
 """The ModelOpt quantizer moewire drives: :class:`WireTensorQuantizer`, a ``TensorQuantizer``
-that keeps moewire's quantizer contract (``moewire.calibration.WireQuantizerLike``), and the
+that keeps moewire's quantizer contract (``moewire.quantizer.WireQuantizerLike``), and the
 quant backend :data:`BACKEND` that gives any ``TensorQuantizer`` moewire's math.
 
 The math: ``fp8`` per tensor and ``nvfp4``, which moewire implements bit-exactly with
@@ -35,8 +35,8 @@ except ImportError as err:  # pragma: no cover - exercised only without modelopt
     ) from err
 
 from moewire import formats
-from moewire.calibration import calibration, max_all_reduce
-from moewire.config import USE_CONSTANT_AMAX, CfgError, parse_cfg
+from moewire.quantizer.config import USE_CONSTANT_AMAX, CfgError, parse_cfg
+from moewire.quantizer.contract import calibration, max_all_reduce
 
 __all__ = ["BACKEND", "BIT_EXACT", "WireTensorQuantizer", "format_name"]
 
@@ -55,7 +55,7 @@ _MATHS = ("moewire", "modelopt")
 def format_name(quantizer: TensorQuantizer) -> str | None:
     """The moewire format a ``TensorQuantizer``'s attributes spell, or ``None``.
 
-    The spelling is moewire's own (``moewire.config.parse_cfg``: ``num_bits``,
+    The spelling is moewire's own (``moewire.quantizer.parse_cfg``: ``num_bits``,
     ``block_sizes``, ``axis``), so the same cfg entry names the same format in ``mtq.quantize``
     and in ``moewire.quantize``. Integer, unsigned, per-channel and top-level dynamic
     quantizers return ``None``.
@@ -91,7 +91,7 @@ def _math_of(quantizer: TensorQuantizer, where: str) -> str:
             f"{where}: moewire's math was asked for, but the quantizer attributes "
             f"(num_bits={quantizer._num_bits}, block_sizes={quantizer._block_sizes}, "
             f"axis={quantizer._axis}) name no moewire format (the table is in "
-            "moewire.config.parse_cfg); drop the request to use ModelOpt's math"
+            "moewire.quantizer.parse_cfg); drop the request to use ModelOpt's math"
         )
     return asked
 
