@@ -22,6 +22,7 @@ import torch
 
 import moewire
 from moewire.integrations.vllm import bridge as _vllm_bridge
+from moewire.integrations.vllm import registration
 from moewire.integrations.vllm import sites as vllm_sites
 from moewire.megamoe import flavours, layout_check
 from moewire.reference import sm90_fork
@@ -190,7 +191,7 @@ def test_a_subclass_with_its_own_forward_elsewhere_is_registered(tmp_path, monke
     try:
         vllm_mod.register_site(base.Experts, site)
         model = torch.nn.ModuleList([base.Experts(), sub.Glm5Next(), sub.Inherits()])
-        vllm_mod._register_subclasses(model, [(base.Experts, site)])
+        registration._register_subclasses(model, [(base.Experts, site)])
         base_adapter = registry.adapter_for(model[0])
         assert registry.adapter_for(model[2]) is base_adapter
         own = registry.adapter_for(model[1])

@@ -457,13 +457,13 @@ def test_deepgemm_28_guess_is_proven_by_the_layout_check(monkeypatch):
 
 
 def test_a_model_holding_flashinfer_experts_is_refused_before_conversion():
-    from moewire.integrations import vllm as vllm_mod
+    from moewire.integrations.vllm.quantize import _refuse_sites
 
     site = next(s for s in vllm_sites.SITES if s.cls_name == "DeepseekV4MegaMoEExpertsFI")
     model = nn.ModuleDict({"experts": _FlashInferExperts()})
     with pytest.raises(RuntimeError, match="experts is a vllm.models.deepseek_v4.nvidia.fi_moe"):
-        vllm_mod._refuse_sites(model, [(_FlashInferExperts, site)])
-    vllm_mod._refuse_sites(model, [(_FlashInferExperts, COMMON_SITE)])
+        _refuse_sites(model, [(_FlashInferExperts, site)])
+    _refuse_sites(model, [(_FlashInferExperts, COMMON_SITE)])
 
 
 # -- vLLM main's ModelOpt NVFP4 quant method on fp4_fp4_mega_moe ----------------------------

@@ -29,6 +29,7 @@ from moewire.megamoe import layout_check
 pytestmark = pytest.mark.vllm
 
 vllm_mod = pytest.importorskip("moewire.integrations.vllm")
+vllm_quantize = pytest.importorskip("moewire.integrations.vllm.quantize")
 MODULE = "moewire_test_vllm_main.kimi_k3_model"
 SOURCE = Path(__file__).with_name("_main_kimi_vllm.py")
 E, K, H, INTER = _setup.E, _setup.K, _setup.H, _setup.INTER
@@ -149,4 +150,4 @@ def test_the_installed_aiter_experts_are_refused_before_conversion(vllm_config):
     with pytest.raises(RuntimeError, match=r"moewire: ffn is a vllm\.models\.deepseek_v4\.amd"
                        r"\.mega_moe\.DeepseekV4AiterMegaMoEExperts.*--moe-backend "
                        r"flydsl_mega_moe.*--moe-backend deep_gemm_mega_moe"):
-        vllm_mod._refuse_sites(model, list(found.items()))
+        vllm_quantize._refuse_sites(model, list(found.items()))
