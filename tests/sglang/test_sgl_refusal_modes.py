@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from moewire.integrations import sglang as sg
+from moewire.integrations.sglang import refusals as sg_refusals
 from moewire.integrations.sglang.sites import MEGA_MOE, SITES
 from moewire.megamoe.active import ACTIVE
 from moewire.quantizer import WireQuantizer
@@ -82,7 +83,7 @@ def test_a_path_moewire_cannot_see_is_refused_while_calibrating_too(monkeypatch,
     if mma_type is not None:  # a later SGLang deriving another kind
         monkeypatch.setitem(sys.modules, MEGA_MOE,
                             types.SimpleNamespace(_mega_moe_mma_type=lambda e: mma_type))
-    why = sg._refusal(SITES[0], _experts_in(mode), args)
+    why = sg_refusals._refusal(SITES[0], _experts_in(mode), args)
     if mode == "disabled":
         assert why is None
     else:
@@ -93,7 +94,7 @@ def test_a_path_moewire_cannot_see_is_refused_while_calibrating_too(monkeypatch,
 @pytest.mark.parametrize("mode", MODES)
 def test_post_expert_norm_is_refused_while_calibrating_too(mode):
     calls = []
-    guard = sg._refuse_post_norm(lambda *a, **k: calls.append(k))
+    guard = sg_refusals._refuse_post_norm(lambda *a, **k: calls.append(k))
     token = ACTIVE.set(_experts_in(mode))
     try:
         if mode == "disabled":

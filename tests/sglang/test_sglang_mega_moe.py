@@ -15,6 +15,8 @@ from torch import nn
 
 import moewire
 from moewire.integrations import sglang as sg
+from moewire.integrations.sglang import refusals as sg_refusals
+from moewire.integrations.sglang import trampolines as sg_trampolines
 from moewire.integrations.sglang.sites import SITES
 from moewire.megamoe import layout_check
 from moewire.megamoe.flavours import get
@@ -114,7 +116,7 @@ def test_quantized_matches_the_kernel_on_quantized_tokens_and_rows(sglang_sm90):
     rsf = 2.5
     plain = run(sglang_sm90, model.experts, buf, moewire.formats.fake_quant(x, "mxfp8"),
                 ids, w, rsf)
-    rows = combine_rows(buf, get(sg._flavour(model.experts)), "fp8_mega_moe")
+    rows = combine_rows(buf, get(sg_trampolines._flavour(model.experts)), "fp8_mega_moe")
     want = ascending_sum(moewire.formats.fake_quant(rows[:, :T], "mxfp8"), ids, T)
     assert sg.quantize_sglang_model(model, MX) == 1
     y = run(sglang_sm90, model.experts, buf, x, ids, w, rsf)
@@ -131,7 +133,7 @@ def test_through_run_mega_routed_experts(sglang_sm90):
     x, ids, w = batch("mega")
     plain = run_mega(model.experts, x, ids, w, 2.5)
     buf = mega_buffer()
-    rows = combine_rows(buf, get(sg._flavour(model.experts)), "fp8_mega_moe")
+    rows = combine_rows(buf, get(sg_trampolines._flavour(model.experts)), "fp8_mega_moe")
     assert torch.equal(plain.view(torch.int16), ascending_sum(rows, ids, T).view(torch.int16))
     sg.quantize_sglang_model(model, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]})
@@ -251,14 +253,14 @@ def test_w4a4_combine_only_is_not_refused_by_the_mega_site(sglang_sm90):
     experts = _quantized(sglang_sm90, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "mxfp8"}}]})
     experts._mega_moe_nvfp4 = True
-    assert sg._refusal(SITES[0], experts, {}) is None
+    assert sg_refusals._refusal(SITES[0], experts, {}) is None
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_post_expert_norm_refused(sglang_sm90, tmp_path, mode):
     experts = _quantized(sglang_sm90)
     calls = []
-    guard = sg._refuse_post_norm(lambda *a, **k: calls.append(k))
+    guard = sg_refusals._refuse_post_norm(lambda *a, **k: calls.append(k))
     with (pytest.raises(RuntimeError, match="post_expert_norm=True.*without post_expert_norm"),
           _in_mode(mode, experts, tmp_path)):
         experts.moewire_run(guard, torch.zeros(1, H), post_expert_norm=True)
@@ -271,7 +273,7 @@ def test_outside_a_mega_call_fails_closed(sglang_sm90):
     with pytest.raises(RuntimeError, match="without reaching moewire's staging hook"):
         experts(torch.zeros(1, H))
     with pytest.raises(RuntimeError, match="no SGLang Mega-MoE call is in progress.*raise the"):
-        sg._symm_buffer(experts)
+        sg_trampolines._symm_buffer(experts)
 
 
 def test_no_experts_refused(sglang_sm90):
