@@ -404,7 +404,9 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kernel", choices=("stand-in", "deepgemm-sm90"), default="stand-in",
                    help="the Mega-MoE kernel (default stand-in; deepgemm-sm90: DeepGEMM's real "
                         "SM90 fp8_mega_moe on a Hopper GPU, FP8 128x128 block-scaled weights)")
-    p.add_argument("--mma", choices=("bf16xbf16", "fp8xfp4", "fp4xfp4", "fp8xfp8"), default=None,
+    from moewire.reference.catalogue import mma_types
+
+    p.add_argument("--mma", choices=mma_types(user="transformers"), default=None,
                    help="the kernel's build (default: bf16xbf16 for the stand-in, the weights "
                         "stay BF16; fp4xfp4: DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel, weights "
                         "and tokens NVFP4, H and I multiples of 512; fp8xfp8 for "

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 from study_helpers import EXPERTS, HIDDEN, INTER, LAYER, SHARED_INTER, dense_checkpoint
 
 from moewire.reference import dequantize_weight
+from moewire.reference.dense import from_dense
 from moewire.study.data import (
     WEIGHT_NAMES,
     Router,
@@ -16,7 +17,6 @@ from moewire.study.data import (
     synthetic_hidden_states,
 )
 from moewire.study.errors import StudyArgumentError
-from moewire.study.layer import kernel_weights_from_dense
 
 
 def test_load_weights_reads_every_tensor(checkpoint):
@@ -39,7 +39,7 @@ def test_kernel_weights_equal_an_ml_dtypes_fp4_oracle():
     g = torch.Generator().manual_seed(2)
     w1 = torch.randn(2, 2 * 512, 512, generator=g).bfloat16()
     w2 = torch.randn(2, 512, 512, generator=g).bfloat16()
-    kw = kernel_weights_from_dense(w1, w2, "fp8xfp4")
+    kw = from_dense(w1, w2, "fp8xfp4")
     for dense, raw in ((w1, kw.l1_raw), (w2, kw.l2_raw)):
         groups = dense.float().numpy().astype(np.float64).reshape(*dense.shape[:-1], -1, 32)
         amax = np.maximum(np.abs(groups).max(axis=-1, keepdims=True), 1e-4)
@@ -54,7 +54,7 @@ def test_bf16_kernel_weights_are_the_dense_weights():
     g = torch.Generator().manual_seed(2)
     w1 = torch.randn(2, 256, 128, generator=g).bfloat16()
     w2 = torch.randn(2, 128, 128, generator=g).bfloat16()
-    kw = kernel_weights_from_dense(w1, w2, "bf16xbf16")
+    kw = from_dense(w1, w2, "bf16xbf16")
     assert torch.equal(kw.l1_raw, w1) and torch.equal(kw.l2_raw, w2)
 
 

@@ -18,7 +18,8 @@ staging and kernel has its own subpackage (``nvfp4/``), whose ``__init__`` impor
 Inside the package the imports run one way (no cycle, subpackages included;
 ``tests/reference/test_reference_imports.py`` checks it), from the bottom up:
 
-- ``_alloc``, ``_numerics``, ``builds``: nothing of moewire.
+- ``_alloc``, ``_numerics``, ``catalogue`` (every kernel build and MMA type, one row each):
+  nothing of moewire; ``builds``: ``catalogue``.
 - ``_weights_cache`` (the dequantized expert weights), ``deep_gemm_utils``
   (``deep_gemm.utils``), ``sgl_staging`` (sgl-deep-gemm's staging functions),
   ``_ep_experts`` (what the experts modules share): ``_alloc``, ``_numerics`` at most.
@@ -36,34 +37,38 @@ Inside the package the imports run one way (no cycle, subpackages included;
   loads from the kernels hub, for ``moewire.integrations.transformers``): ``deep_gemm``
   and below.
 - ``weights``, ``experts``, ``nvfp4.weights``, ``nvfp4.experts``: ``deep_gemm`` and below.
+- ``dense`` (``from_dense``: dense expert weights in the form of a catalogue row): the
+  weights modules and below.
 """
 
-from moewire.reference import deep_gemm
-from moewire.reference._numerics import dequantize_weight, quantize_fp4_ue8m0
-from moewire.reference.experts import (
-    MegaMoEExperts,
-    forward_context,
-    get_forward_context,
-    stage_mega_moe_inputs,
-)
-from moewire.reference.nvfp4.experts import NVFP4MegaMoEExperts
-from moewire.reference.nvfp4.staging import prepare_megamoe_nvfp4_inputs
-from moewire.reference.nvfp4.weights import NVFP4MegaMoEWeights, make_nvfp4_weights
-from moewire.reference.weights import MegaMoEWeights, SharedExpert, make_weights
+from __future__ import annotations
 
-__all__ = [
-    "MegaMoEExperts",
-    "MegaMoEWeights",
-    "NVFP4MegaMoEExperts",
-    "NVFP4MegaMoEWeights",
-    "SharedExpert",
-    "deep_gemm",
-    "dequantize_weight",
-    "forward_context",
-    "get_forward_context",
-    "make_nvfp4_weights",
-    "make_weights",
-    "prepare_megamoe_nvfp4_inputs",
-    "quantize_fp4_ue8m0",
-    "stage_mega_moe_inputs",
-]
+import importlib
+
+# name -> the module that defines it; imported at first use, so that the torch-free modules
+# (``builds``, ``catalogue``) load without torch (the CLI reads its choices from them).
+_LAZY = {
+    "MegaMoEExperts": "moewire.reference.experts",
+    "MegaMoEWeights": "moewire.reference.weights",
+    "NVFP4MegaMoEExperts": "moewire.reference.nvfp4.experts",
+    "NVFP4MegaMoEWeights": "moewire.reference.nvfp4.weights",
+    "SharedExpert": "moewire.reference.weights",
+    "dequantize_weight": "moewire.reference._numerics",
+    "forward_context": "moewire.reference.experts",
+    "get_forward_context": "moewire.reference.experts",
+    "make_nvfp4_weights": "moewire.reference.nvfp4.weights",
+    "make_weights": "moewire.reference.weights",
+    "prepare_megamoe_nvfp4_inputs": "moewire.reference.nvfp4.staging",
+    "quantize_fp4_ue8m0": "moewire.reference._numerics",
+    "stage_mega_moe_inputs": "moewire.reference.experts",
+}
+
+__all__ = sorted([*_LAZY, "deep_gemm"])
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "deep_gemm":
+        return importlib.import_module("moewire.reference.deep_gemm")
+    raise AttributeError(f"module 'moewire.reference' has no attribute {name!r}")

@@ -14,7 +14,8 @@ Choose the flavour with :class:`use_flavour` (a setter and a context manager) or
 environment variable ``MOEWIRE_REFERENCE_FLAVOUR``; :func:`moewire_flavour` says which
 build the stand-in imitates now (how ``moewire.megamoe.flavours.detect`` recognises it).
 
-May import: the standard library only (nothing of moewire, nor torch).
+May import: the standard library and ``catalogue`` (the MMA type of each kernel function;
+nothing else of moewire, nor torch).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from moewire.reference.catalogue import MMA_OF_KERNEL
 
 ENV_FLAVOUR = "MOEWIRE_REFERENCE_FLAVOUR"
 DEFAULT_FLAVOUR = "vllm-0.33"
@@ -31,11 +34,6 @@ RENAMED = {
     "upstream": "deepgemm-main",
     "vllm": "vllm-0.32 (shared expert added last) or vllm-0.33 (added first)",
     "sgl": "deepgemm-sm90",
-}
-MMA_OF_KERNEL = {
-    "fp8_fp4_mega_moe": "fp8xfp4",
-    "bf16_mega_moe": "bf16xbf16",
-    "fp4_fp4_mega_moe": "fp4xfp4",
 }
 #: How a build's kernel names SiTU's two tanh scales: (gate scale, up scale) keywords.
 #: DeepGEMM 2.8.x (vLLM's bundled copies; vllm-project/DeepGEMM dev, ``deep_gemm/_C.py`` at

@@ -66,13 +66,13 @@ from moewire.reference.builds import (
     DEFAULT_FLAVOUR,
     ENV_FLAVOUR,
     KERNEL_BUILDS,
-    MMA_OF_KERNEL,
     RENAMED,
     KernelBuild,
     current_flavour,
     moewire_flavour,
     use_flavour,
 )
+from moewire.reference.catalogue import MMA_OF_KERNEL, STAND_IN, builds
 from moewire.reference.deep_gemm_utils import per_token_cast_to_fp8
 from moewire.reference.fp4_fp4.buffer import FP4SymmBuffer
 from moewire.reference.fp4_fp4.mega_moe import fp4_fp4_mega_moe
@@ -113,10 +113,11 @@ TOKEN_ALIGNMENT = 384
 # sgl-deep-gemm 0.2.5's switch for the FP8 combine (read by its C++ buffer sizing and JIT).
 ENV_FP8_COMBINE = "DG_USE_FP8_COMBINE"
 ACTIVATIONS = ("swiglu", "situ")
-MMA_TYPES = ("fp8xfp4", "bf16xbf16", "fp4xfp4")
-# fp8xfp4 tiles K by 512 (FP4 weights, 128-byte rows); bf16 by 128; NVFP4 by 512
-# (DeepGEMM 2.8.0 csrc/apis/mega_moe.hpp, sf_alignment).
-HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128, "fp4xfp4": 512}
+# The builds of get_symm_buffer_for_mega_moe (the NVFP4 Mega-MoE has a buffer of its own),
+# and what H and I must be multiples of (moewire.reference.catalogue).
+_BUILDS = tuple(b for b in builds(STAND_IN) if b.function != "nvfp4_mega_moe")
+MMA_TYPES = tuple(b.mma_type for b in _BUILDS)
+HIDDEN_MULTIPLE = {b.mma_type: b.hidden_multiple for b in _BUILDS}
 
 
 def get_block_m_for_mega_moe(

@@ -27,10 +27,10 @@ from moewire.reference import (
     NVFP4MegaMoEExperts,
     NVFP4MegaMoEWeights,
     SharedExpert,
-    deep_gemm,
     make_nvfp4_weights,
 )
 from moewire.reference import make_weights as reference_make_weights
+from moewire.reference.dense import from_dense
 from moewire.study.data import LayerWeights, Router, balanced_bias, load_weights, norm_gamma
 from moewire.study.settings import NONE, StudyConfig, check_layer_shapes, router_imbalance
 
@@ -55,59 +55,6 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """BF16 ``[T, H]``, FP32 ``[T, k]``, int64 ``[T, k]`` -> BF16 ``[T, H]``."""
         return self.experts(x, topk_weights, topk_ids, shared_experts=self.shared_experts)
-
-
-def kernel_weights_from_dense(
-    w1: torch.Tensor, w2: torch.Tensor, mma: str
-) -> MegaMoEWeights | NVFP4MegaMoEWeights:
-    """Convert dense expert weights into the stand-in kernel's formats.
-
-    ``fp8xfp4``: FP4 E2M1 with one UE8M0 scale per 32 along K (the reference kernel's
-    weight cast, ``sf = 2^ceil(log2(max(amax, 1e-4) / 6))``), then DeepGEMM's layout
-    transform. ``bf16xbf16``: BF16 as is, then the transform. ``nvfp4`` (the NVFP4 Mega-MoE
-    of vLLM 0.33/0.34): NVFP4 per expert, a global scale ``amax / 2688`` and an E4M3 scale
-    per 16 (:func:`moewire.reference.nvfp4.weights.quantize_nvfp4_weight`), then the
-    transform; the global scales become the kernel's ``l1_alpha`` / ``l2_alpha``.
-    ``fp4xfp4`` (DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel): NVFP4 as ModelOpt's checkpoints
-    hold it, gate, up and down each with its own per-expert global scale
-    (:func:`moewire.reference.fp4_fp4.weights.quantize_experts`), the kernel's ``l1_alphas``
-    / ``l2_alphas``.
-
-    Args:
-        w1: ``[E, 2I, H]`` rows ``[gate | up]``; w2: ``[E, H, I]``; any float dtype.
-        mma: ``"fp8xfp4"``, ``"bf16xbf16"``, ``"nvfp4"`` or ``"fp4xfp4"``.
-
-    Returns:
-        :class:`~moewire.reference.MegaMoEWeights` (or ``NVFP4MegaMoEWeights``) for
-        experts ``0..E-1``.
-    """
-    # The reference's own cast, so the kernel reads exactly the format it defines.
-    from moewire.reference import quantize_fp4_ue8m0
-    from moewire.reference.fp4_fp4.weights import FP4MegaMoEWeights, quantize_experts
-    from moewire.reference.nvfp4.weights import quantize_nvfp4_weight
-
-    if mma == "fp4xfp4":
-        raw1, raw2, a1, a2 = quantize_experts(w1.float(), w2.float())
-        raw1, raw2 = (tuple(t.to(w1.device) for t in raw) for raw in (raw1, raw2))
-        l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
-        return FP4MegaMoEWeights(tuple(range(w1.shape[0])), l1, l2, raw1, raw2,
-                                 a1.to(w1.device), a2.to(w1.device))
-    if mma == "nvfp4":
-        parts = [[quantize_nvfp4_weight(w[e].float()) for e in range(w.shape[0])]
-                 for w in (w1, w2)]
-        raw1, raw2 = (
-            tuple(torch.stack([p[j] for p in ps]) for j in range(2)) for ps in parts
-        )
-        gs1, gs2 = (torch.stack([p[2] for p in ps]) for ps in parts)
-        l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
-        return NVFP4MegaMoEWeights(tuple(range(w1.shape[0])), l1, l2, raw1, raw2, gs1, gs2)
-    if mma == "fp8xfp4":
-        raw1 = quantize_fp4_ue8m0(w1.float())
-        raw2 = quantize_fp4_ue8m0(w2.float())
-    else:
-        raw1, raw2 = w1.bfloat16().contiguous(), w2.bfloat16().contiguous()
-    l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
-    return MegaMoEWeights(tuple(range(w1.shape[0])), mma, l1, l2, raw1, raw2)
 
 
 @dataclass
@@ -357,7 +304,7 @@ def build_layer(
 
     - ``reference``: :func:`synthetic_kernel_weights` (``moewire.reference.make_weights``,
       four input channels of each matrix 16x larger, which the FP4 block scales must
-      absorb) or :func:`kernel_weights_from_dense`;
+      absorb) or :func:`moewire.reference.dense.from_dense`;
     - ``deepgemm-sm90``: ``experts`` and ``layer_cls``, which
       :func:`moewire.study.real_kernel.build_layer` passes (the real kernel's own weight
       recipe and its symmetric buffer; this module does not import the real kernel's).
@@ -402,7 +349,7 @@ def build_layer(
         extra = experts(cfg, dense, num_experts, hidden, inter)
         weights = None
     elif dense is not None:
-        weights = kernel_weights_from_dense(dense.w1.to(device), dense.w2.to(device), cfg.mma)
+        weights = from_dense(dense.w1.to(device), dense.w2.to(device), cfg.mma)
     else:
         weights = synthetic_kernel_weights(cfg, num_experts, hidden, inter, device, report)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 # torch and moewire.formats are imported inside the checks that need them, so that the
 # CLI parses its flags (and answers --help) without importing torch.
+from moewire.reference.catalogue import SM90, STAND_IN, builds, mma_types
 from moewire.study.errors import StudyArgumentError
 from moewire.study.presets import DEFAULT_MODEL, PRESETS, ModelPreset
 
@@ -32,15 +33,16 @@ DEFAULT_DISPATCH = ("fp8", "mxfp8", "nvfp4", "mxfp4")
 DEFAULT_COMBINE = ("fp8", "mxfp8", "nvfp4", "logfmt10", "deepgemm_fp8_combine",
                    "trtllm_32e4m3xe8m0", "trtllm_16e2m1xbf16", "te_mxfp8", "flashinfer_nvfp4",
                    "mori_fp8_blockwise_fnuz")
-MMA_TYPES = ("fp8xfp4", "bf16xbf16", "fp4xfp4", "nvfp4")
+#: ``--mma``: the stand-in's builds the study offers (``moewire.reference.catalogue``).
+MMA_TYPES = mma_types(STAND_IN, "study")
 #: The synthetic router's default hottest-expert load over the mean (DeepSeek's
 #: bias-balanced routing keeps it at a few x).
 DEFAULT_ROUTER_IMBALANCE = 2.5
 #: ``--kernel``: the stand-in (any device) or a real build (moewire.study.real_kernel).
 KERNELS = ("reference", "deepgemm-sm90")
-# The stand-in kernel tiles K by 512 for FP8 x FP4 and by 128 for BF16 (deep_gemm). Kept here
-# (the CLI checks flags before torch loads); tests/study/test_first_hour.py keeps it in step.
-_HIDDEN_MULTIPLE = {"fp8xfp4": 512, "bf16xbf16": 128, "nvfp4": 128, "fp4xfp4": 512}
+# What H and I must be multiples of for each stand-in build (the catalogue is torch-free, so
+# the CLI checks flags before torch loads).
+_HIDDEN_MULTIPLE = {b.mma_type: b.hidden_multiple for b in builds(STAND_IN, "study")}
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,7 @@ def check_kernel_flags(cfg: StudyConfig) -> None:
     """Flags that contradict ``--kernel deepgemm-sm90``, refused before anything loads."""
     if cfg.kernel != "deepgemm-sm90":
         return
-    if cfg.mma != "fp8xfp4":
+    if cfg.mma not in mma_types(SM90, "study"):
         raise StudyArgumentError(
             "--mma", f"--kernel deepgemm-sm90 runs FP8 x FP4 (fp8_fp4_mega_moe); {cfg.mma} "
             "has no SM90 Mega-MoE kernel: use --mma fp8xfp4"

@@ -33,12 +33,14 @@ import importlib
 from dataclasses import dataclass
 
 from moewire.integrations._host import source_reach
+from moewire.reference.catalogue import DEEPGEMM, mma_types
 
 __all__ = ["MEGA_MOE", "MMA_TYPES", "SITES", "SglangSite", "recognise"]
 
 MEGA_MOE = "sglang.srt.layers.moe.mega_moe"
-#: The ``mma_type`` values SGLang 0.5.23 derives (``_mega_moe_mma_type``).
-MMA_TYPES = ("fp8xfp4", "nvfp4xnvfp4", "mxf4xmxf4")
+#: The ``mma_type`` values SGLang 0.5.23 derives (``_mega_moe_mma_type``; rows of
+#: ``moewire.reference.catalogue``).
+MMA_TYPES = mma_types(DEEPGEMM, "sglang")
 
 
 @dataclass(frozen=True)

@@ -101,12 +101,11 @@ from moewire.megamoe.registry import (
     unregister_experts_class,
 )
 from moewire.megamoe.scales_file import read_scales, write_scales
+from moewire.reference import catalogue, fp4_fp4
 from moewire.reference import deep_gemm as stand_in
-from moewire.reference import fp4_fp4
-from moewire.reference._numerics import quantize_fp4_ue8m0
+from moewire.reference.dense import from_dense, kernel_kwargs
 from moewire.reference.experts import stage_mega_moe_inputs
 from moewire.reference.fp4_fp4.staging import prepare_megamoe_nvfp4_inputs
-from moewire.reference.fp4_fp4.weights import quantize_experts
 
 __all__ = [
     "ARCHITECTURES",
@@ -126,13 +125,13 @@ __all__ = [
 ]
 
 IMPLEMENTATION = "moewire"
-#: kernel -> its builds, each build -> the kernel function the forward calls.
+#: kernel -> its builds, each build -> the kernel function the forward calls (the rows of
+#: ``moewire.reference.catalogue`` transformers offers; a kernel's first build is its default).
 KERNELS: dict[str, dict[str, str]] = {
-    "stand-in": {"bf16xbf16": "bf16_mega_moe", "fp8xfp4": "fp8_fp4_mega_moe",
-                 "fp4xfp4": "fp4_fp4_mega_moe"},
-    "deepgemm-sm90": {"fp8xfp8": "fp8_mega_moe"},
+    kernel: {b.mma_type: b.function for b in catalogue.builds(kernel, "transformers")}
+    for kernel in (catalogue.STAND_IN, catalogue.SM90)
 }
-MMA_TYPES = tuple(mma for builds in KERNELS.values() for mma in builds)
+MMA_TYPES = catalogue.mma_types(user="transformers")
 #: Tokens per kernel call unless ``prepare`` is told otherwise (the buffer's capacity).
 DEFAULT_MAX_TOKENS = 2048
 _SILU = ("silu", "swish")
@@ -470,11 +469,9 @@ def _kernel_layout(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return l1, l2
 
 
-def _stand_in_form(module: nn.Module, mma_type: str, l1: torch.Tensor, l2: torch.Tensor,
-                   top_k: int, max_num_tokens: int,
-                   group: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """The stand-in's buffer (on ``group``, for the experts of all its ranks), weights and
-    further kernel keywords: ``(buffer, l1, l2, extra)``."""
+def _stand_in_buffer(module: nn.Module, mma_type: str, l1: torch.Tensor, top_k: int,
+                     max_num_tokens: int, group: Any) -> Any:
+    """The stand-in's buffer, on ``group``, for the experts of all its ranks."""
     num_experts, two_i, hidden = l1.shape
     ranks = 1 if group is None else group.size()
     try:
@@ -491,32 +488,20 @@ def _stand_in_form(module: nn.Module, mma_type: str, l1: torch.Tensor, l2: torch
             f"{_where(module)}: the {mma_type} build cannot take these experts ({exc}); use "
             "another mma_type"
         ) from exc
-    if mma_type == "bf16xbf16":
-        return buffer, *stand_in.transform_weights_for_mega_moe(l1.bfloat16(), l2.bfloat16()), {}
-    if mma_type == "fp4xfp4":
-        l1_raw, l2_raw, l1_alphas, l2_alphas = quantize_experts(l1.float(), l2.float())
-        weights = stand_in.transform_weights_for_mega_moe(l1_raw, l2_raw)
-        return buffer, *weights, {"l1_alphas": l1_alphas.to(l1.device),
-                                  "l2_alphas": l2_alphas.to(l1.device)}
-    weights = stand_in.transform_weights_for_mega_moe(quantize_fp4_ue8m0(l1),
-                                                      quantize_fp4_ue8m0(l2))
-    return buffer, *weights, {}
+    return buffer
 
 
 def _check_sm90_alignment(module: nn.Module, hidden: int, intermediate: int) -> None:
-    """Refuse shapes whose per-token scale rows the SM90 kernel cannot place.
-
-    DeepGEMM PR #323 (8ddf7f9) ``impls/sm90_fp8_mega_moe.cuh`` lays out the staged scales as
-    ``layout::Data(kHidden / 32)`` and the intermediate ones as
-    ``layout::Data(kIntermediateHidden / 16)`` bytes per token, and ``layout/mega_moe.cuh``
-    (``Data``) asserts TMA alignment, ``num_bytes % 16 == 0``, when the buffer is sized: so H
-    must be a multiple of 512 and I of 256 (seen on an H200: H 256 fails that assert).
-    """
-    if hidden % 512 or intermediate % 256:
+    """Refuse shapes whose per-token scale rows the SM90 kernel cannot place (the H and I
+    multiples of its catalogue row, which says why)."""
+    row = catalogue.build(catalogue.SM90, "fp8xfp8")
+    h_multiple, i_multiple = row.hidden_multiple, row.intermediate_multiple
+    if hidden % h_multiple or intermediate % i_multiple:
         raise ValueError(
             f"{_where(module)}: DeepGEMM's SM90 fp8_mega_moe keeps H/32 and I/16 scale bytes per "
-            f"token in 16-byte (TMA) rows, so H must be a multiple of 512 and I of 256; got "
-            f"H={hidden}, I={intermediate}; use kernel='stand-in' for this model"
+            f"token in 16-byte (TMA) rows, so H must be a multiple of {h_multiple} and I of "
+            f"{i_multiple}; got H={hidden}, I={intermediate}; use kernel='stand-in' for this "
+            "model"
         )
 
 
@@ -578,8 +563,9 @@ def _build_state(module: nn.Module, mma_type: str | None, max_num_tokens: int,
     if kernel == "deepgemm-sm90":
         buffer, l1_k, l2_k, group = _sm90_form(module, l1, l2, top_k, max_num_tokens, group)
     else:
-        buffer, l1_k, l2_k, extra = _stand_in_form(module, mma_type, l1, l2, top_k,
-                                                   max_num_tokens, group)
+        buffer = _stand_in_buffer(module, mma_type, l1, top_k, max_num_tokens, group)
+        weights = from_dense(l1, l2, mma_type)
+        l1_k, l2_k, extra = weights.l1, weights.l2, kernel_kwargs(weights)
     clamp = getattr(module, arch.clamp_attr) if arch.clamp_attr else None
     return _MegaState(kernel, mma_type, l1_k, l2_k, None if clamp is None else float(clamp),
                       buffer, group, extra)
@@ -793,7 +779,7 @@ def site_modules(model: nn.Module) -> list[tuple[str, nn.Module, MegaMoeSite]]:
 
 
 #: The FP8 x FP4 tile of the stand-in kernel: H and I multiples of it.
-_STAND_IN_FP4_MULTIPLE = stand_in.HIDDEN_MULTIPLE["fp8xfp4"]
+_STAND_IN_FP4_MULTIPLE = catalogue.build(catalogue.STAND_IN, "fp8xfp4").hidden_multiple
 
 
 def _check_site_layout(name: str, module: nn.Module, site: MegaMoeSite) -> None:

@@ -1,0 +1,107 @@
+"""Dense expert weights in the form a stand-in build reads: :func:`from_dense`, the one
+conversion the study (``moewire study --weights``) and the transformers integration
+(``prepare``) share.
+
+Each weight form of ``moewire.reference.catalogue.WEIGHT_FORMS`` that the stand-in runs has
+one function here, then DeepGEMM's layout transform
+(``deep_gemm.transform_weights_for_mega_moe``):
+
+- ``bf16``: BF16 as is.
+- ``fp4-ue8m0`` (``fp8xfp4``): FP4 E2M1 with one UE8M0 scale per 32 along K, the reference
+  kernel's own cast (:func:`~moewire.reference._numerics.quantize_fp4_ue8m0`), so the kernel
+  reads exactly the format it defines.
+- ``nvfp4-vllm`` (``nvfp4``, the NVFP4 Mega-MoE of vLLM 0.33/0.34): NVFP4 per expert, a
+  global scale ``amax / 2688`` and an E4M3 scale per 16
+  (:func:`moewire.reference.nvfp4.weights.quantize_nvfp4_weight`); the global scales become
+  the kernel's ``l1_alpha`` / ``l2_alpha``.
+- ``nvfp4-modelopt`` (``fp4xfp4``, DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel): NVFP4 as
+  ModelOpt's checkpoints hold it, gate, up and down each with its own per-expert global
+  scale (:func:`moewire.reference.fp4_fp4.weights.quantize_experts`), the kernel's
+  ``l1_alphas`` / ``l2_alphas``.
+
+May import: torch, ``catalogue``, ``deep_gemm``, ``_numerics`` and the weights modules
+(``weights``, ``nvfp4.weights``, ``fp4_fp4.weights``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from moewire.reference import deep_gemm
+from moewire.reference._numerics import quantize_fp4_ue8m0
+from moewire.reference.catalogue import STAND_IN, build
+from moewire.reference.fp4_fp4.weights import FP4MegaMoEWeights, quantize_experts
+from moewire.reference.nvfp4.weights import NVFP4MegaMoEWeights, quantize_nvfp4_weight
+from moewire.reference.weights import MegaMoEWeights
+
+__all__ = ["from_dense", "kernel_kwargs"]
+
+Weights = MegaMoEWeights | NVFP4MegaMoEWeights | FP4MegaMoEWeights
+
+
+def _bf16(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> MegaMoEWeights:
+    raw1, raw2 = w1.bfloat16().contiguous(), w2.bfloat16().contiguous()
+    l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
+    return MegaMoEWeights(tuple(range(w1.shape[0])), mma_type, l1, l2, raw1, raw2)
+
+
+def _fp4_ue8m0(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> MegaMoEWeights:
+    raw1, raw2 = quantize_fp4_ue8m0(w1.float()), quantize_fp4_ue8m0(w2.float())
+    l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
+    return MegaMoEWeights(tuple(range(w1.shape[0])), mma_type, l1, l2, raw1, raw2)
+
+
+def _nvfp4_vllm(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> NVFP4MegaMoEWeights:
+    parts = [[quantize_nvfp4_weight(w[e].float()) for e in range(w.shape[0])] for w in (w1, w2)]
+    raw1, raw2 = (tuple(torch.stack([p[j] for p in ps]) for j in range(2)) for ps in parts)
+    gs1, gs2 = (torch.stack([p[2] for p in ps]) for ps in parts)
+    l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
+    return NVFP4MegaMoEWeights(tuple(range(w1.shape[0])), l1, l2, raw1, raw2, gs1, gs2)
+
+
+def _nvfp4_modelopt(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> FP4MegaMoEWeights:
+    raw1, raw2, a1, a2 = quantize_experts(w1.float(), w2.float())
+    raw1, raw2 = (tuple(t.to(w1.device) for t in raw) for raw in (raw1, raw2))
+    l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
+    return FP4MegaMoEWeights(tuple(range(w1.shape[0])), l1, l2, raw1, raw2,
+                             a1.to(w1.device), a2.to(w1.device))
+
+
+#: Weight form (``catalogue.WEIGHT_FORMS``) -> its conversion.
+_FORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, str], Any]] = {
+    "bf16": _bf16,
+    "fp4-ue8m0": _fp4_ue8m0,
+    "nvfp4-vllm": _nvfp4_vllm,
+    "nvfp4-modelopt": _nvfp4_modelopt,
+}
+
+
+def from_dense(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> Weights:
+    """Dense expert weights in the form the stand-in's ``mma_type`` build reads.
+
+    Args:
+        w1: ``[E, 2I, H]`` rows ``[gate | up]``; w2: ``[E, H, I]``; any float dtype.
+        mma_type: a stand-in MMA type of ``moewire.reference.catalogue`` (``"bf16xbf16"``,
+            ``"fp8xfp4"``, ``"fp4xfp4"``, ``"nvfp4"``).
+
+    Returns:
+        The weights holder of the build's experts module, for experts ``0..E-1``:
+        :class:`~moewire.reference.weights.MegaMoEWeights`, ``NVFP4MegaMoEWeights`` or
+        ``FP4MegaMoEWeights`` (:func:`kernel_kwargs` gives its further kernel keywords).
+
+    Raises:
+        ValueError: ``mma_type`` is no stand-in build (the message lists them).
+    """
+    row = build(STAND_IN, mma_type)
+    return _FORMS[row.weights](w1, w2, mma_type)
+
+
+def kernel_kwargs(weights: Weights) -> dict[str, Any]:
+    """The keywords a kernel call takes besides the weights themselves: the NVFP4 x NVFP4
+    kernel's per-expert ``l1_alphas`` / ``l2_alphas``, else none."""
+    if isinstance(weights, FP4MegaMoEWeights):
+        return {"l1_alphas": weights.l1_alphas, "l2_alphas": weights.l2_alphas}
+    return {}
