@@ -7,6 +7,10 @@ these entries (:mod:`moewire.integrations.vllm`: discovery, the bridge, the adap
 kernel side (which build, where its rows are) is ``moewire.megamoe.builds``. Adding a site
 is one entry in :data:`SITES` (docs/architecture.md, "Adding a kernel build or a vLLM site").
 
+One module for one idea, the site table: the entries, the structure each is recognised by
+and the adapter built from one are read together when a site is added, so they stay in one
+file although it passes 600 lines.
+
 Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored versions):
 
 - ``vllm/model_executor/layers/fused_moe/deep_gemm_mega_moe.py``: 0.33/0.34's

@@ -27,6 +27,10 @@ tokenizer); a path to a ``.txt`` file (one sample per non-empty line) or a ``.js
 The steps are built from vLLM's scheduler types field by field (:func:`scheduler_output`),
 for the constructor shapes of vLLM 0.32, 0.33, 0.34 and main; a shape it does not know is
 refused when the worker is built, before the weights load.
+
+One module for one idea, the one-launch worker: the worker class, its calibration set and
+the scheduler steps it builds are one sequence inside ``compile_or_warm_up_model``, so they
+stay in one file although it passes 600 lines.
 """
 
 from __future__ import annotations
