@@ -32,6 +32,14 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"moewire.study", "moewire.eval"},
     {"moewire.cli", "moewire.__main__"},
 ))
+#: ``moewire.reference`` in two layers (its ``__init__`` lists them): the experts modules and
+#: weight holders above (and the package's face), the kernels below (DeepGEMM's API, buffers,
+#: staging, numerics, a folder per kernel family: every other module). No kernel module
+#: imports one above it.
+REFERENCE_MODULES = frozenset({"moewire.reference"} | {f"moewire.reference.{m}" for m in (
+    "_ep_experts", "experts", "weights", "dense", "nvfp4.experts", "nvfp4.weights",
+    "fp4_fp4.experts", "fp4_fp4.weights",
+)})
 #: The host packages of ``integrations/``.
 HOSTS = ("vllm", "sglang", "transformers", "modelopt")
 _INTEGRATIONS = "moewire.integrations"
@@ -66,6 +74,13 @@ def _is_alias(module: str) -> bool:
 
 def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted((a, b) for a, bs in graph.items() for b in bs if _layer(b) > _layer(a))
+
+
+def reference_kernel_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of an experts module or weight holder of ``moewire.reference`` by one of its
+    kernel modules (:data:`REFERENCE_MODULES`)."""
+    kernels = {a for a in graph if _part(a) == "moewire.reference"} - REFERENCE_MODULES
+    return sorted((a, b) for a in kernels for b in graph[a] if b in REFERENCE_MODULES)
 
 
 def cross_host_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -150,3 +165,19 @@ def test_every_host_is_a_package_and_no_host_imports_another():
         assert f"{_INTEGRATIONS}.{host}" in graph, f"no package integrations/{host}/"
     crossing = cross_host_imports(graph)
     assert not crossing, f"a host package imports another host: {crossing}"
+
+
+def test_the_reference_check_finds_a_kernel_importing_an_experts_module():
+    # An earlier shape: the NVFP4 family's folder held its experts module beside its kernel.
+    old = {"moewire.reference.nvfp4.mega_moe": {"moewire.reference.nvfp4.experts"},
+           "moewire.reference.nvfp4.experts": {"moewire.reference.deep_gemm"}}
+    assert reference_kernel_imports(old) == [
+        ("moewire.reference.nvfp4.mega_moe", "moewire.reference.nvfp4.experts")]
+
+
+def test_reference_kernels_import_no_experts_module():
+    graph = src_graph()
+    missing = REFERENCE_MODULES - set(graph)
+    assert not missing, f"REFERENCE_MODULES names modules that do not exist: {sorted(missing)}"
+    up = reference_kernel_imports(graph)
+    assert not up, f"a kernel module of moewire.reference imports an experts module: {up}"

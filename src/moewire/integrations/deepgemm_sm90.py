@@ -35,7 +35,8 @@ study (``moewire study --kernel deepgemm-sm90``) and the evaluation (``moewire e
 deepgemm-sm90``), besides the real-kernel tests. In a host package, the other users would
 import that host; here, every host may import it as shared glue.
 
-May import: the standard library, torch and ``moewire.megamoe.registry``.
+May import: the standard library, torch, ``moewire.megamoe.registry`` and
+``moewire.reference._ep_experts`` (the experts forward).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch
 from torch import nn
 
 from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
+from moewire.reference._ep_experts import MegaMoEForward
 
 __all__ = [
     "FLAVOUR",
@@ -397,9 +399,10 @@ def quantize_weights(
 # -- the experts module -----------------------------------------------------------------------
 
 
-class SM90MegaMoEExperts(nn.Module):
+class SM90MegaMoEExperts(MegaMoEForward):
     """Routed experts on DeepGEMM's SM90 Mega-MoE kernel (one launch: dispatch, L1, SwiGLU,
-    L2, combine), shaped like vLLM's Mega-MoE experts.
+    L2, combine), shaped like vLLM's Mega-MoE experts (the forward is the stand-in's,
+    ``MegaMoEForward``: the kernel, then an unfused shared expert).
 
     Args:
         l1_weights, l2_weights: prepared weights (:func:`quantize_weights`).
@@ -469,38 +472,23 @@ class SM90MegaMoEExperts(nn.Module):
     def max_num_tokens(self) -> int:
         return self.symm_buffer.num_max_tokens_per_rank
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        shared_experts: nn.Module | None = None,
-    ) -> torch.Tensor:
-        """Run the fused kernel, then add an unfused shared expert (as vLLM does).
-
-        Args:
-            hidden_states: BF16 ``[T, H]``, ``T <= max_num_tokens``.
-            topk_weights: FP32 ``[T, k]``.
-            topk_ids: int ``[T, k]``; ``-1`` marks an invalid slot.
-            shared_experts: ``hidden_states -> BF16 [T, H]``, added after the combine (it
-                sees the unquantized tokens), or ``None``.
-
-        Returns:
-            BF16 ``[T, H]``.
-        """
+    def _check_inputs(self, hidden_states: torch.Tensor,
+                      shared_experts: nn.Module | None) -> int:
         num_tokens = hidden_states.shape[0]
         if num_tokens > self.max_num_tokens:
             raise ValueError(
                 f"{type(self).__name__}: {num_tokens} tokens exceed the buffer's capacity "
                 f"{self.max_num_tokens}; build the module with a larger max_num_tokens"
             )
+        return num_tokens
+
+    def _routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         stage_sm90_inputs(hidden_states, topk_ids, topk_weights, self.symm_buffer)
         y = torch.empty_like(hidden_states, dtype=torch.bfloat16)
         getattr(deep_gemm, self.kernel)(
             y, self.l1_weights, self.l2_weights, self.symm_buffer, **self.kernel_kwargs
         )
-        if shared_experts is not None:
-            y += shared_experts(hidden_states)
         return y
 
 

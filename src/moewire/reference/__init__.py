@@ -13,32 +13,45 @@
   stand-in is the subpackage ``reference.nvfp4``.
 
 Independent of ``moewire.megamoe``, ``moewire.quantizer`` and ``moewire.formats``: the
-package may import torch and its own modules only. A kernel family with its own buffer,
-staging and kernel has its own subpackage (``nvfp4/``), whose ``__init__`` imports nothing.
-Inside the package the imports run one way (no cycle, subpackages included;
-``tests/reference/test_reference_imports.py`` checks it), from the bottom up:
+package may import torch and its own modules only. Inside it, two layers
+(``tests/test_import_cycles.py`` checks that no kernel module imports an experts module, and
+``tests/reference/test_reference_imports.py`` that no import cycles), each drawn from the
+bottom up:
+
+**The kernels** (what DeepGEMM ships: its API, buffers, staging, numerics). A kernel family
+with its own buffer, staging and kernel has its own subpackage (``nvfp4/``, ``fp4_fp4/``),
+whose ``__init__`` imports nothing.
 
 - ``_alloc``, ``_numerics``, ``catalogue`` (every kernel build and MMA type, one row each):
-  nothing of moewire; ``builds``: ``catalogue``.
+  nothing of moewire; ``builds`` (the flavours): ``catalogue``.
 - ``_weights_cache`` (the dequantized expert weights), ``deep_gemm_utils``
-  (``deep_gemm.utils``), ``sgl_staging`` (sgl-deep-gemm's staging functions),
-  ``_ep_experts`` (what the experts modules share): ``_alloc``, ``_numerics`` at most.
+  (``deep_gemm.utils``), ``sgl_staging`` (sgl-deep-gemm's staging functions): ``_alloc``,
+  ``_numerics`` at most.
 - ``buffer`` (the buffers' region layout, ``SymmBuffer``): ``_alloc``, ``builds``.
 - ``_kernel`` (the body of ``fp8_fp4_mega_moe`` and ``bf16_mega_moe``): ``_numerics``,
   ``_weights_cache``, ``buffer``.
 - ``nvfp4._numerics`` -> ``nvfp4.buffer`` -> ``nvfp4.staging`` -> ``nvfp4.mega_moe`` (vLLM
-  0.33/0.34's ``nvfp4_mega_moe``): the modules above.
+  0.33/0.34's ``nvfp4_mega_moe``), and the same four of ``fp4_fp4`` (DeepGEMM 2.8.0's
+  ``fp4_fp4_mega_moe``): the modules above.
 - ``sm90_fork`` (the names of the DeepGEMM fork vLLM main's Hopper experts call:
   ``get_symm_buffer_for_sm90_mega_moe``, ``transform_weights_for_mega_moe_sm90``,
   ``fp8_mega_moe_sm90``; one rank): ``_alloc``, ``buffer``, ``deep_gemm_utils``.
-- ``deep_gemm`` (the thin API, re-exporting the public names): ``_alloc``, ``builds``,
-  ``buffer``, ``deep_gemm_utils``, ``_kernel``, ``nvfp4.buffer``, ``nvfp4.mega_moe``.
+- ``deep_gemm`` (the thin API, re-exporting the public names): the modules above.
 - ``hub_deep_gemm`` (upstream DeepGEMM's Mega-MoE signatures, the build transformers
   loads from the kernels hub, for ``moewire.integrations.transformers``): ``deep_gemm``
   and below.
-- ``weights``, ``experts``, ``nvfp4.weights``, ``nvfp4.experts``: ``deep_gemm`` and below.
+
+**The experts modules and weight holders** (what a serving engine builds on the kernels):
+
+- ``_ep_experts`` (what the experts modules share: the forward, the EP partition, the
+  buffer cache): ``_alloc``.
+- ``weights``, ``nvfp4.weights``, ``fp4_fp4.weights`` (seeded weights in each kernel's
+  form): ``deep_gemm`` and the family's numerics.
+- ``experts`` (``MegaMoEExperts``, vLLM's staging and forward context), ``nvfp4.experts``,
+  ``fp4_fp4.experts``: the weights modules, the family's staging, ``deep_gemm``.
 - ``dense`` (``from_dense``: dense expert weights in the form of a catalogue row): the
-  weights modules and below.
+  weights modules.
+- this ``__init__`` (the public names, imported at first use).
 """
 
 from __future__ import annotations

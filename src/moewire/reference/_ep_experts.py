@@ -7,7 +7,8 @@ layers of the same shapes share it; so does the stand-in, in one cache that hold
 buffers weakly and keys them by the group object itself (never its ``id()``: a freed
 group's id could come back for a new one).
 
-May import: torch and ``moewire.reference._alloc``.
+May import: torch and ``moewire.reference._alloc``. The real SM90 kernel's experts module
+(``moewire.integrations.deepgemm_sm90``) runs :class:`MegaMoEForward` too.
 """
 
 from __future__ import annotations
@@ -22,15 +23,58 @@ from torch import nn
 
 from moewire.reference._alloc import default_device
 
-__all__ = ["EPExperts", "kernel_weights"]
+__all__ = ["EPExperts", "MegaMoEForward", "kernel_weights"]
 
 _SYMM_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-class EPExperts(nn.Module):
+class MegaMoEForward(nn.Module):
+    """vLLM's Mega-MoE experts forward, written once for every experts module (the stand-in's
+    three and the real SM90 kernel's): check the call, run the routed experts (a subclass's
+    :meth:`_routed`: stage the tokens through its module's staging global and call the kernel
+    through its module's ``deep_gemm`` global, where moewire interposes), then add an
+    unfused shared expert (it sees the unquantized tokens, as vLLM's)."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """Routed experts (plus a fused shared expert), then an unfused one if given.
+
+        Args:
+            hidden_states: BF16 (or the layer's ``dtype``) ``[T, H]``,
+                ``T <= max_num_tokens``.
+            topk_weights: FP32 ``[T, k]`` router weights.
+            topk_ids: integer ``[T, k]`` global expert ids (-1 masks a slot).
+            shared_experts: an unfused shared expert, added after the kernel.
+
+        Returns:
+            BF16 ``[T, H]``.
+        """
+        num_tokens = self._check_inputs(hidden_states, shared_experts)
+        y = self._routed(hidden_states, topk_weights, topk_ids, num_tokens)
+        if shared_experts is not None:
+            y += shared_experts(hidden_states)
+        return y
+
+    def _check_inputs(self, hidden_states: torch.Tensor,
+                      shared_experts: nn.Module | None) -> int:
+        """Refuse a call the module cannot serve; returns its token count ``T``."""
+        raise NotImplementedError
+
+    def _routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Stage the call's tokens and run the kernel: BF16 ``y [T, H]``."""
+        raise NotImplementedError
+
+
+class EPExperts(MegaMoEForward):
     """Base of the stand-in experts modules: the routed experts of one EP rank.
 
-    Attributes set by :meth:`_partition`: ``num_experts``, ``top_k``, ``hidden``,
+    Attributes set by ``__init__``: ``num_experts``, ``top_k``, ``hidden``,
     ``intermediate``, ``max_num_tokens``, ``ep_group``, ``ep_size``, ``ep_rank``,
     ``num_local_experts``, ``local_experts`` (this rank's global expert ids),
     ``num_fused_shared_experts``, ``fused_shared``; :meth:`get_symm_buffer` returns
@@ -41,21 +85,15 @@ class EPExperts(nn.Module):
 
     symm_buffer: Any
 
-    def _partition(
-        self,
-        num_experts: int,
-        top_k: int,
-        hidden: int,
-        intermediate: int,
-        max_num_tokens: int,
-        group: dist.ProcessGroup | None,
-        num_fused_shared_experts: int,
-    ) -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 max_num_tokens: int, group: dist.ProcessGroup | None,
+                 num_fused_shared_experts: int) -> None:
         """Split ``num_experts`` evenly over the EP group; this rank keeps its slice.
 
         Raises:
             ValueError: ``num_experts`` is not divisible by the group's size.
         """
+        super().__init__()
         ep_size, ep_rank = (1, 0) if group is None else (group.size(), group.rank())
         if num_experts % ep_size:
             raise ValueError(
@@ -120,15 +158,21 @@ class EPExperts(nn.Module):
             self.register_buffer(f"{name}_weight", weight)
             self.register_buffer(f"{name}_weight_scale", scale)
 
+    def _kernel_weights(self, name: str) -> Any:
+        """The kernel's argument of the weights registered as ``{name}_weight`` (and
+        ``{name}_weight_scale``): :func:`kernel_weights`."""
+        return kernel_weights(getattr(self, f"{name}_weight"),
+                              getattr(self, f"{name}_weight_scale"))
+
     @property
     def l1_weights(self) -> Any:
         """The kernel's L1 argument: ``(w13_weight, w13_weight_scale)``, or the BF16 weight."""
-        return kernel_weights(self.w13_weight, self.w13_weight_scale)
+        return self._kernel_weights("w13")
 
     @property
     def l2_weights(self) -> Any:
         """The kernel's L2 argument: ``(w2_weight, w2_weight_scale)``, or the BF16 weight."""
-        return kernel_weights(self.w2_weight, self.w2_weight_scale)
+        return self._kernel_weights("w2")
 
     def get_symm_buffer(self) -> Any:
         """The layer's symmetric buffer (shared by layers of the same shapes and group)."""
@@ -144,7 +188,8 @@ class EPExperts(nn.Module):
             "shared_l2_weights": self.shared_l2_weights,
         }
 
-    def _check_call(self, hidden_states: torch.Tensor, shared_experts: nn.Module | None) -> int:
+    def _check_inputs(self, hidden_states: torch.Tensor,
+                      shared_experts: nn.Module | None) -> int:
         """The checks vLLM's NVFP4 forwards make before staging: an unfused shared expert
         only without a fused one, and no more tokens than the buffer holds.
 

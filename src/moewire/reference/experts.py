@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moewire.reference import deep_gemm
-from moewire.reference._ep_experts import EPExperts, kernel_weights
+from moewire.reference._ep_experts import EPExperts
 from moewire.reference.deep_gemm import per_token_cast_to_fp8
 from moewire.reference.weights import MegaMoEWeights, make_weights
 
@@ -170,15 +170,8 @@ class MegaMoEExperts(EPExperts):
     """
 
     def __init__(
-        self,
-        num_experts: int,
-        top_k: int,
-        hidden: int,
-        intermediate: int,
-        max_num_tokens: int,
-        *,
-        group: dist.ProcessGroup | None = None,
-        num_fused_shared_experts: int = 0,
+        self, num_experts: int, top_k: int, hidden: int, intermediate: int, max_num_tokens: int,
+        *, group: dist.ProcessGroup | None = None, num_fused_shared_experts: int = 0,
         mma_type: str = "fp8xfp4",
         activation_clamp: float | None = None,
         weights: MegaMoEWeights | None = None,
@@ -186,12 +179,9 @@ class MegaMoEExperts(EPExperts):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        super().__init__()
+        super().__init__(num_experts, top_k, hidden, intermediate, max_num_tokens, group,
+                         num_fused_shared_experts)
         where = type(self).__name__
-        self._partition(
-            num_experts, top_k, hidden, intermediate, max_num_tokens, group,
-            num_fused_shared_experts,
-        )
         self.mma_type = mma_type
         self.activation_clamp = activation_clamp
         self.dtype = dtype
@@ -241,30 +231,16 @@ class MegaMoEExperts(EPExperts):
 
     @property
     def shared_l1_weights(self) -> Any:
-        return kernel_weights(self.shared_w13_weight, self.shared_w13_weight_scale)
+        return self._kernel_weights("shared_w13")
 
     @property
     def shared_l2_weights(self) -> Any:
-        return kernel_weights(self.shared_w2_weight, self.shared_w2_weight_scale)
+        return self._kernel_weights("shared_w2")
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        shared_experts: nn.Module | None = None,
-    ) -> torch.Tensor:
-        """Routed experts (plus a fused shared expert), then an unfused one if given.
-
-        Args:
-            hidden_states: ``[T, H]`` in ``dtype``, ``T <= max_num_tokens``.
-            topk_weights: FP32 ``[T, k]`` router weights.
-            topk_ids: integer ``[T, k]`` global expert ids (-1 masks a slot).
-            shared_experts: an unfused shared expert, added after the kernel.
-
-        Returns:
-            BF16 ``[T, H]``.
-        """
+    def _check_inputs(self, hidden_states: torch.Tensor,
+                      shared_experts: nn.Module | None) -> int:
+        """No more tokens than the buffer holds, in the layer's ``dtype`` (an unfused shared
+        expert is added even beside a fused one)."""
         num_tokens = hidden_states.shape[0]
         self._check_num_tokens(num_tokens)
         if hidden_states.dtype != self.dtype:
@@ -272,6 +248,10 @@ class MegaMoEExperts(EPExperts):
                 f"{type(self).__name__}: hidden_states is {hidden_states.dtype} but the "
                 f"layer was built for dtype={self.dtype}"
             )
+        return num_tokens
+
+    def _routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         is_padding = get_forward_context().is_padding
         symm_buffer = self.get_symm_buffer()
         stage_mega_moe_inputs(hidden_states, topk_ids, topk_weights, symm_buffer, is_padding)
@@ -284,8 +264,6 @@ class MegaMoEExperts(EPExperts):
         getattr(deep_gemm, self.kernel_name)(
             y, self.l1_weights, self.l2_weights, symm_buffer, **kwargs
         )
-        if shared_experts is not None:
-            y += shared_experts(hidden_states)
         return y
 
 

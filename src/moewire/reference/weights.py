@@ -96,6 +96,45 @@ def _to(w: Any, device: torch.device) -> Any:
     return w.to(device)
 
 
+def expert_ids(num_experts: int, experts: Iterable[int] | None, maker: str) -> tuple[int, ...]:
+    """The global expert ids to build (default all); ``maker`` names the builder in errors.
+
+    Raises:
+        ValueError: ``experts`` is empty or leaves ``range(num_experts)``.
+    """
+    ids = tuple(range(num_experts)) if experts is None else tuple(int(e) for e in experts)
+    if not ids or any(not 0 <= e < num_experts for e in ids):
+        raise ValueError(
+            f"{maker}: experts must be a non-empty subset of range({num_experts}), got {ids}"
+        )
+    return ids
+
+
+def dense_expert(seed: int, expert: int, hidden: int, intermediate: int, outlier_channels: int,
+                 outlier_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 L1 ``[2I, H]`` and L2 ``[H, I]`` of one expert, drawn from its own seed
+    ``seed * 1000003 + expert`` (so a rank's subset equals a one-rank build)."""
+    seed_e = (seed * 1000003 + expert) * 2
+    return (_dense(seed_e, 2 * intermediate, hidden, outlier_channels, outlier_scale),
+            _dense(seed_e + 1, hidden, intermediate, outlier_channels, outlier_scale))
+
+
+def add_shared_expert(weights: Any, num_shared_experts: int, hidden: int, intermediate: int,
+                      seed: int, outlier_channels: int, outlier_scale: float, fmt: str,
+                      device: torch.device) -> None:
+    """Give ``weights`` a fused shared expert of ``num_shared_experts * I`` in ``fmt``
+    (``"fp8"`` or ``"bf16"``): its ``shared_l1_raw``/``shared_l2_raw`` and, transformed for
+    the kernel, ``shared_l1``/``shared_l2``."""
+    shared_i = num_shared_experts * intermediate
+    base = (seed * 1000003 + _SHARED_SEED_OFFSET) * 2
+    s1 = _quantize(_dense(base, 2 * shared_i, hidden, outlier_channels, outlier_scale), fmt)
+    s2 = _quantize(_dense(base + 1, hidden, shared_i, outlier_channels, outlier_scale), fmt)
+    weights.shared_l1_raw, weights.shared_l2_raw = _to(s1, device), _to(s2, device)
+    weights.shared_l1, weights.shared_l2 = deep_gemm.transform_weights_for_mega_moe(
+        weights.shared_l1_raw, weights.shared_l2_raw
+    )
+
+
 def make_weights(
     num_experts: int,
     hidden: int,
@@ -137,12 +176,7 @@ def make_weights(
     """
     if mma_type not in deep_gemm.MMA_TYPES:
         raise ValueError(f"make_weights: unknown mma_type {mma_type!r}; use {deep_gemm.MMA_TYPES}")
-    ids = tuple(range(num_experts)) if experts is None else tuple(int(e) for e in experts)
-    if not ids or any(not 0 <= e < num_experts for e in ids):
-        raise ValueError(
-            f"make_weights: experts must be a non-empty subset of range({num_experts}), "
-            f"got {ids}"
-        )
+    ids = expert_ids(num_experts, experts, "make_weights")
     if distinct is not None and (not isinstance(distinct, int) or distinct < 1):
         raise ValueError(f"make_weights: distinct must be a positive int or None, got {distinct!r}")
     fp8 = mma_type == "fp8xfp4"
@@ -153,13 +187,9 @@ def make_weights(
     def expert_weights(e: int) -> tuple[Any, Any]:
         source = e if distinct is None else e % distinct
         if source not in bases:
-            seed_e = (seed * 1000003 + source) * 2
-            bases[source] = (
-                _quantize(_dense(seed_e, 2 * intermediate, hidden, outlier_channels,
-                                 outlier_scale), fmt),
-                _quantize(_dense(seed_e + 1, hidden, intermediate, outlier_channels,
-                                 outlier_scale), fmt),
-            )
+            dense = dense_expert(seed, source, hidden, intermediate, outlier_channels,
+                                 outlier_scale)
+            bases[source] = (_quantize(dense[0], fmt), _quantize(dense[1], fmt))
         l1, l2 = bases[source]
         if distinct is None:
             return l1, l2
@@ -177,15 +207,8 @@ def make_weights(
     l1, l2 = deep_gemm.transform_weights_for_mega_moe(l1_raw, l2_raw)
     weights = MegaMoEWeights(ids, mma_type, l1, l2, l1_raw, l2_raw)
     if num_shared_experts:
-        shared_i = num_shared_experts * intermediate
-        base = (seed * 1000003 + _SHARED_SEED_OFFSET) * 2
-        fmt = "fp8" if fp8 else "bf16"
-        s1 = _quantize(_dense(base, 2 * shared_i, hidden, outlier_channels, outlier_scale), fmt)
-        s2 = _quantize(_dense(base + 1, hidden, shared_i, outlier_channels, outlier_scale), fmt)
-        weights.shared_l1_raw, weights.shared_l2_raw = _to(s1, device), _to(s2, device)
-        weights.shared_l1, weights.shared_l2 = deep_gemm.transform_weights_for_mega_moe(
-            weights.shared_l1_raw, weights.shared_l2_raw
-        )
+        add_shared_expert(weights, num_shared_experts, hidden, intermediate, seed,
+                          outlier_channels, outlier_scale, "fp8" if fp8 else "bf16", device)
     return weights
 
 

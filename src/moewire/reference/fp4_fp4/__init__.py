@@ -19,7 +19,8 @@ One kernel family, one folder; its modules, from the bottom up:
 - ``buffer``: the ``fp4xfp4`` ``SymmBuffer`` and its regions.
 - ``staging``: vLLM main's ``prepare_megamoe_nvfp4_inputs``.
 - ``mega_moe``: the kernel, ``deep_gemm.fp4_fp4_mega_moe``.
-- ``weights``, ``experts``: seeded ModelOpt-style NVFP4 weights and ``FP4MegaMoEExperts``.
+- ``weights``, ``experts`` (the layer above the kernels, ``moewire.reference`` says why):
+  seeded ModelOpt-style NVFP4 weights and ``FP4MegaMoEExperts``.
 
 The kernel and the buffer are reached through ``moewire.reference.deep_gemm`` (its
 ``get_symm_buffer_for_mega_moe(..., mma_type="fp4xfp4")`` and ``fp4_fp4_mega_moe``) with the

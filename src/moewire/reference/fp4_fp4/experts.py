@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moewire.reference import deep_gemm
 from moewire.reference._ep_experts import EPExperts
@@ -55,15 +54,8 @@ class FP4MegaMoEExperts(EPExperts):
     """
 
     def __init__(
-        self,
-        num_experts: int,
-        top_k: int,
-        hidden: int,
-        intermediate: int,
-        max_num_tokens: int,
-        *,
-        group: dist.ProcessGroup | None = None,
-        num_fused_shared_experts: int = 0,
+        self, num_experts: int, top_k: int, hidden: int, intermediate: int, max_num_tokens: int,
+        *, group: dist.ProcessGroup | None = None, num_fused_shared_experts: int = 0,
         activation_clamp: float | None = None,
         a2_scales: torch.Tensor | None = None,
         routed_scaling_factor: float = 1.0,
@@ -71,10 +63,9 @@ class FP4MegaMoEExperts(EPExperts):
         seed: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(num_experts, top_k, hidden, intermediate, max_num_tokens, group,
+                         num_fused_shared_experts)
         where = type(self).__name__
-        self._partition(num_experts, top_k, hidden, intermediate, max_num_tokens, group,
-                        num_fused_shared_experts)
         self.activation_clamp = activation_clamp
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.kernel_name = "fp4_fp4_mega_moe"
@@ -111,25 +102,8 @@ class FP4MegaMoEExperts(EPExperts):
     def has_fused_shared_experts(self) -> bool:
         return self.fused_shared
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        shared_experts: nn.Module | None = None,
-    ) -> torch.Tensor:
-        """Routed experts (plus a fused shared expert), then an unfused one if given.
-
-        Args:
-            hidden_states: BF16 ``[T, H]``, ``T <= max_num_tokens``.
-            topk_weights: FP32 ``[T, k]`` router weights.
-            topk_ids: integer ``[T, k]`` global expert ids (-1 masks a slot).
-            shared_experts: an unfused shared expert, added after the kernel.
-
-        Returns:
-            BF16 ``[T, H]``.
-        """
-        num_tokens = self._check_call(hidden_states, shared_experts)
+    def _routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         is_padding = padding_rows(num_tokens)
         buf = self.get_symm_buffer()
         y = torch.empty_like(hidden_states, dtype=torch.bfloat16)
@@ -145,6 +119,4 @@ class FP4MegaMoEExperts(EPExperts):
             l1_alphas=self.l1_alphas, l2_alphas=self.l2_alphas, a2_scales=self.a2_scales,
             routed_scaling_factor=self.routed_scaling_factor, **shared,
         )
-        if shared_experts is not None:
-            y += shared_experts(hidden_states)
         return y

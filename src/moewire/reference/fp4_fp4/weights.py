@@ -21,7 +21,7 @@ import torch
 
 from moewire.reference import deep_gemm
 from moewire.reference.nvfp4.weights import quantize_nvfp4_weight
-from moewire.reference.weights import _SHARED_SEED_OFFSET, _dense
+from moewire.reference.weights import add_shared_expert, dense_expert, expert_ids
 
 __all__ = ["FP4MegaMoEWeights", "make_fp4_fp4_weights", "quantize_experts"]
 
@@ -104,30 +104,17 @@ def make_fp4_fp4_weights(
         seed, outlier_channels, outlier_scale: as ``make_weights``.
         device: where the tensors go.
     """
-    ids = tuple(range(num_experts)) if experts is None else tuple(int(e) for e in experts)
-    if not ids or any(not 0 <= e < num_experts for e in ids):
-        raise ValueError(
-            f"make_fp4_fp4_weights: experts must be a non-empty subset of range({num_experts}), "
-            f"got {ids}"
-        )
+    ids = expert_ids(num_experts, experts, "make_fp4_fp4_weights")
     device = torch.device(device)
-    dense_l1, dense_l2 = [], []
-    for e in ids:
-        seed_e = (seed * 1000003 + e) * 2
-        dense_l1.append(_dense(seed_e, 2 * intermediate, hidden, outlier_channels, outlier_scale))
-        dense_l2.append(_dense(seed_e + 1, hidden, intermediate, outlier_channels, outlier_scale))
-    l1_raw, l2_raw, a1, a2 = quantize_experts(torch.stack(dense_l1), torch.stack(dense_l2))
+    dense = [dense_expert(seed, e, hidden, intermediate, outlier_channels, outlier_scale)
+             for e in ids]
+    l1_raw, l2_raw, a1, a2 = quantize_experts(torch.stack([d[0] for d in dense]),
+                                              torch.stack([d[1] for d in dense]))
     l1_raw = tuple(t.to(device) for t in l1_raw)
     l2_raw = tuple(t.to(device) for t in l2_raw)
     l1, l2 = deep_gemm.transform_weights_for_mega_moe(l1_raw, l2_raw)
     weights = FP4MegaMoEWeights(ids, l1, l2, l1_raw, l2_raw, a1.to(device), a2.to(device))
     if num_shared_experts:
-        shared_i = num_shared_experts * intermediate
-        base = (seed * 1000003 + _SHARED_SEED_OFFSET) * 2
-        s1 = _dense(base, 2 * shared_i, hidden, outlier_channels, outlier_scale).bfloat16()
-        s2 = _dense(base + 1, hidden, shared_i, outlier_channels, outlier_scale).bfloat16()
-        weights.shared_l1_raw, weights.shared_l2_raw = s1.to(device), s2.to(device)
-        weights.shared_l1, weights.shared_l2 = deep_gemm.transform_weights_for_mega_moe(
-            weights.shared_l1_raw, weights.shared_l2_raw
-        )
+        add_shared_expert(weights, num_shared_experts, hidden, intermediate, seed,
+                          outlier_channels, outlier_scale, "bf16", device)
     return weights

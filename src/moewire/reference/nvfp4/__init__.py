@@ -9,7 +9,8 @@ One kernel family, one folder; its modules, from the bottom up:
 - ``buffer``: ``NVFP4SymmBuffer`` and the numbers its layout is built from.
 - ``staging``: vLLM's ``prepare_megamoe_nvfp4_inputs``.
 - ``mega_moe``: the kernel, ``deep_gemm.nvfp4_mega_moe``.
-- ``weights``, ``experts``: seeded NVFP4 weights and ``NVFP4MegaMoEExperts``.
+- ``weights``, ``experts`` (the layer above the kernels, ``moewire.reference`` says why):
+  seeded NVFP4 weights and ``NVFP4MegaMoEExperts``.
 
 The public names are reached as ``moewire.reference.deep_gemm.nvfp4_mega_moe`` (and the
 buffer's names next to it) and from ``moewire.reference`` (``NVFP4MegaMoEExperts``,

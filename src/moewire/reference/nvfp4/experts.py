@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moewire.reference import deep_gemm
 from moewire.reference._ep_experts import EPExperts
@@ -60,15 +59,8 @@ class NVFP4MegaMoEExperts(EPExperts):
     """
 
     def __init__(
-        self,
-        num_experts: int,
-        top_k: int,
-        hidden: int,
-        intermediate: int,
-        max_num_tokens: int,
-        *,
-        group: dist.ProcessGroup | None = None,
-        num_fused_shared_experts: int = 0,
+        self, num_experts: int, top_k: int, hidden: int, intermediate: int, max_num_tokens: int,
+        *, group: dist.ProcessGroup | None = None, num_fused_shared_experts: int = 0,
         shared_dtype: torch.dtype = torch.float8_e4m3fn,
         activation_clamp: float | None = None,
         l2_activation_scale: float = 1.0,
@@ -76,7 +68,6 @@ class NVFP4MegaMoEExperts(EPExperts):
         seed: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
         where = type(self).__name__
         flavour = deep_gemm.moewire_flavour()
         if flavour != NVFP4_FLAVOUR:
@@ -85,10 +76,8 @@ class NVFP4MegaMoEExperts(EPExperts):
                 f"0.33/0.34, but the stand-in imitates {flavour!r} now; select it with "
                 f"deep_gemm.use_flavour({NVFP4_FLAVOUR!r})"
             )
-        self._partition(
-            num_experts, top_k, hidden, intermediate, max_num_tokens, group,
-            num_fused_shared_experts,
-        )
+        super().__init__(num_experts, top_k, hidden, intermediate, max_num_tokens, group,
+                         num_fused_shared_experts)
         self.shared_dtype = shared_dtype
         self.activation_clamp = activation_clamp
         self.l2_activation_scale = float(l2_activation_scale)
@@ -131,25 +120,8 @@ class NVFP4MegaMoEExperts(EPExperts):
             ),
         )
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        shared_experts: nn.Module | None = None,
-    ) -> torch.Tensor:
-        """Routed experts (plus a fused shared expert), then an unfused one if given.
-
-        Args:
-            hidden_states: BF16 ``[T, H]``, ``T <= max_num_tokens``.
-            topk_weights: FP32 ``[T, k]`` router weights.
-            topk_ids: integer ``[T, k]`` global expert ids (-1 masks a slot).
-            shared_experts: an unfused shared expert, added after the kernel.
-
-        Returns:
-            BF16 ``[T, H]``.
-        """
-        num_tokens = self._check_call(hidden_states, shared_experts)
+    def _routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         is_padding = padding_rows(num_tokens)
         buf = self.get_symm_buffer()
         shared_x_sf = shared_block_m = None
@@ -178,6 +150,4 @@ class NVFP4MegaMoEExperts(EPExperts):
         getattr(deep_gemm, self.kernel_name)(
             y, self.l1_weights, self.l2_weights, buf, fast_math=True, **kwargs
         )
-        if shared_experts is not None:
-            y += shared_experts(hidden_states)
         return y

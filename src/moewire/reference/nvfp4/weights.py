@@ -32,7 +32,7 @@ from moewire.reference.nvfp4._numerics import (
     pack_e4m3,
     pack_fp4_codes,
 )
-from moewire.reference.weights import _SHARED_SEED_OFFSET, _dense, _quantize
+from moewire.reference.weights import add_shared_expert, dense_expert, expert_ids
 
 __all__ = ["NVFP4MegaMoEWeights", "make_nvfp4_weights", "quantize_nvfp4_weight"]
 
@@ -104,12 +104,7 @@ def make_nvfp4_weights(
         seed, outlier_channels, outlier_scale: as ``make_weights``.
         device: where the tensors go.
     """
-    ids = tuple(range(num_experts)) if experts is None else tuple(int(e) for e in experts)
-    if not ids or any(not 0 <= e < num_experts for e in ids):
-        raise ValueError(
-            f"make_nvfp4_weights: experts must be a non-empty subset of range({num_experts}), "
-            f"got {ids}"
-        )
+    ids = expert_ids(num_experts, experts, "make_nvfp4_weights")
     if shared_dtype not in (torch.float8_e4m3fn, torch.bfloat16):
         raise ValueError(
             "make_nvfp4_weights: shared_dtype must be torch.float8_e4m3fn or torch.bfloat16, "
@@ -118,12 +113,9 @@ def make_nvfp4_weights(
     device = torch.device(device)
     parts: dict[str, list[torch.Tensor]] = {n: [] for n in ("w1", "s1", "g1", "w2", "s2", "g2")}
     for e in ids:
-        seed_e = (seed * 1000003 + e) * 2
-        for tag, rows, cols, s in (("1", 2 * intermediate, hidden, seed_e),
-                                   ("2", hidden, intermediate, seed_e + 1)):
-            w, sf, gs = quantize_nvfp4_weight(
-                _dense(s, rows, cols, outlier_channels, outlier_scale)
-            )
+        dense = dense_expert(seed, e, hidden, intermediate, outlier_channels, outlier_scale)
+        for tag, w_dense in zip(("1", "2"), dense, strict=True):
+            w, sf, gs = quantize_nvfp4_weight(w_dense)
             parts["w" + tag].append(w)
             parts["s" + tag].append(sf)
             parts["g" + tag].append(gs)
@@ -132,16 +124,8 @@ def make_nvfp4_weights(
     l1, l2 = deep_gemm.transform_weights_for_mega_moe(l1_raw, l2_raw)
     weights = NVFP4MegaMoEWeights(ids, l1, l2, l1_raw, l2_raw, stacked["g1"], stacked["g2"])
     if num_shared_experts:
-        shared_i = num_shared_experts * intermediate
-        base = (seed * 1000003 + _SHARED_SEED_OFFSET) * 2
-        fmt = "fp8" if shared_dtype == torch.float8_e4m3fn else "bf16"
-        s1 = _quantize(_dense(base, 2 * shared_i, hidden, outlier_channels, outlier_scale), fmt)
-        s2 = _quantize(_dense(base + 1, hidden, shared_i, outlier_channels, outlier_scale), fmt)
-        to = (lambda w: tuple(t.to(device) for t in w)) if fmt == "fp8" else (
-            lambda w: w.to(device))
         weights.shared_dtype = shared_dtype
-        weights.shared_l1_raw, weights.shared_l2_raw = to(s1), to(s2)
-        weights.shared_l1, weights.shared_l2 = deep_gemm.transform_weights_for_mega_moe(
-            weights.shared_l1_raw, weights.shared_l2_raw
-        )
+        add_shared_expert(weights, num_shared_experts, hidden, intermediate, seed,
+                          outlier_channels, outlier_scale,
+                          "fp8" if shared_dtype == torch.float8_e4m3fn else "bf16", device)
     return weights
