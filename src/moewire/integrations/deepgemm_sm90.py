@@ -35,7 +35,10 @@ study (``moewire study --kernel deepgemm-sm90``) and the evaluation (``moewire e
 deepgemm-sm90``), besides the real-kernel tests. In a host package, the other users would
 import that host; here, every host may import it as shared glue.
 
-May import: the standard library, torch, ``moewire.megamoe.registry`` and
+Its experts adapter (:func:`register_sm90_experts`, :func:`symm_buffer_of`) sits with the
+stand-in's in ``moewire.megamoe.deepgemm_experts``; both are re-exported here.
+
+May import: the standard library, torch, ``moewire.megamoe.deepgemm_experts`` and
 ``moewire.reference._ep_experts`` (the experts forward).
 """
 
@@ -44,16 +47,21 @@ from __future__ import annotations
 import importlib
 import os
 import types
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
+from moewire.megamoe.deepgemm_experts import (
+    DEBUG_ENV,
+    SM90_FLAVOUR,
+    register_sm90_experts,
+    symm_buffer_of,
+)
 from moewire.reference._ep_experts import MegaMoEForward
 
 __all__ = [
+    "DEBUG_ENV",
     "FLAVOUR",
     "KERNELS",
     "SM90MegaMoEExperts",
@@ -67,8 +75,7 @@ __all__ = [
     "symm_buffer_of",
 ]
 
-FLAVOUR = "deepgemm-sm90"
-DEBUG_ENV = "DG_COMM_KERNEL_DEBUG"
+FLAVOUR = SM90_FLAVOUR
 # kernel function -> (weight recipe, weight transform); one home for the per-kernel facts.
 KERNELS: dict[str, tuple[tuple[int, int, int], str]] = {
     "fp8_mega_moe": ((128, 128, 128), "transform_weights_for_mega_moe_sm90"),
@@ -215,7 +222,7 @@ def fork_names(real: Any = None) -> types.ModuleType:
     return shim
 
 
-# -- staging and the buffer accessor ----------------------------------------------------------
+# -- staging ----------------------------------------------------------
 
 
 def stage_sm90_inputs(
@@ -245,82 +252,6 @@ def stage_sm90_inputs(
     symm_buffer.x_sf[:num_tokens].copy_(x_sf)
     symm_buffer.topk_idx[:num_tokens].copy_(topk_idx)
     symm_buffer.topk_weights[:num_tokens].copy_(topk_weights)
-
-
-def symm_buffer_of(get: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
-    """Wrap a ``module -> SymmBuffer`` accessor so that it refuses ``DG_COMM_KERNEL_DEBUG``.
-
-    With ``DG_COMM_KERNEL_DEBUG`` set (not ``0``), DeepGEMM zeroes the whole buffer after
-    every call: the combine rows are gone, and a re-sum would silently write zeros into
-    ``y`` once the layout check has passed. moewire asks for the buffer before the kernel
-    runs when the combine quantizer is on, so the refusal comes before the kernel (the
-    call changes nothing). A dispatch-only module is unaffected (it never reads rows).
-    """
-
-    def symm_buffer(module: nn.Module) -> Any:
-        value = os.environ.get(DEBUG_ENV, "").strip()
-        combine = getattr(module, "combine_quantizer", None)
-        if value not in ("", "0") and getattr(combine, "mode", "disabled") != "disabled":
-            name = module.__dict__.get("_moewire_name_") or type(module).__name__
-            raise RuntimeError(
-                f"{name}: {DEBUG_ENV}={value} is set; DeepGEMM then zeroes the whole Mega-MoE "
-                "buffer after every call, so the combine rows moewire re-sums are gone; unset "
-                f"{DEBUG_ENV} or disable the combine quantizer"
-            )
-        return get(module)
-
-    return symm_buffer
-
-
-def _ep_group(symm_buffer: Any) -> Any:
-    group = getattr(symm_buffer, "group", None)
-    return group if group is not None and group.size() > 1 else None
-
-
-def register_sm90_experts(
-    cls: type,
-    *,
-    forward_module: str,
-    get_symm_buffer: Callable[[nn.Module], Any],
-    stage_fn: str = "stage_sm90_inputs",
-    stage_hidden_arg: int | str = 0,
-    kernel_ns: str = "deep_gemm",
-    ep_group: Callable[[nn.Module], Any] | None = None,
-) -> None:
-    """Register a user's experts class that calls DeepGEMM's SM90 Mega-MoE kernels.
-
-    Its forward must read two globals of ``forward_module`` at call time: the staging
-    function ``stage_fn`` (``hidden_states`` at ``stage_hidden_arg``) and the namespace
-    ``kernel_ns`` through which it calls ``fp8_mega_moe`` or ``fp8_fp4_mega_moe`` with
-    ``y`` first. The flavour is ``deepgemm-sm90`` (no fused shared expert).
-
-    Args:
-        cls: the ``nn.Module`` subclass.
-        forward_module: dotted name of the module holding the two globals.
-        get_symm_buffer: ``module -> SymmBuffer``.
-        stage_fn: global name of the staging function.
-        stage_hidden_arg: position or keyword of ``hidden_states`` in the staging call.
-        kernel_ns: global name of the DeepGEMM namespace.
-        ep_group: ``module -> group or None``; default: the buffer's group when it has more
-            than one rank.
-
-    Raises:
-        TypeError: ``cls`` is not an ``nn.Module`` subclass.
-    """
-    register_experts_class(
-        cls,
-        ExpertsAdapter(
-            name=f"deepgemm-sm90:{cls.__qualname__}",
-            forward_module=forward_module,
-            stage_fn=stage_fn,
-            stage_hidden_arg=stage_hidden_arg,
-            kernel_ns=kernel_ns,
-            get_symm_buffer=symm_buffer_of(get_symm_buffer),
-            flavour=lambda m: FLAVOUR,
-            fused_shared=lambda m: False,
-            ep_group=ep_group or (lambda m: _ep_group(get_symm_buffer(m))),
-        ),
-    )
 
 
 # -- weights ----------------------------------------------------------------------------------

@@ -6,12 +6,16 @@ call, and how to get the module's buffer, kernel flavour, fused-shared setting a
 group. Register a class once with :func:`register_experts_class`; subclasses inherit the
 adapter of their nearest registered base unless registered themselves.
 
-The stand-in ``moewire.reference.experts.MegaMoEExperts`` is registered here as
-``"reference"``; ``moewire.integrations.vllm`` registers vLLM's classes the same way.
+The registry registers and imports no experts class. moewire's own experts modules on
+DeepGEMM's API (the stand-in's and the real SM90 kernel's) have their adapters in
+``moewire.megamoe.deepgemm_experts``, which the registry imports on its first lookup
+(:data:`BUILTIN`); each host registers its framework's classes the same way
+(``moewire.integrations.vllm`` ...).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +23,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "BUILTIN",
     "ExpertsAdapter",
     "adapter_for",
     "register_experts_class",
@@ -88,6 +93,18 @@ class ExpertsAdapter:
 # (``applies``): vLLM main's MoE layer holds gpt-oss's modular experts or ModelOpt's NVFP4
 # Mega-MoE quant method.
 _ADAPTERS: dict[type, tuple[ExpertsAdapter, ...]] = {}
+#: The modules that register moewire's own experts classes when imported, imported by name on
+#: the registry's first lookup (they import the registry, so it cannot import them).
+BUILTIN = ("moewire.megamoe.deepgemm_experts",)
+_builtin_loaded = False
+
+
+def _load_builtin() -> None:
+    global _builtin_loaded
+    if not _builtin_loaded:
+        _builtin_loaded = True
+        for name in BUILTIN:
+            importlib.import_module(name)
 
 
 def register_experts_class(cls: type, adapter: ExpertsAdapter) -> None:
@@ -129,6 +146,7 @@ def unregister_experts_class(cls: type) -> None:
 
 def adapter_for(module: nn.Module) -> ExpertsAdapter | None:
     """The adapter of ``module``'s class or its nearest registered base, else ``None``."""
+    _load_builtin()
     for klass in type(module).__mro__:
         for adapter in _ADAPTERS.get(klass, ()):
             if adapter.applies is None or adapter.applies(module):
@@ -145,61 +163,5 @@ def stage_fn_names(adapter: ExpertsAdapter) -> tuple[str, ...]:
 def registered_classes() -> dict[type, ExpertsAdapter]:
     """A copy of the registry: class -> its adapter (the last registered, where several
     share the class)."""
+    _load_builtin()
     return {cls: adapters[-1] for cls, adapters in _ADAPTERS.items()}
-
-
-def _register_reference() -> None:
-    from moewire.megamoe.flavours import detect
-    from moewire.reference import deep_gemm, fp4_fp4
-    from moewire.reference.experts import MegaMoEExperts
-    from moewire.reference.fp4_fp4.experts import FP4MegaMoEExperts
-    from moewire.reference.nvfp4.experts import NVFP4MegaMoEExperts
-
-    def stand_in(name: str, forward_module: str, stage_fn: str, **extra) -> ExpertsAdapter:
-        # The stand-in's "build" is the flavour selected now (use_flavour / env var), read
-        # from the module as from any DeepGEMM, unless the experts' kernel has one build.
-        extra.setdefault(
-            "flavour", lambda m: detect(deep_gemm, getattr(m, "_moewire_name_", "reference")).name
-        )
-        return ExpertsAdapter(
-            name=name,
-            forward_module=forward_module,
-            stage_fn=stage_fn,
-            stage_hidden_arg=0,
-            kernel_ns="deep_gemm",
-            get_symm_buffer=lambda m: m.get_symm_buffer(),
-            fused_shared=lambda m: m.fused_shared,
-            ep_group=lambda m: m.ep_group,
-            **extra,
-        )
-
-    register_experts_class(
-        MegaMoEExperts,
-        stand_in(
-            "reference",
-            "moewire.reference.experts",
-            "stage_mega_moe_inputs",
-            runtime=lambda: "moewire's stand-in experts",
-        ),
-    )
-    register_experts_class(
-        NVFP4MegaMoEExperts,
-        stand_in(
-            "reference-nvfp4",
-            "moewire.reference.nvfp4.experts",
-            "prepare_megamoe_nvfp4_inputs",
-        ),
-    )
-    register_experts_class(
-        FP4MegaMoEExperts,
-        stand_in(
-            "reference-fp4-fp4",
-            "moewire.reference.fp4_fp4.experts",
-            "prepare_megamoe_nvfp4_inputs",
-            # Its kernel is DeepGEMM 2.8.0's alone (moewire.reference.fp4_fp4).
-            flavour=lambda m: fp4_fp4.FLAVOUR,
-        ),
-    )
-
-
-_register_reference()
