@@ -450,7 +450,7 @@ def _eval_progress(bar):
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from moewire.eval import EvalError, evaluate, parse_pair, table
+    from moewire.eval import EvalConfig, EvalError, evaluate, parse_pair, table
     from moewire.eval.checks import Ranks, read_text
 
     if args.ep_size is not None:
@@ -472,21 +472,22 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise EvalError("--tasks", f"{args.tasks!r} names no task; pass lm-eval task names, "
                         "e.g. --tasks gsm8k,arc_easy")
     text = read_text(args.text) if args.text is not None else None
-    kwargs = dict(recipes=args.recipe, text=text, max_tokens=args.max_tokens,
-                  seq_len=args.seq_len, mma_type=args.mma, kernel=args.kernel,
-                  device=args.device, budget=args.budget, per_layer=per_layer, out_dir=args.out,
-                  tasks=tasks, tasks_path=args.tasks_path, task_limit=args.task_limit,
-                  tensor_parallel=not args.no_tensor_parallel)
+    config = EvalConfig(pairs=pairs, recipes=args.recipe, text=text,
+                        max_tokens=args.max_tokens, seq_len=args.seq_len, mma_type=args.mma,
+                        kernel=args.kernel, device=args.device, budget=args.budget,
+                        per_layer=per_layer, out_dir=args.out, tasks=tasks,
+                        tasks_path=args.tasks_path, task_limit=args.task_limit,
+                        tensor_parallel=not args.no_tensor_parallel)
     if sys.stderr.isatty() and first:
         from rich.console import Console
 
         bar = _rich_bar(Console(stderr=True))
         with bar:
-            report = evaluate(args.checkpoint, pairs, **kwargs,
+            report = evaluate(args.checkpoint, config,
                               log=lambda s: bar.console.print(s, highlight=False, markup=False),
                               progress=_eval_progress(bar))
     else:
-        report = evaluate(args.checkpoint, pairs, **kwargs)
+        report = evaluate(args.checkpoint, config)
     if not first:  # rank 0 prints and writes; every rank computed the same numbers
         return 0
     print(table(report))

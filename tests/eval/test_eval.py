@@ -233,9 +233,9 @@ def test_kernel_refusals(kwargs, argv, message, checkpoint, monkeypatch, capsys)
 
 
 def test_refuses_what_does_not_fit_in_memory(checkpoint, monkeypatch):
-    from moewire.eval import runner
+    from moewire.eval import plan
 
-    monkeypatch.setattr(runner, "_available_bytes", lambda device: 1024)
+    monkeypatch.setattr(plan, "_available_bytes", lambda device: 1024)
     with pytest.raises(EvalError, match="memory: about .* GiB needed"):
         evaluate(checkpoint("mixtral"), text=TEXT, device="cpu", log=lambda s: None)
 

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from eval_helpers import TEXT  # noqa: E402
 
 from moewire.cli import main  # noqa: E402
-from moewire.eval import EvalError, evaluate, runner  # noqa: E402
+from moewire.eval import EvalError, evaluate, plan, runner  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 300
@@ -130,7 +130,7 @@ def no_model(monkeypatch):
         raise AssertionError("the model was loaded (or the ranks joined) before the refusal")
 
     monkeypatch.setattr(runner, "_load", refuse)
-    monkeypatch.setattr(runner, "_join", refuse)
+    monkeypatch.setattr(plan, "_join", refuse)
 
 
 def _launch(world: int = 2, rank: int = 0, local_world: int | None = None, **more: str):

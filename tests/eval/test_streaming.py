@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         from test_streaming import _windows
 
         from moewire.eval.checks import EvalError
-        from moewire.eval.runner import _agree_on_refusal
+        from moewire.eval.plan import _agree_on_refusal
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

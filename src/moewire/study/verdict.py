@@ -1,5 +1,6 @@
-"""The study's answer: the Pareto front with a noise tolerance, and the cheapest pair within
-an error budget.
+"""The budget-and-verdict rule of ``moewire study`` and ``moewire eval``: the Pareto front with
+a noise tolerance, and the cheapest pair within an error budget (:func:`cheapest_within`,
+the one rule both commands apply; eval passes its own cost and error, and no cost tolerance).
 
 Cost is either the estimated dispatch + combine time (``comm_us``) or the bytes on the wire
 per token (``bytes_per_token``); error is the relative L2 error of the layer output
@@ -21,8 +22,9 @@ dominates. A tie on both axes keeps both pairs on the front (neither dominates).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 #: Relative tolerance under which two costs (us or bytes) count as equal.
 COST_RTOL = 0.01
@@ -32,6 +34,18 @@ ERROR_RTOL = 0.02
 COSTS = {"comm_us": "estimated time", "bytes_per_token": "bytes"}
 #: The result key of each cost over BF16 both ways.
 _RATIO = {"comm_us": "time_ratio_to_bf16", "bytes_per_token": "ratio_to_bf16"}
+#: The error metrics a budget can bound: result key -> how the verdict writes the bound.
+#: SQNR is a lower bound (more is better); the others are upper bounds.
+BUDGET_KINDS = {"rel_l2": "rel L2 <= {:g}", "sqnr_db": "SQNR >= {:g} dB",
+                "kl_mean": "KL mean <= {:g}"}
+
+Result = TypeVar("Result")
+
+
+def _read(result: Any, key: str) -> float:
+    """``result[key]`` of a study result (a dict), or ``result.key`` of an eval run
+    (``moewire.eval.runner.PairResult``)."""
+    return float(result[key] if isinstance(result, Mapping) else getattr(result, key))
 
 
 def _tied(a: float, b: float, rtol: float) -> bool:
@@ -77,32 +91,59 @@ def front_marks(doc: dict) -> list[str]:
 
 @dataclass(frozen=True)
 class Budget:
-    """An error budget: ``rel_l2 <= value`` (``kind="rel_l2"``) or ``SQNR >= value`` dB
-    (``kind="sqnr_db"``)."""
+    """An error budget: ``rel_l2 <= value`` (``kind="rel_l2"``), ``SQNR >= value`` dB
+    (``kind="sqnr_db"``) or mean KL ``<= value`` (``kind="kl_mean"``, eval's budget)."""
 
     kind: str
     value: float
 
-    def admits(self, result: dict) -> bool:
-        if self.kind == "rel_l2":
-            return float(result["rel_l2"]) <= self.value
-        return float(result["sqnr_db"]) >= self.value
+    def __post_init__(self) -> None:
+        if self.kind not in BUDGET_KINDS:
+            raise ValueError(f"Budget: kind {self.kind!r} is not one of "
+                             f"{', '.join(BUDGET_KINDS)}; pick the error metric to bound")
+
+    def admits(self, result: Any) -> bool:
+        """Whether ``result`` (a dict or an object with the metric) is within the budget;
+        a value on the bound is within."""
+        if self.kind == "sqnr_db":
+            return _read(result, "sqnr_db") >= self.value
+        return _read(result, self.kind) <= self.value
 
     def describe(self) -> str:
-        if self.kind == "rel_l2":
-            return f"rel L2 <= {self.value:g}"
-        return f"SQNR >= {self.value:g} dB"
+        return BUDGET_KINDS[self.kind].format(self.value)
+
+
+def cheapest_within(results: Iterable[Result], budget: Budget, cost: str, error: str = "rel_l2",
+                    cost_rtol: float = COST_RTOL) -> Result | None:
+    """The cheapest result within ``budget``: the rule of both verdicts.
+
+    Of the results the budget admits, those whose ``cost`` ties the lowest within
+    ``cost_rtol`` (module docstring) go to the lowest ``error``, then the lowest cost; among
+    equals the first wins.
+
+    Args:
+        results: dicts (the study's results) or objects with the fields (eval's runs).
+        budget: the error budget.
+        cost: the cost field (``comm_us``, ``bytes_per_token``).
+        error: the error field that breaks cost ties.
+        cost_rtol: the cost tolerance; ``0.0`` compares costs exactly (eval: its bytes are
+            exact, and its verdict names the fewest).
+
+    Returns:
+        The result, or ``None`` when the budget admits none.
+    """
+    inside = [r for r in results if budget.admits(r)]
+    if not inside:
+        return None
+    low = min(_read(r, cost) for r in inside)
+    tied = [r for r in inside if _tied(_read(r, cost), low, cost_rtol)]
+    return min(tied, key=lambda r: (_read(r, error), _read(r, cost)))
 
 
 def cheapest(doc: dict, budget: Budget, key: str) -> dict | None:
-    """The result within ``budget`` with the lowest ``key``; costs tied within
+    """The result of ``doc`` within ``budget`` with the lowest ``key``; costs tied within
     :data:`COST_RTOL` go to the lower error. ``None`` when no pair is within it."""
-    inside = [r for r in doc["results"] if budget.admits(r)]
-    if not inside:
-        return None
-    low = min(float(r[key]) for r in inside)
-    tied = [r for r in inside if _tied(float(r[key]), low, COST_RTOL)]
-    return min(tied, key=lambda r: (float(r["rel_l2"]), float(r[key])))
+    return cheapest_within(doc["results"], budget, key)
 
 
 def verdict(doc: dict, budget: Budget) -> dict:
