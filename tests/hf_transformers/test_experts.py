@@ -362,7 +362,7 @@ def test_layouts_the_kernel_cannot_express_are_refused(make, message):
 def test_interleaved_transposed_layout_is_read_from_the_flags():
     """is_transposed / is_concatenated=False (gpt-oss's layout) give the same kernel L1/L2
     as the concatenated layout they were made from."""
-    from moewire.integrations.transformers import _kernel_layout
+    from moewire.integrations.transformers.state import _kernel_layout
 
     _, experts = _experts("qwen3_moe")
     l1, l2 = _kernel_layout(experts)
