@@ -7,7 +7,7 @@ May import: torch only (nothing of moewire), so every reference module can use i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,29 @@ def check_buffer_sizes(where: str, **sizes: int) -> None:
     checked by :func:`positive_int`, in the order given; ``num_shared_experts`` may be 0."""
     for name, value in sizes.items():
         positive_int(value, name, where, minimum=0 if name == "num_shared_experts" else 1)
+
+
+def fail(where: str, message: str, exc: type[Exception] = ValueError) -> NoReturn:
+    """Raise ``exc`` with ``where`` (the call) naming the layer: ``"{where}: {message}"``."""
+    raise exc(f"{where}: {message}")
+
+
+def check_split(where: str, num_experts: int, num_ranks: int, num_topk: int,
+                num_shared_experts: int | None = None) -> None:
+    """The routing sizes every buffer checks: experts split evenly over the ranks, top-k
+    within the experts and, with ``num_shared_experts`` given, the ``k`` slots (+1 for a
+    fused shared expert) within one warp (32).
+
+    Raises:
+        ValueError: one of them does not hold (the message names ``where``).
+    """
+    if num_experts % num_ranks:
+        fail(where, f"num_experts={num_experts} is not divisible by the group size "
+                    f"{num_ranks}; experts are split evenly over the ranks")
+    if num_topk > num_experts:
+        fail(where, f"num_topk={num_topk} exceeds num_experts={num_experts}")
+    if num_shared_experts is not None and num_topk + (num_shared_experts > 0) > 32:
+        fail(where, f"num_topk={num_topk} (+1 fused shared slot) must fit one warp (32)")
 
 
 def group_size_rank(group: Any, where: str) -> tuple[int, int]:

@@ -9,7 +9,7 @@ FP32 accumulator adds the K products (and in ``silu``, see ``docs/reference.md``
 Also the pieces ``nvfp4.mega_moe`` shares: the tensor checks, the grouped matmul and the
 all-to-all. The dequantized weights and their cache are ``_weights_cache``'s.
 
-May import: torch, ``moewire.reference._numerics``, ``_weights_cache``,
+May import: torch, ``moewire.reference._alloc``, ``_numerics``, ``_weights_cache``,
 ``moewire.reference.buffer`` (for :class:`SymmBuffer`) and ``moewire.reference.builds``
 (a build's SiTU spelling); never the ``deep_gemm`` API, which imports this module.
 """
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moewire.reference._alloc import fail as _fail
 from moewire.reference._numerics import (
     cast_to_fp8_ue8m0,
     fp8_combine_decode,
@@ -38,10 +39,6 @@ from moewire.reference.buffer import SymmBuffer
 from moewire.reference.builds import SITU_ALPHA_BETA
 
 # --------------------------------------------------------------------------- checks
-
-
-def _fail(kernel: str, message: str, exc: type[Exception] = ValueError) -> None:
-    raise exc(f"{kernel}: {message}")
 
 
 def _check_tensor(kernel, name, t, dtype, shape, device) -> None:

@@ -58,6 +58,7 @@ import torch
 from moewire.reference import _kernel
 from moewire.reference import deep_gemm_utils as utils
 from moewire.reference._alloc import align as _align
+from moewire.reference._alloc import check_split as _check_split
 from moewire.reference._alloc import default_device as _default_device
 from moewire.reference._alloc import group_size_rank as _group_size_rank
 from moewire.reference._alloc import positive_int as _positive_int
@@ -189,13 +190,7 @@ def get_symm_buffer_for_mega_moe(
     _positive_int(num_max_tokens_per_rank, "num_max_tokens_per_rank", where)
     _positive_int(num_topk, "num_topk", where)
     _positive_int(num_shared_experts, "num_shared_experts", where, minimum=0)
-    if num_experts % num_ranks:
-        raise ValueError(
-            f"{where}: num_experts={num_experts} is not divisible by the group size "
-            f"{num_ranks}; experts are split evenly over the ranks"
-        )
-    if num_topk > num_experts:
-        raise ValueError(f"{where}: num_topk={num_topk} exceeds num_experts={num_experts}")
+    _check_split(where, num_experts, num_ranks, num_topk)
     if mma_type not in MMA_TYPES:
         raise ValueError(f"{where}: unknown mma_type {mma_type!r}; use one of {MMA_TYPES}")
     if activation not in ACTIVATIONS:

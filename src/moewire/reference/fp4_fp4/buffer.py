@@ -22,9 +22,11 @@ import torch
 from moewire.reference._alloc import (
     align,
     check_buffer_sizes,
+    check_split,
     default_device,
     group_size_rank,
 )
+from moewire.reference._alloc import fail as _fail
 from moewire.reference.buffer import Region, RegionBuffer
 from moewire.reference.fp4_fp4 import FLAVOUR
 
@@ -38,10 +40,6 @@ SIZE_MULTIPLE = 512
 # Regions the views are MN-major in (strides ``(1, rows)``: ``mega_moe.hpp`` slices
 # ``l1_acts_sf`` and ``l2_acts_sf`` so).
 _MN_MAJOR = ("l1_acts_sf", "l2_acts_sf")
-
-
-def _fail(where: str, message: str, exc: type[Exception] = ValueError) -> None:
-    raise exc(f"{where}: {message}")
 
 
 class FP4SymmBuffer(RegionBuffer):
@@ -105,13 +103,7 @@ class FP4SymmBuffer(RegionBuffer):
                 f"the NVFP4 x NVFP4 buffer takes mma_type='fp4xfp4' and activation='swiglu', "
                 f"got {mma_type!r} and {activation!r}",
             )
-        if num_experts % num_ranks:
-            _fail(where, f"num_experts={num_experts} is not divisible by the group size "
-                         f"{num_ranks}; experts are split evenly over the ranks")
-        if num_topk > num_experts:
-            _fail(where, f"num_topk={num_topk} exceeds num_experts={num_experts}")
-        if num_topk + (num_shared_experts > 0) > 32:
-            _fail(where, f"num_topk={num_topk} (+1 fused shared slot) must fit one warp (32)")
+        check_split(where, num_experts, num_ranks, num_topk, num_shared_experts)
         for name, value in (("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
             if value % SIZE_MULTIPLE:
                 _fail(where, f"{name}={value} must be a multiple of {SIZE_MULTIPLE} for NVFP4")

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from moewire.reference._alloc import align as _align
-from moewire.reference._alloc import check_buffer_sizes
+from moewire.reference._alloc import check_buffer_sizes, check_split
 from moewire.reference._alloc import default_device as _default_device
+from moewire.reference._alloc import fail as _fail
 from moewire.reference._alloc import group_size_rank as _group_size_rank
 from moewire.reference.buffer import Region, RegionBuffer, num_max_shared_sf_tokens
 
@@ -65,10 +66,6 @@ def shared_sf_row(token: torch.Tensor, block_m: int) -> torch.Tensor:
     aligned = -(-block_m // 128) * 128
     block, m = token // block_m, token % block_m
     return block * aligned + (m // 128) * 128 + (m % 32) * 4 + (m % 128) // 32
-
-
-def _fail(where: str, message: str, exc: type[Exception] = ValueError) -> None:
-    raise exc(f"{where}: {message}")
 
 
 class NVFP4SymmBuffer(RegionBuffer):
@@ -128,16 +125,7 @@ class NVFP4SymmBuffer(RegionBuffer):
             num_topk=num_topk, hidden=hidden, intermediate_hidden=intermediate_hidden,
             num_shared_experts=num_shared_experts,
         )
-        if num_experts % num_ranks:
-            _fail(
-                where,
-                f"num_experts={num_experts} is not divisible by the group size {num_ranks}; "
-                "experts are split evenly over the ranks",
-            )
-        if num_topk > num_experts:
-            _fail(where, f"num_topk={num_topk} exceeds num_experts={num_experts}")
-        if num_topk + (num_shared_experts > 0) > 32:
-            _fail(where, f"num_topk={num_topk} (+1 fused shared slot) must fit one warp (32)")
+        check_split(where, num_experts, num_ranks, num_topk, num_shared_experts)
         for name, value in (("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
             if value % 128:
                 _fail(where, f"{name}={value} must be a multiple of 128")
