@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import time_graph  # noqa: E402
 
 from moewire import kernels  # noqa: E402
+from moewire.format_table import FORMATS as ROWS  # noqa: E402
 from moewire.kernels import _triton  # noqa: E402
 
 FORMATS = ("nvfp4", "mxfp4", "nvfp4_token", "fp8", "mxfp8", "fp8_b128", "fp8_b32_ue8m0", "bf16")
@@ -84,11 +85,12 @@ def launcher(mod, fmt, rows, idx, y, out, flag, block_h, num_warps, unroll, chec
     if fmt == "nvfp4_token":
         block_h = kernels.tuning.triton_next_pow2(h)
     grid = (t, triton.cdiv(h, block_h))
-    kw = dict(K=rows.shape[0], SHARED=0, FMT=mod.FORMAT_CODES[fmt], HAS_AMAX=amax is not None,
+    # The codes are the format table's (a saved revision kept them in its own FORMAT_CODES).
+    kw = dict(K=rows.shape[0], SHARED=0, FMT=ROWS[fmt].kernel_code, HAS_AMAX=amax is not None,
               WEIGHTED=False, CHECK=check, CALIB=False, BLOCK_H=block_h, HW_CAST=True,
               UNROLL=unroll, num_warps=num_warps, enable_fp_fusion=False)
-    if "SPLIT" in mod.combine_kernel.arg_names:  # one revision took the tile split as an arg
-        kw["SPLIT"] = fmt in ("nvfp4", "nvfp4_token")
+    if "SPLIT" in mod.combine_kernel.arg_names:  # the current one, and one older revision
+        kw["SPLIT"] = ROWS[fmt].split_tile
 
     def call(_i: int) -> None:
         mod.combine_kernel[grid](

@@ -21,6 +21,7 @@ from import_graph import find_cycle, src_graph
 #: ``moewire.config`` and ``moewire.calibration`` are deprecated aliases of quantizer modules.
 #: ``moewire`` is the package's public API.
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
+    {"moewire.format_table"},
     {"moewire.patches", "moewire.reference", "moewire._moved"},
     {"moewire.kernels"},
     {"moewire.formats"},

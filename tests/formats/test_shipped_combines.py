@@ -238,8 +238,17 @@ def test_shipped_combines_accumulate_in_fp32(name):
     assert formats.get("fp8_e4m3fnuz").combine_accumulate == "bf16"
 
 
-def test_mori_fp8_type_is_checked():
-    from moewire.formats.mori import MoRIFP8Blockwise
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [("mxfp4", "element must be 'e4m3' or 'e4m3fnuz', got 'e2m1'"),
+     ("mori_x", "no row for wire format 'mori_x'")],
+    ids=["not-fp8", "no-row"],
+)
+def test_mori_fp8_type_is_checked(name, match):
+    """A MoRI format's FP8 type is its row's element: a row of another element, or none, is
+    refused."""
+    from moewire.formats.mori import MoRIFP8Blockwise, MoRIFP8DirectCast
 
-    with pytest.raises(ValueError, match="MoRI FP8 type must be 'fnuz' or 'ocp', got 'e5m2'"):
-        MoRIFP8Blockwise("mori_x", "e5m2")
+    for cls in (MoRIFP8Blockwise, MoRIFP8DirectCast):
+        with pytest.raises(ValueError, match=match):
+            cls(name)

@@ -6,31 +6,12 @@ import torch
 
 from bitexact import same_bits  # noqa: F401 (kept importable from here)
 from moewire import formats
+from moewire.format_table import FORMATS as FORMAT_ROWS
 from moewire.megamoe.resum import resum
 
-FORMATS = (
-    "bf16",
-    "fp8",
-    "fp8_b128",
-    "fp8_b128_ue8m0",
-    "fp8_b32_ue8m0",
-    "mxfp8",
-    "mxfp4",
-    "nvfp4",
-    "nvfp4_token",
-    "deepgemm_fp8_combine",
-    "trtllm_32e4m3xe8m0",
-    "te_mxfp8",
-    "trtllm_16e2m1xbf16",
-    "fp8_e4m3fnuz",
-    "flashinfer_mxfp8",
-    "flashinfer_nvfp4",
-    "mori_fp8_blockwise_fnuz",
-    "mori_fp8_blockwise_ocp",
-    "mori_fp8_direct_cast_fnuz",
-    "mori_fp8_direct_cast_ocp",
-)
-NEEDS_AMAX = ("fp8", "nvfp4", "fp8_e4m3fnuz")
+# Every format with a kernel and the ones among them that take an amax: the format table's rows.
+FORMATS = tuple(row.name for row in FORMAT_ROWS.values() if row.kernel_code is not None)
+NEEDS_AMAX = tuple(name for name in FORMATS if FORMAT_ROWS[name].needs_amax)
 DISTRIBUTIONS = ("normal", "heavy", "tiny", "grid", "edges")
 
 

@@ -19,16 +19,15 @@ from pathlib import Path
 
 import pytest
 
+from moewire.format_table import FORMATS
+
 triton = pytest.importorskip("triton")
 
 _ROOT = Path(__file__).resolve().parents[2]
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = pytest.mark.skipif(not os.path.exists(_PTXAS), reason="Triton ships no ptxas here")
-_FORMATS = ("bf16", "fp8", "fp8_b128", "fp8_b128_ue8m0", "fp8_b32_ue8m0", "mxfp8", "mxfp4",
-            "nvfp4", "nvfp4_token", "deepgemm_fp8_combine", "trtllm_32e4m3xe8m0", "te_mxfp8",
-            "trtllm_16e2m1xbf16", "fp8_e4m3fnuz", "flashinfer_mxfp8", "flashinfer_nvfp4",
-            "mori_fp8_blockwise_fnuz", "mori_fp8_blockwise_ocp", "mori_fp8_direct_cast_fnuz",
-            "mori_fp8_direct_cast_ocp")
+# Every format with a kernel (the format table's rows with a kernel code).
+_FORMATS = tuple(name for name, row in FORMATS.items() if row.kernel_code is not None)
 # Hidden sizes whose default programs differ: 1024 columns (V4-Pro, the target) and 512
 # (Kimi-K3's 3584, one warp for the NVFP4 formats' 16-column threads).
 _HIDDEN = (7168, 3584)
@@ -89,8 +88,9 @@ def _combine(fmt: str, hidden: int, unroll: bool):
     ints = {n: "i32" for n in ("H", "stride_rs", "stride_rt", "stride_it", "stride_ik",
                                "stride_wt", "stride_wk", "stride_o", "stride_c")}
     bh = kernels.tuning.block_h(fmt, hidden, None)
-    constants = dict(K=8, SHARED=2, FMT=_triton.FORMAT_CODES[fmt],
-                     HAS_AMAX=fmt in _triton.NEEDS_AMAX, WEIGHTED=True, CHECK=True, CALIB=True,
+    row = FORMATS[fmt]
+    constants = dict(K=8, SHARED=2, FMT=row.kernel_code, SPLIT=row.split_tile,
+                     HAS_AMAX=row.needs_amax, WEIGHTED=True, CHECK=True, CALIB=True,
                      BLOCK_H=bh, HW_CAST=True, UNROLL=unroll,
                      # The format's own accumulation mode (what the combine launches with).
                      ACC_F32=formats.get(fmt).combine_accumulate == "fp32")
@@ -106,7 +106,8 @@ def _qdq(fmt: str, hidden: int):
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "amax_ptr": "*fp32", "H": "i32",
            "stride_x": "i32", "stride_o": "i32"}
     bh = kernels.tuning.block_h(fmt, hidden, None, pad_least=False)
-    constants = dict(FMT=_triton.FORMAT_CODES[fmt], HAS_AMAX=fmt in _triton.NEEDS_AMAX,
+    row = FORMATS[fmt]
+    constants = dict(FMT=row.kernel_code, SPLIT=row.split_tile, HAS_AMAX=row.needs_amax,
                      BLOCK_H=bh, HW_CAST=True)
     return _compile(_triton.qdq_kernel, sig, constants,
                     ["x_ptr", "out_ptr", "amax_ptr", "H", "stride_x", "stride_o"],
@@ -114,9 +115,9 @@ def _qdq(fmt: str, hidden: int):
 
 
 def test_every_format_is_compiled():
-    from moewire.kernels import _triton
+    from moewire import kernels
 
-    assert set(_FORMATS) == set(_triton.FORMAT_CODES)
+    assert _FORMATS == kernels.SUPPORTED_FORMATS
 
 
 @pytest.mark.parametrize("hidden", _HIDDEN)

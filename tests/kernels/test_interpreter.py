@@ -165,7 +165,7 @@ def _refusal_args(**change):
         topk_idx=torch.zeros(4, 3, dtype=torch.int64),
         num_tokens=4,
         out=torch.empty(4, 128, dtype=torch.bfloat16),
-        fmt_name="mxfp4",
+        fmt="mxfp4",
         amax=None,
         shared_position=None,
     )
@@ -174,12 +174,12 @@ def _refusal_args(**change):
 
 
 REFUSALS = {
-    "unknown-format": (dict(fmt_name="logfmt10"), ValueError, "no kernel"),
+    "unknown-format": (dict(fmt="logfmt10"), ValueError, "no kernel"),
     "rows-fp32": (dict(rows=torch.randn(3, 4, 128)), ValueError, "rows must be a BF16"),
     "slot-count": (dict(shared_position="last"), ValueError, "needs 4"),
     "too-many-tokens": (dict(num_tokens=5), ValueError, "num_tokens=5"),
     "out-shape": (dict(out=torch.empty(3, 128, dtype=torch.bfloat16)), ValueError, "out must"),
-    "fp8-no-amax": (dict(fmt_name="fp8"), ValueError, "needs an amax"),
+    "fp8-no-amax": (dict(fmt="fp8"), ValueError, "needs an amax"),
     "bad-shared": (dict(shared_position="middle"), ValueError, "shared_position"),
     "weights-fp16": (
         dict(weights=torch.rand(4, 3).half()), ValueError, "weights must be the staged"
@@ -207,8 +207,20 @@ def test_qdq_refuses_unaligned_hidden():
 
 def test_supports_and_available():
     assert all(kernels.supports(f) for f in FORMATS)
+    assert all(kernels.supports(formats.get(f).facts) for f in FORMATS)
     assert not kernels.supports("logfmt10")
+    assert not kernels.supports(formats.get("logfmt10").facts)
+    assert not kernels.supports("no_such_format")
     assert kernels.available() is False  # no CUDA here
+
+
+def test_kernels_take_a_format_row_or_its_name():
+    """``WireFormat.facts`` (the row) and the name launch the same kernel, bit for bit."""
+    seed = seed_of("row-or-name")
+    x = sample((2, 256), "normal", torch.Generator().manual_seed(seed))
+    amax = amax_for("nvfp4", x)
+    by_row = kernels.qdq(x, formats.get("nvfp4").facts, amax)
+    assert_same_bits(by_row, kernels.qdq(x, "nvfp4", amax), seed=seed, what="row vs name")
 
 
 # -- weighted (FMA) combine: the NVFP4 kernel's unweighted rows -------------------
@@ -323,15 +335,27 @@ def test_weighted_check_flag_and_calibration(shared_slot):
     assert int(flag) >= 1
 
 
-def test_the_split_formats_are_the_ones_the_kernels_split():
-    """The wrapper sizes programs of the split formats one 16-element block per thread; the
-    kernels split the tile for format codes 7, 8, 12 and 15. Both must name the same formats, or
-    a program would hold half blocks (wrong warps) or replicate elements."""
-    from moewire.kernels import _triton
-    from moewire.kernels.tuning import _SPLIT
+def test_the_split_formats_are_the_16_element_block_formats():
+    """The launchers pass a row's ``split_tile`` to the kernels (the tile layout) and size its
+    programs one 16-element block per thread: the split rows are the kernel formats with
+    16-element blocks, or a program would hold half blocks (wrong warps) or replicate
+    elements."""
+    from moewire.format_table import FORMATS as ROWS
 
-    assert {f for f, c in _triton.FORMAT_CODES.items() if c in (7, 8, 12, 15)} == set(_SPLIT)
-    assert all(_triton.BLOCK_SIZES[f] == 16 for f in _SPLIT)
+    split = {name for name in FORMATS if ROWS[name].split_tile}
+    assert split == {name for name in FORMATS if ROWS[name].block_size == 16}
+    assert split == {"nvfp4", "nvfp4_token", "trtllm_16e2m1xbf16", "flashinfer_nvfp4"}
+
+
+def test_a_16_element_block_kernel_refuses_a_row_without_the_split_tile():
+    """The kernel's 16-element block branches assert the split tile: a row that says
+    otherwise does not compile rather than computing half blocks."""
+    import dataclasses
+
+    row = dataclasses.replace(formats.get("flashinfer_nvfp4").facts, split_tile=False)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    with pytest.raises(Exception, match="SPLIT"):
+        kernels.qdq(x, row, None)
 
 
 @pytest.mark.parametrize(

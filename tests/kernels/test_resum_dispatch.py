@@ -86,7 +86,7 @@ def test_resum_dispatches_to_the_kernel_with_the_quantizers_amax(
     )
     assert len(recorder) == 1, "resum did not call the fused kernel for CUDA rows"
     call = recorder[0]
-    assert call["fmt_name"] == fmt
+    assert call["fmt"] is quantizer.fmt.facts, "resum passes the format's row of the table"
     assert call["shared_position"] == position
     assert call["weights"] is weights
     assert call["out"] is out and got is out

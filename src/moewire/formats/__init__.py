@@ -2,18 +2,20 @@
 
 ``moewire.formats.get(name)`` returns the registered :class:`WireFormat`;
 ``moewire.fake_quant(x, name, amax=None)`` applies it. The exact math of every format is
-in its class docstring and in ``docs/formats.md``.
+in its class docstring and in ``docs/formats.md``; its facts (element, block, scale, kernel)
+are its row of ``moewire.format_table``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moewire.format_table import ACCUMULATE_MODES
 from moewire.formats import bf16, combine, fp8, logfmt, mori, mx, nvfp4  # noqa: F401  (registers)
 from moewire.formats.base import (
-    ACCUMULATE_MODES,
     ModelOptSpelling,
     WireFormat,
+    check_table,
     get,
     names,
     register,
@@ -21,6 +23,9 @@ from moewire.formats.base import (
 
 if TYPE_CHECKING:  # the formats import torch inside their methods: `moewire formats` runs
     import torch  # without it
+
+# Every format registered above has its row of the format table, and every row its format.
+check_table()
 
 __all__ = [
     "ACCUMULATE_MODES",

@@ -11,27 +11,25 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from moewire import format_table
 from moewire.formats._numerics import split_blocks
 from moewire.formats.base import WireFormat
 
 
 class BlockCombineFormat(WireFormat):
-    """Shared facts of the real kernels' block-scaled combine formats: row-local, no amax, no
-    ModelOpt spelling (a cfg names them with ``format``), FP32 accumulation in the kernel.
+    """The reference shared by the real kernels' block-scaled combine formats (their rows in
+    ``moewire.format_table``: row-local, no amax, FP32 accumulation in the kernel); no
+    ModelOpt spelling (a cfg names them with ``format``).
 
     :meth:`reference` is the part every such format shares: split the row into blocks of
     ``block_size``, take each block's amax, let :meth:`_qdq_blocks` quantize and dequantize
     the blocks with the format's own math, and set every block holding NaN or ±inf to NaN.
     """
 
-    needs_amax = False
-    row_local = True
-    combine_accumulate = "fp32"
-
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         import torch
 
-        xb = split_blocks(x, self.block_size)
+        xb = split_blocks(x, format_table.facts(self.name).block)
         block_amax = xb.abs().amax(dim=-1, keepdim=True)
         finite = torch.isfinite(block_amax)
         out = self._qdq_blocks(xb, torch.where(finite, block_amax, torch.zeros_like(block_amax)))

@@ -7,6 +7,7 @@ tensors (:func:`mul_recip` also float64) and is exact but for the one rounding i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -112,6 +113,21 @@ def e4m3fnuz(v: torch.Tensor) -> torch.Tensor:
     import torch
 
     return v.clamp(-E4M3FNUZ_MAX, E4M3FNUZ_MAX).to(torch.float8_e4m3fnuz).to(torch.float32)
+
+
+def fp8_element(element: str) -> tuple[float, Callable[[torch.Tensor], torch.Tensor]]:
+    """The largest value and the saturating RNE cast (FP32 -> FP32) of an FP8 element type
+    (a row's ``element`` in ``moewire.format_table``): ``"e4m3"`` or ``"e4m3fnuz"``."""
+    casts: dict[str, tuple[float, Callable[[torch.Tensor], torch.Tensor]]] = {
+        "e4m3": (E4M3_MAX, e4m3),
+        "e4m3fnuz": (E4M3FNUZ_MAX, e4m3fnuz),
+    }
+    if element not in casts:
+        raise ValueError(
+            f"an FP8 format's element must be 'e4m3' or 'e4m3fnuz', got {element!r}; fix its "
+            "row in moewire.format_table"
+        )
+    return casts[element]
 
 
 def e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:

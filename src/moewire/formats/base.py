@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+from moewire import format_table
+from moewire.format_table import FormatFacts
 
 if TYPE_CHECKING:
     import torch
+
+_T = TypeVar("_T")
 
 # Torch is imported inside the methods, so that the registry and the facts on each format
 # (``moewire formats``) load without it. FP16's largest finite value,
@@ -31,22 +36,56 @@ def amax_is_valid(value: float) -> bool:
     return math.isfinite(value) and value >= 0
 
 
-def _kernel_qdq(name: str, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None:
-    """The fast kernel's result, or ``None`` when no usable kernel exists for ``name``.
+def _kernel_qdq(
+    facts: FormatFacts | None, x: torch.Tensor, amax: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The fast kernel's result, or ``None`` when no usable kernel exists for the format
+    whose row is ``facts`` (``None``: a format outside the table, which has no kernel).
 
     ``moewire.kernels`` may be missing or partial (no Triton, an older build): only an
     ImportError or a missing attribute means "no kernel"; an error raised by a kernel
     itself propagates.
     """
+    if facts is None:
+        return None
     try:
         from moewire import kernels
 
         available, supports, qdq = kernels.available, kernels.supports, kernels.qdq
     except (ImportError, AttributeError):
         return None
-    if available() and supports(name):
-        return qdq(x, name, amax)
+    if available() and supports(facts):
+        out: torch.Tensor = qdq(x, facts, amax)
+        return out
     return None
+
+
+class _Fact(Generic[_T]):
+    """A fact of a format, read from its row of ``moewire.format_table.FORMATS``.
+
+    A format outside the table (one registered at runtime, a plugin's) has no row: it sets
+    its facts as class attributes, and ``default`` stands for each fact it does not set.
+    """
+
+    def __init__(self, default: _T) -> None:
+        self.default = default
+        self.field = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = name
+
+    @overload
+    def __get__(self, fmt: None, owner: type | None = None) -> _Fact[_T]: ...
+
+    @overload
+    def __get__(self, fmt: WireFormat, owner: type | None = None) -> _T: ...
+
+    def __get__(self, fmt: WireFormat | None, owner: type | None = None) -> _T | _Fact[_T]:
+        if fmt is None:
+            return self
+        row = format_table.find(fmt.name)
+        value: _T = self.default if row is None else getattr(row, self.field)
+        return value
 
 
 @dataclass(frozen=True)
@@ -71,6 +110,11 @@ class ModelOptSpelling:
 class WireFormat:
     """One low-precision wire format.
 
+    The facts below are the format's row of ``moewire.format_table.FORMATS`` (its
+    :attr:`facts`): a format class states its name, its ModelOpt spelling and its math, and
+    no fact of the table a second time. A format registered at runtime without a row (a
+    plugin's) sets its facts as class attributes instead, and has no kernel.
+
     Attributes:
         name: registry name (``"nvfp4"``).
         element_bits: bits per element on the wire.
@@ -93,14 +137,20 @@ class WireFormat:
     """
 
     name: str = ""
-    element_bits: float = 16
-    block_size: int | None = None
-    scale_bits: int = 0
-    needs_amax: bool = False
-    row_local: bool = True
-    row_scale_bits: int = 0
+    element_bits = _Fact[float](16)
+    block_size = _Fact[int | None](None)
+    scale_bits = _Fact[int](0)
+    needs_amax = _Fact[bool](False)
+    row_local = _Fact[bool](True)
+    row_scale_bits = _Fact[int](0)
     modelopt_spelling: ModelOptSpelling | None = None
-    combine_accumulate: str = "bf16"
+    combine_accumulate = _Fact[str]("bf16")
+
+    @property
+    def facts(self) -> FormatFacts | None:
+        """The format's row of ``moewire.format_table.FORMATS`` (the kernels take it), or
+        ``None`` for a format registered at runtime without a row (it has no kernel)."""
+        return format_table.find(self.name)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         """The definition: plain torch, CPU and CUDA.
@@ -113,6 +163,16 @@ class WireFormat:
             A new tensor, ``x.dtype`` and ``x.shape``.
         """
         raise NotImplementedError
+
+    def required_amax(self, amax: torch.Tensor | None) -> torch.Tensor:
+        """``amax`` for a :meth:`reference` whose format needs one (:meth:`qdq` checked it);
+        refuses ``None``, as from a direct call without it."""
+        if amax is None:
+            raise ValueError(
+                f"format {self.name!r}: reference() needs the amax (its scale is global); "
+                "pass the FP32 amax tensor, or call qdq(x, amax), which checks it"
+            )
+        return amax
 
     def qdq(
         self,
@@ -147,7 +207,7 @@ class WireFormat:
             return x.clone()
         out = None
         if use_kernel and x.is_cuda:
-            out = _kernel_qdq(self.name, x, amax_t)
+            out = _kernel_qdq(self.facts, x, amax_t)
         if out is None:
             out = self.reference(x, amax_t)
         if x.dtype == torch.float16:
@@ -270,13 +330,10 @@ class WireFormat:
         return f"<WireFormat {self.name}>"
 
 
-#: The two ways a combine adds its dequantized rows (:attr:`WireFormat.combine_accumulate`).
-ACCUMULATE_MODES = ("bf16", "fp32")
-
 _REGISTRY: dict[str, WireFormat] = {}
 
 
-def register(fmt: WireFormat | type[WireFormat]) -> Callable | WireFormat:
+def register(fmt: WireFormat | type[WireFormat]) -> WireFormat | type[WireFormat]:
     """Register a format instance (or class, instantiated once) under ``fmt.name``."""
     inst = fmt() if isinstance(fmt, type) else fmt
     if not inst.name:
@@ -309,3 +366,34 @@ def get(name: str | WireFormat) -> WireFormat:
 def names() -> list[str]:
     """Names of every registered format, sorted."""
     return sorted(_REGISTRY)
+
+
+def check_table(
+    registered: Mapping[str, WireFormat] | None = None,
+    rows: Mapping[str, FormatFacts] | None = None,
+) -> None:
+    """Refuse a registered format without a row of the format table, or a row without a
+    registered format (its torch reference). ``moewire.formats`` calls it once, after
+    registering its formats; the arguments default to the registry and the table.
+
+    Raises:
+        RuntimeError: naming the format and what to add.
+    """
+    registered = _REGISTRY if registered is None else registered
+    rows = format_table.FORMATS if rows is None else rows
+    rowless = sorted(set(registered) - set(rows))
+    if rowless:
+        raise RuntimeError(
+            f"moewire.formats: the wire format(s) {rowless} are registered but have no row in "
+            "moewire.format_table; add a FormatFacts row for each to _ROWS there (its element, "
+            "block size, scale, amax and accumulation facts; kernel_code=None without a "
+            "Triton kernel)"
+        )
+    unreferenced = sorted(set(rows) - set(registered))
+    if unreferenced:
+        raise RuntimeError(
+            f"moewire.formats: moewire.format_table has row(s) {unreferenced} but no "
+            "registered format of that name, so no torch reference defines them; add a "
+            "WireFormat subclass with that name and its reference() in a module of "
+            "moewire/formats/, register it, and import that module in formats/__init__.py"
+        )

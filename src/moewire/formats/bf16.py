@@ -22,11 +22,6 @@ class BF16(WireFormat):
     """
 
     name = "bf16"
-    element_bits = 16
-    block_size = None
-    scale_bits = 0
-    needs_amax = False
-    row_local = True
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         import torch

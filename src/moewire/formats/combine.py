@@ -119,9 +119,6 @@ class DeepGEMMFP8Combine(BlockCombineFormat):
     """
 
     name = "deepgemm_fp8_combine"
-    element_bits = 8
-    block_size = 128
-    scale_bits = 8
 
     def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
@@ -161,9 +158,6 @@ class TRTLLMMXFP8Combine(BlockCombineFormat):
     """
 
     name = "trtllm_32e4m3xe8m0"
-    element_bits = 8
-    block_size = 32
-    scale_bits = 8
 
     def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
@@ -199,9 +193,6 @@ class TEMXFP8Combine(BlockCombineFormat):
     """
 
     name = "te_mxfp8"
-    element_bits = 8
-    block_size = 32
-    scale_bits = 8
 
     def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
@@ -242,9 +233,6 @@ class TRTLLMFP4Combine(BlockCombineFormat):
     """
 
     name = "trtllm_16e2m1xbf16"
-    element_bits = 4
-    block_size = 16
-    scale_bits = 16
 
     def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
@@ -306,9 +294,6 @@ class FlashInferMXFP8Combine(BlockCombineFormat):
     """
 
     name = "flashinfer_mxfp8"
-    element_bits = 8
-    block_size = 32
-    scale_bits = 8
 
     def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
@@ -367,9 +352,6 @@ class FlashInferNVFP4Combine(BlockCombineFormat):
     """
 
     name = "flashinfer_nvfp4"
-    element_bits = 4
-    block_size = 16
-    scale_bits = 16
 
     def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from moewire import format_table
 from moewire.formats._numerics import (
     E4M3_MAX,
-    E4M3FNUZ_MAX,
     ceil_pow2_ue8m0,
     e4m3,
-    e4m3fnuz,
+    fp8_element,
     mul_recip,
     split_blocks,
 )
@@ -52,19 +52,16 @@ class FP8PerTensor(WireFormat):
     """
 
     name = "fp8"
-    element_bits = 8
-    block_size = None
-    scale_bits = 0
-    needs_amax = True
-    row_local = True
-    modelopt_spelling = ModelOptSpelling(num_bits=(4, 3))
-    # The element's largest value and its saturating RNE cast (FP32 -> FP32).
-    _max = E4M3_MAX
-    _cast = staticmethod(e4m3)
+    modelopt_spelling: ModelOptSpelling | None = ModelOptSpelling(num_bits=(4, 3))
+
+    def __init__(self) -> None:
+        # The element's largest value and its saturating RNE cast (FP32 -> FP32).
+        self._max, self._cast = fp8_element(format_table.facts(self.name).element)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         import torch
 
+        amax = self.required_amax(amax)
         safe = torch.where(amax > _MODELOPT_TINY_AMAX, amax, torch.ones_like(amax))
         scale = self._max * torch.reciprocal(safe)
         q = self._cast(x.to(torch.float32) * scale)
@@ -102,8 +99,6 @@ class FP8FNUZPerTensor(FP8PerTensor):
 
     name = "fp8_e4m3fnuz"
     modelopt_spelling = None
-    _max = E4M3FNUZ_MAX
-    _cast = staticmethod(e4m3fnuz)
 
 
 class FP8Block(WireFormat):
@@ -139,25 +134,23 @@ class FP8Block(WireFormat):
       stays NaN, ±inf saturates to ``±448 * 2^127`` = ±inf in FP32, and the finite
       elements of that block flush to (signed) zero unless |x| > 2^117.
 
-    ``spelled=False``: ModelOpt's attributes for it name another format (E4M3 with UE8M0
-    scales per 32 is ``mxfp8``), so a cfg names it with ``format``.
+    The block and the scale (FP32, or UE8M0 for ``ue8m0``) are the format's row in
+    ``moewire.format_table``. ``spelled=False``: ModelOpt's attributes for it name another
+    format (E4M3 with UE8M0 scales per 32 is ``mxfp8``), so a cfg names it with ``format``.
     """
 
-    def __init__(self, name: str, block: int, ue8m0: bool, spelled: bool = True) -> None:
+    def __init__(self, name: str, spelled: bool = True) -> None:
         self.name = name
-        self.block_size = block
-        self.ue8m0 = ue8m0
-        self.element_bits = 8
-        self.scale_bits = 8 if ue8m0 else 32
-        self.needs_amax = False
-        self.row_local = True
+        self.ue8m0 = format_table.facts(name).scale == "block_ue8m0"
         if spelled:
-            self.modelopt_spelling = ModelOptSpelling((4, 3), scale_bits=(8, 0) if ue8m0 else None)
+            self.modelopt_spelling = ModelOptSpelling(
+                (4, 3), scale_bits=(8, 0) if self.ue8m0 else None
+            )
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         import torch
 
-        xb = split_blocks(x, self.block_size)
+        xb = split_blocks(x, format_table.facts(self.name).block)
         block_amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=_DEEPGEMM_AMAX_FLOOR)
         sf = mul_recip(block_amax, E4M3_MAX)
         if self.ue8m0:
@@ -168,6 +161,6 @@ class FP8Block(WireFormat):
 
 register(FP8PerTensor)
 register(FP8FNUZPerTensor)
-register(FP8Block("fp8_b128", 128, ue8m0=False))
-register(FP8Block("fp8_b128_ue8m0", 128, ue8m0=True))
-register(FP8Block("fp8_b32_ue8m0", 32, ue8m0=True, spelled=False))
+register(FP8Block("fp8_b128"))
+register(FP8Block("fp8_b128_ue8m0"))
+register(FP8Block("fp8_b32_ue8m0", spelled=False))

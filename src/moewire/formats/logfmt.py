@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from moewire.format_table import FORMATS
 from moewire.formats._numerics import mul_recip
 from moewire.formats.base import WireFormat, register
 
-_DIVISION = 128  # channels sharing one (amax, amin) pair
+_DIVISION = FORMATS["logfmt10"].block  # channels sharing one (amax, amin) pair
 _NUM_VALUES = 1 << 9  # 9-bit codes; code 0 is zero, codes 1..511 the log grid
 _MIN_CLIP = 32.0  # log2 amin >= log2 amax - 32
 _LOG_THRESHOLD = 0.0  # cast only blocks with log2 amax < 0, i.e. amax < 1
@@ -85,11 +86,6 @@ class LogFMT10(WireFormat):
     """
 
     name = "logfmt10"
-    element_bits = 10
-    block_size = _DIVISION
-    scale_bits = 32
-    needs_amax = False
-    row_local = True
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         import torch

@@ -30,29 +30,15 @@ BF16 result) for blocks whose amax exceeds the FP8 maximum.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
+from moewire import format_table
 from moewire.formats._block_combine import BlockCombineFormat
-from moewire.formats._numerics import E4M3_MAX, E4M3FNUZ_MAX, e4m3, e4m3fnuz, mul_recip
+from moewire.formats._numerics import fp8_element, mul_recip
 from moewire.formats.base import WireFormat, register
-
-# MoRI's blockwise combine: ceil(H / MORI_FP8_COMBINE_SCALE_DIM) columns a scale, with the
-# scale dim 56 by default, i.e. 128 columns at H = 7168 (DeepSeek-V3/R1, Kimi-K2).
-_MORI_BLOCK = 128
-_ELEMENTS: dict[str, tuple[float, Callable[[torch.Tensor], torch.Tensor]]] = {
-    "fnuz": (E4M3FNUZ_MAX, e4m3fnuz),
-    "ocp": (E4M3_MAX, e4m3),
-}
-
-
-def _element(fp8_type: str) -> tuple[float, Callable[[torch.Tensor], torch.Tensor]]:
-    if fp8_type not in _ELEMENTS:
-        raise ValueError(f"MoRI FP8 type must be 'fnuz' or 'ocp', got {fp8_type!r}")
-    return _ELEMENTS[fp8_type]
 
 
 class MoRIFP8Blockwise(BlockCombineFormat):
@@ -93,14 +79,10 @@ class MoRIFP8Blockwise(BlockCombineFormat):
     any block holding NaN or ±inf all NaN (:class:`BlockCombineFormat`).
     """
 
-    element_bits = 8
-    block_size = _MORI_BLOCK
-    scale_bits = 32
-
-    def __init__(self, name: str, fp8_type: str) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.fp8_type = fp8_type
-        self._max, self._cast = _element(fp8_type)
+        # M and the FP8 cast of the row's element (E4M3 FNUZ or OCP E4M3).
+        self._max, self._cast = fp8_element(format_table.facts(name).element)
 
     def _qdq_blocks(self, xb: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
         import torch
@@ -138,17 +120,9 @@ class MoRIFP8DirectCast(WireFormat):
     Combine rows within ``±M`` are unaffected.
     """
 
-    element_bits = 8
-    block_size = None
-    scale_bits = 0
-    needs_amax = False
-    row_local = True
-    combine_accumulate = "fp32"
-
-    def __init__(self, name: str, fp8_type: str) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.fp8_type = fp8_type
-        self._max, self._cast = _element(fp8_type)
+        self._max, self._cast = fp8_element(format_table.facts(name).element)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         import torch
@@ -158,7 +132,7 @@ class MoRIFP8DirectCast(WireFormat):
         return torch.where(torch.isinf(v), torch.full_like(q, float("nan")), q).to(x.dtype)
 
 
-register(MoRIFP8Blockwise("mori_fp8_blockwise_fnuz", "fnuz"))
-register(MoRIFP8Blockwise("mori_fp8_blockwise_ocp", "ocp"))
-register(MoRIFP8DirectCast("mori_fp8_direct_cast_fnuz", "fnuz"))
-register(MoRIFP8DirectCast("mori_fp8_direct_cast_ocp", "ocp"))
+register(MoRIFP8Blockwise("mori_fp8_blockwise_fnuz"))
+register(MoRIFP8Blockwise("mori_fp8_blockwise_ocp"))
+register(MoRIFP8DirectCast("mori_fp8_direct_cast_fnuz"))
+register(MoRIFP8DirectCast("mori_fp8_direct_cast_ocp"))

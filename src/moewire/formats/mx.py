@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from moewire import format_table
 from moewire.formats._numerics import (
     E2M1_MAX,
     e2m1_magnitude,
@@ -20,7 +21,6 @@ from moewire.formats._numerics import (
 )
 from moewire.formats.base import ModelOptSpelling, WireFormat, register
 
-_MX_BLOCK = 32
 # UE8M0 encodes 2^-127 .. 2^127 (0xFF is NaN); a finite FP32 amax never needs more than
 # 2^(127 - emax), so only the lower end is clamped.
 _E8M0_MIN_EXP = -127
@@ -53,17 +53,16 @@ class MXFormat(WireFormat):
     Row-local, no amax.
     """
 
-    def __init__(self, name: str, element: str) -> None:
+    def __init__(self, name: str) -> None:
+        element = format_table.facts(name).element
         if element not in ("e4m3", "e2m1"):
-            raise ValueError(f"MX element type must be 'e4m3' or 'e2m1', got {element!r}")
+            raise ValueError(
+                f"MX format {name!r}: its element must be 'e4m3' or 'e2m1', got {element!r}; "
+                "fix its row in moewire.format_table"
+            )
         self.name = name
         self.element = element
         self.emax = 8 if element == "e4m3" else 2
-        self.element_bits = 8 if element == "e4m3" else 4
-        self.block_size = _MX_BLOCK
-        self.scale_bits = 8
-        self.needs_amax = False
-        self.row_local = True
         self.modelopt_spelling = ModelOptSpelling(
             (4, 3) if element == "e4m3" else (2, 1), scale_bits=(8, 0)
         )
@@ -78,7 +77,7 @@ class MXFormat(WireFormat):
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         import torch
 
-        xb = split_blocks(x, self.block_size)
+        xb = split_blocks(x, format_table.facts(self.name).block)
         block_amax = xb.abs().amax(dim=-1, keepdim=True)
         finite = torch.isfinite(block_amax)
         # Zero and non-finite blocks get a placeholder amax: any scale gives a zero block
@@ -91,5 +90,5 @@ class MXFormat(WireFormat):
         return out.reshape(x.shape).to(x.dtype)
 
 
-register(MXFormat("mxfp8", "e4m3"))
-register(MXFormat("mxfp4", "e2m1"))
+register(MXFormat("mxfp8"))
+register(MXFormat("mxfp4"))

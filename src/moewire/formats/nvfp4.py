@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from moewire.format_table import FORMATS
 from moewire.formats._numerics import (
     E2M1_MAX,
     E4M3_MAX,
@@ -22,7 +23,8 @@ from moewire.formats._numerics import (
 )
 from moewire.formats.base import ModelOptSpelling, WireFormat, register
 
-_NVFP4_BLOCK = 16
+# The block of both NVFP4 formats (their rows in moewire.format_table).
+_NVFP4_BLOCK = FORMATS["nvfp4"].block
 # ModelOpt's global scale when the amax is <= 0.
 _GS_FALLBACK = 1e-12
 # ModelOpt replaces a block scale below this by 1 (the block then quantizes to zero).
@@ -88,16 +90,12 @@ class NVFP4(WireFormat):
     """
 
     name = "nvfp4"
-    element_bits = 4
-    block_size = _NVFP4_BLOCK
-    scale_bits = 8
-    needs_amax = True
-    row_local = True
     modelopt_spelling = ModelOptSpelling(num_bits=(2, 1), scale_bits=(4, 3))
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         import torch
 
+        amax = self.required_amax(amax)
         gs = torch.where(
             amax > 0, mul_recip(amax, E2M1_MAX * E4M3_MAX), torch.full_like(amax, _GS_FALLBACK)
         )
@@ -118,12 +116,6 @@ class NVFP4Token(WireFormat):
     """
 
     name = "nvfp4_token"
-    element_bits = 4
-    block_size = _NVFP4_BLOCK
-    scale_bits = 8
-    row_scale_bits = 32
-    needs_amax = False
-    row_local = True
     modelopt_spelling = ModelOptSpelling(num_bits=(2, 1), scale_bits=(4, 3), axis=0)
 
     def reference(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:

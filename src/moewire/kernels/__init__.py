@@ -12,8 +12,10 @@ Two entry points, each bit-exact to the torch definitions in ``moewire.formats``
   the kernel's ``y``) and the calibration max over valid rows.
 
 Both are CUDA-graph safe: no host synchronisation, and the grid depends only on shapes.
-This package imports nothing from moewire's other packages: a format comes in as its name
-and its amax as a plain FP32 device tensor.
+This package imports nothing from moewire's other packages but the format table
+(``moewire.format_table``, below it): a format comes in as its row there (a
+``FormatFacts``, ``WireFormat.facts``) or its name, and its amax as a plain FP32 device
+tensor.
 
 ``available()`` says whether the kernels can run here (CUDA and Triton importable, and the
 environment variable ``MOEWIRE_DISABLE_KERNELS`` not set to ``1``). Under Triton's
@@ -21,7 +23,7 @@ interpreter (``TRITON_INTERPRET=1``, set before the first import of Triton) the 
 kernels also run on CPU tensors, which is how the tests check them without a GPU.
 
 The API lives in named modules and is re-exported here (``moewire.kernels.<name>``):
-``launch`` (:func:`available`, :func:`supports`, the formats and the shared checks),
+``launch`` (:func:`available`, :func:`supports`, the shared checks),
 ``fake_quant`` (:func:`qdq`), ``combine`` (:func:`fused_combine`,
 :func:`check_combine_args`), ``tuning`` (program sizes), ``_triton`` (the kernels).
 """

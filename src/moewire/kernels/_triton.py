@@ -1,3 +1,6 @@
+# Triton's JIT functions take Triton values (tensors, constexprs) that carry no Python type,
+# and triton.jit is untyped: mypy checks the launchers that call them instead.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
 """Triton kernels: row-local fake quantization and the fused combine re-sum.
 
 Every format's math here is the math of its torch reference in ``moewire.formats``
@@ -27,7 +30,9 @@ Every format's math here is the math of its torch reference in ``moewire.formats
   multiply then an add, two roundings) :func:`_fma` computes it exactly in FP64 with
   round-to-odd.
 
-Format codes (``FMT``) are the indices of :data:`FORMAT_CODES`.
+A format is its row of ``moewire.format_table``: the launchers pass its ``kernel_code`` as
+``FMT`` (the branch of :func:`_qdq` that computes it) and its ``split_tile`` as ``SPLIT``
+(the tile layout, :func:`_tile_cols`; the 16-element block branches assert it).
 """
 
 from __future__ import annotations
@@ -38,55 +43,6 @@ import triton.language as tl
 
 from moewire.kernels.rcp_approx import DOWN_AT as RCP_APPROX_DOWN_AT
 from moewire.kernels.rcp_approx import UP_AT as RCP_APPROX_UP_AT
-
-FORMAT_CODES = {
-    "bf16": 0,
-    "fp8": 1,
-    "fp8_b128": 2,
-    "fp8_b128_ue8m0": 3,
-    "fp8_b32_ue8m0": 4,
-    "mxfp8": 5,
-    "mxfp4": 6,
-    "nvfp4": 7,
-    "nvfp4_token": 8,
-    "deepgemm_fp8_combine": 9,
-    "trtllm_32e4m3xe8m0": 10,
-    "te_mxfp8": 11,
-    "trtllm_16e2m1xbf16": 12,
-    "fp8_e4m3fnuz": 13,
-    "flashinfer_mxfp8": 14,
-    "flashinfer_nvfp4": 15,
-    "mori_fp8_blockwise_fnuz": 16,
-    "mori_fp8_blockwise_ocp": 17,
-    "mori_fp8_direct_cast_fnuz": 18,
-    "mori_fp8_direct_cast_ocp": 19,
-}
-# Elements per block scale (1 for formats without block scales).
-BLOCK_SIZES = {
-    "bf16": 1,
-    "fp8": 1,
-    "fp8_b128": 128,
-    "fp8_b128_ue8m0": 128,
-    "fp8_b32_ue8m0": 32,
-    "mxfp8": 32,
-    "mxfp4": 32,
-    "nvfp4": 16,
-    "nvfp4_token": 16,
-    "deepgemm_fp8_combine": 128,
-    "trtllm_32e4m3xe8m0": 32,
-    "te_mxfp8": 32,
-    "trtllm_16e2m1xbf16": 16,
-    "fp8_e4m3fnuz": 1,
-    "flashinfer_mxfp8": 32,
-    "flashinfer_nvfp4": 16,
-    "mori_fp8_blockwise_fnuz": 128,
-    "mori_fp8_blockwise_ocp": 128,
-    "mori_fp8_direct_cast_fnuz": 1,
-    "mori_fp8_direct_cast_ocp": 1,
-}
-NEEDS_AMAX = frozenset({"fp8", "nvfp4", "fp8_e4m3fnuz"})
-# Where the fused shared row (stored at row ``k`` in every build) is added to the sum.
-SHARED_CODES = {None: 0, "first": 1, "last": 2}
 
 # FP32 reciprocals of the constants the references divide by, each one FP32 division.
 _INV_448 = tl.constexpr(float(np.float32(1.0) / np.float32(448.0)))
@@ -673,12 +629,11 @@ def _load_amax(amax_ptr, HAS_AMAX: tl.constexpr):
 @triton.jit
 def qdq_kernel(
     x_ptr, out_ptr, amax_ptr, H, stride_x, stride_o,
-    FMT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr,
+    FMT: tl.constexpr, SPLIT: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK_H: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
-    """One program per (row, column chunk): ``out[r, chunk] = qdq(x[r, chunk])``."""
-    # Whole 16-element blocks per thread (NVFP4's formats, the 16e2m1xbf16 combines):
-    # tuning._SPLIT.
-    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8) or (FMT == 12) or (FMT == 15)
+    """One program per (row, column chunk): ``out[r, chunk] = qdq(x[r, chunk])``.
+    ``SPLIT``: whole 16-element blocks per thread (the format row's ``split_tile``)."""
     row = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     mask = cols < H
@@ -758,23 +713,22 @@ def _combine_slot(
 def combine_kernel(
     rows_ptr, idx_ptr, w_ptr, out_ptr, check_ptr, flag_ptr, calib_ptr, amax_ptr,
     H, stride_rs, stride_rt, stride_it, stride_ik, stride_wt, stride_wk, stride_o, stride_c,
-    K: tl.constexpr, SHARED: tl.constexpr, FMT: tl.constexpr, HAS_AMAX: tl.constexpr,
-    WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
+    K: tl.constexpr, SHARED: tl.constexpr, FMT: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_AMAX: tl.constexpr, WEIGHTED: tl.constexpr, CHECK: tl.constexpr, CALIB: tl.constexpr,
     BLOCK_H: tl.constexpr, HW_CAST: tl.constexpr, UNROLL: tl.constexpr,
     ACC_F32: tl.constexpr,
 ):
     """One program per (token, column chunk): quantize, re-sum, check, calibrate.
 
-    ``acc`` starts at +0.0 (FP32); the shared row (stored at row ``K``; SHARED: 1 added
-    first, 2 added last) is added unquantized in its place (``acc + row``, which is
-    ``fma(row, 1.0, acc)``); each valid routed slot (``topk_idx >= 0``) in ascending order
-    adds ``float(bf16(qdq(row)))`` (``ACC_F32``: the FP32 dequantized row, unrounded),
-    times its router weight with one rounding when WEIGHTED; invalid rows are never loaded
-    (read as zeros, or skipped).
+    ``acc`` starts at +0.0 (FP32); the shared row (stored at row ``K``; SHARED, the index of
+    the position in ``format_table.SHARED_POSITIONS``: 1 added first, 2 added last) is added
+    unquantized in its place (``acc + row``, which is ``fma(row, 1.0, acc)``); each valid
+    routed slot (``topk_idx >= 0``) in ascending order adds ``float(bf16(qdq(row)))``
+    (``ACC_F32``: the FP32 dequantized row, unrounded), times its router weight with one
+    rounding when WEIGHTED; invalid rows are never loaded (read as zeros, or skipped).
+    ``SPLIT``: whole 16-element blocks per thread (the format
+    row's ``split_tile``).
     """
-    # Whole 16-element blocks per thread (NVFP4's formats, the 16e2m1xbf16 combines):
-    # tuning._SPLIT.
-    SPLIT: tl.constexpr = (FMT == 7) or (FMT == 8) or (FMT == 12) or (FMT == 15)
     t = tl.program_id(0).to(tl.int64)
     cols = _tile_cols(BLOCK_H, SPLIT)
     cmask = cols < H

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from moewire.format_table import FormatFacts
 from moewire.kernels import tuning
 from moewire.kernels.launch import (
     ACCUMULATE_MODES,
@@ -149,7 +150,7 @@ def fused_combine(
     topk_idx: torch.Tensor,
     num_tokens: int,
     out: torch.Tensor,
-    fmt_name: str,
+    fmt: FormatFacts | str,
     amax: torch.Tensor | float | None,
     shared_position: str | None,
     check_against: torch.Tensor | None = None,
@@ -164,7 +165,7 @@ def fused_combine(
 ) -> torch.Tensor:
     """Fake-quantize and re-sum the combine rows in one pass, the kernel's order.
 
-    For each token ``t < num_tokens`` (``q`` = ``fmt_name``'s fake quant, a BF16 row;
+    For each token ``t < num_tokens`` (``q`` = ``fmt``'s fake quant, a BF16 row;
     ``add(v, s)`` is ``acc + v``, or ``fma(v, weights[t, s], acc)`` with one FP32 rounding
     when ``weights`` is given; with ``accumulate="fp32"``, ``q`` is the FP32 dequantized row,
     not rounded to BF16)::
@@ -196,8 +197,10 @@ def fused_combine(
         topk_idx: int ``[>= T, k]``; ``-1`` marks an invalid slot.
         num_tokens: ``T``.
         out: BF16 ``[T, H]``, written in place.
-        fmt_name: one of :data:`SUPPORTED_FORMATS` (``bf16``: no quantization).
-        amax: FP32 one-element device tensor for ``fp8`` and ``nvfp4`` (static scale).
+        fmt: the format's row of ``moewire.format_table`` (``WireFormat.facts``), or the
+            name of one, of :data:`SUPPORTED_FORMATS` (``bf16``: no quantization).
+        amax: FP32 one-element device tensor for the formats that need one (``fp8``,
+            ``nvfp4``, ``fp8_e4m3fnuz``: a static scale).
         shared_position: ``None``, ``"first"`` or ``"last"`` (:data:`SHARED_POSITIONS`).
         check_against, check_flag, calib_amax: see above.
         weights: ``None`` (rows already router-weighted), or FP32 ``[>= T, k]``, the staged
@@ -211,7 +214,7 @@ def fused_combine(
     Returns:
         ``out``.
     """
-    _check_format(fmt_name)
+    row = _check_format(fmt)
     if accumulate not in ACCUMULATE_MODES:
         raise ValueError(
             f"moewire.kernels.fused_combine: accumulate must be one of {ACCUMULATE_MODES}, "
@@ -223,11 +226,11 @@ def fused_combine(
     )
     impl = _impl()
     hidden = rows.shape[2]
-    _check_blocks("moewire.kernels.fused_combine: H", hidden, fmt_name)
-    amax_t = _amax_tensor(fmt_name, amax, rows.device)
+    _check_blocks("moewire.kernels.fused_combine: H", hidden, row)
+    amax_t = _amax_tensor(row, amax, rows.device)
     if num_tokens == 0:
         return out
-    bh = tuning.block_h(fmt_name, hidden, block_h)
+    bh = tuning.block_h(row, hidden, block_h)
     grid = (num_tokens, _triton_mod().cdiv(hidden, bh))
     check = check_against is not None
     dummy = out
@@ -241,13 +244,15 @@ def fused_combine(
         calib_amax if calib_amax is not None else dummy,
         amax_t if amax_t is not None else dummy,
         hidden, rows.stride(0), rows.stride(1), topk_idx.stride(0), topk_idx.stride(1),
-        weights.stride(0) if weighted else 0, weights.stride(1) if weighted else 0,
-        out.stride(0), check_against.stride(0) if check else 0,
-        K=topk_idx.shape[1], SHARED=impl.SHARED_CODES[shared_position],
-        FMT=impl.FORMAT_CODES[fmt_name], HAS_AMAX=amax_t is not None, WEIGHTED=weighted,
+        weights.stride(0) if weights is not None else 0,
+        weights.stride(1) if weights is not None else 0,
+        out.stride(0), check_against.stride(0) if check_against is not None else 0,
+        K=topk_idx.shape[1], SHARED=SHARED_POSITIONS.index(shared_position),
+        FMT=row.kernel_code, SPLIT=row.split_tile, HAS_AMAX=amax_t is not None,
+        WEIGHTED=weighted,
         CHECK=check, ACC_F32=accumulate == "fp32",
         CALIB=calib_amax is not None, BLOCK_H=bh, HW_CAST=rows.is_cuda,
-        UNROLL=tuning.unroll(fmt_name, topk_idx.shape[1], check) if unroll is None else unroll,
-        num_warps=tuning.num_warps(fmt_name, bh, num_warps), enable_fp_fusion=False,
+        UNROLL=tuning.unroll(row, topk_idx.shape[1], check) if unroll is None else unroll,
+        num_warps=tuning.num_warps(row, bh, num_warps), enable_fp_fusion=False,
     )
     return out

@@ -2,7 +2,8 @@
 
 Whether the kernels can run here (:func:`available`), which formats have one
 (:func:`supports`), and the argument checks the entry points share (device, format, amax,
-blocks). Imports Triton only when a kernel is launched.
+blocks). A format comes in as its row of ``moewire.format_table`` (``WireFormat.facts``) or
+as its name, looked up there. Imports Triton only when a kernel is launched.
 """
 
 from __future__ import annotations
@@ -13,37 +14,12 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["SHARED_POSITIONS", "SUPPORTED_FORMATS", "available", "supports"]
+from moewire.format_table import ACCUMULATE_MODES, FORMATS, SHARED_POSITIONS, FormatFacts, find
 
-SUPPORTED_FORMATS = (
-    "bf16",
-    "fp8",
-    "fp8_b128",
-    "fp8_b128_ue8m0",
-    "fp8_b32_ue8m0",
-    "mxfp8",
-    "mxfp4",
-    "nvfp4",
-    "nvfp4_token",
-    "deepgemm_fp8_combine",
-    "trtllm_32e4m3xe8m0",
-    "te_mxfp8",
-    "trtllm_16e2m1xbf16",
-    "fp8_e4m3fnuz",
-    "flashinfer_mxfp8",
-    "flashinfer_nvfp4",
-    "mori_fp8_blockwise_fnuz",
-    "mori_fp8_blockwise_ocp",
-    "mori_fp8_direct_cast_fnuz",
-    "mori_fp8_direct_cast_ocp",
-)
-# How a combine adds its dequantized rows: rounded to BF16 first (QDQ), or as FP32 values
-# (moewire.formats.ACCUMULATE_MODES; kernels import nothing above them, so it is repeated).
-ACCUMULATE_MODES = ("bf16", "fp32")
-# Where a fused shared row (stored at row ``k`` in every build) is added to the combine sum:
-# not at all, before the routed slots, or after them. The one definition; ``megamoe``
-# re-exports it.
-SHARED_POSITIONS = (None, "first", "last")
+__all__ = ["ACCUMULATE_MODES", "SHARED_POSITIONS", "SUPPORTED_FORMATS", "available", "supports"]
+
+#: The formats with a kernel: the rows of the format table with a ``kernel_code``.
+SUPPORTED_FORMATS = tuple(row.name for row in FORMATS.values() if row.kernel_code is not None)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _interpreting() -> bool:
@@ -61,9 +37,16 @@ def available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
-def supports(fmt_name: str) -> bool:
-    """True when a kernel exists for the wire format ``fmt_name`` (a registry name)."""
-    return fmt_name in SUPPORTED_FORMATS
+def _kernel_row(fmt: FormatFacts | str) -> FormatFacts | None:
+    """The row of ``fmt`` (a row, or a name looked up in the table) if it has a kernel."""
+    row = fmt if isinstance(fmt, FormatFacts) else find(fmt) if isinstance(fmt, str) else None
+    return row if row is not None and row.kernel_code is not None else None
+
+
+def supports(fmt: FormatFacts | str) -> bool:
+    """True when a kernel exists for the wire format ``fmt``: its row of
+    ``moewire.format_table`` (``WireFormat.facts``) or its registry name."""
+    return _kernel_row(fmt) is not None
 
 
 def _impl() -> ModuleType:
@@ -86,23 +69,27 @@ def _check_device(t: torch.Tensor, what: str) -> None:
     )
 
 
-def _check_format(fmt_name: str) -> None:
-    if not supports(fmt_name):
+def _check_format(fmt: FormatFacts | str) -> FormatFacts:
+    """The row of ``fmt``, refused unless it has a kernel."""
+    row = _kernel_row(fmt)
+    if row is None:
+        name = fmt.name if isinstance(fmt, FormatFacts) else fmt
         raise ValueError(
-            f"moewire.kernels: no kernel for wire format {fmt_name!r}; supported: "
+            f"moewire.kernels: no kernel for wire format {name!r}; supported: "
             f"{', '.join(SUPPORTED_FORMATS)} (use formats.get(name).reference for the others)"
         )
+    return row
 
 
 def _amax_tensor(
-    fmt_name: str, amax: torch.Tensor | float | None, device: torch.device
+    row: FormatFacts, amax: torch.Tensor | float | None, device: torch.device
 ) -> torch.Tensor | None:
     """The FP32 ``[1]`` amax on ``device`` for the per-tensor formats, else ``None``."""
-    if fmt_name not in _impl().NEEDS_AMAX:
+    if not row.needs_amax:
         return None
     if amax is None:
         raise ValueError(
-            f"moewire.kernels: format {fmt_name!r} needs an amax (its scale is global); pass "
+            f"moewire.kernels: format {row.name!r} needs an amax (its scale is global); pass "
             "the calibrated or constant FP32 amax tensor"
         )
     amax_t = torch.as_tensor(amax, dtype=torch.float32)
@@ -114,19 +101,19 @@ def _amax_tensor(
     return amax_t.reshape(1).to(device)
 
 
-def _check_blocks(what: str, hidden: int, fmt_name: str) -> None:
-    """``hidden`` holds whole blocks of the format (the kernel's own block table)."""
-    block = _impl().BLOCK_SIZES[fmt_name]
-    if hidden % block:
+def _check_blocks(what: str, hidden: int, row: FormatFacts) -> None:
+    """``hidden`` holds whole blocks of the format (its row's block)."""
+    if hidden % row.block:
         raise ValueError(
-            f"{what}={hidden} is not a multiple of {fmt_name}'s block size {block}"
+            f"{what}={hidden} is not a multiple of {row.name}'s block size {row.block}"
         )
 
 
 def _triton_mod() -> ModuleType:
     import triton
 
-    return triton
+    module: ModuleType = triton
+    return module
 
 
 def _desc(t: object) -> str:

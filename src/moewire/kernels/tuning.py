@@ -7,69 +7,65 @@ The defaults come from the tuning grids on the H200 (``benchmarks/kernel_variant
 
 from __future__ import annotations
 
+from moewire.format_table import FormatFacts, facts
+
 __all__ = ["block_h", "num_warps", "triton_next_pow2", "unroll"]
 
-# Columns per program: a power of two holding whole blocks of every format; nvfp4_token
-# takes the whole row (its global scale is the row's amax).
+# Columns per program: a power of two holding whole blocks of every format; a row-scaled
+# format (nvfp4_token) takes the whole row (its global scale is the row's amax).
 _BLOCK_H = 1024
-# The slot loop unrolled (static_range) or rolled: see unroll.
-_UNROLLED = frozenset({"bf16", "mxfp8", "mxfp4"})
-_UNROLLED_UP_TO_K8 = frozenset({"fp8", "fp8_b128", "fp8_b128_ue8m0", "fp8_b32_ue8m0",
-                                "deepgemm_fp8_combine", "trtllm_32e4m3xe8m0", "te_mxfp8",
-                                "fp8_e4m3fnuz", "flashinfer_mxfp8", "mori_fp8_blockwise_fnuz",
-                                "mori_fp8_blockwise_ocp", "mori_fp8_direct_cast_fnuz",
-                                "mori_fp8_direct_cast_ocp"})
-_UNROLLED_UNCHECKED_UP_TO_K8 = frozenset({"nvfp4", "trtllm_16e2m1xbf16", "flashinfer_nvfp4"})
 
 
-def unroll(fmt_name: str, k: int, check: bool) -> bool:
-    """Whether the combine kernel's slot loop is unrolled by default, from the tuning grid
-    of ``benchmarks/kernel_variants.py`` on the H200 (T = 8192, each shape at its default
+def unroll(fmt: FormatFacts | str, k: int, check: bool) -> bool:
+    """Whether the combine kernel's slot loop is unrolled by default: the format row's
+    ``unroll`` rule (``moewire.format_table.UNROLL_RULES``), from the tuning grid of
+    ``benchmarks/kernel_variants.py`` on the H200 (T = 8192, each shape at its default
     program size; benchmarks/results/h200-v5/: ``variants_*`` with the check, ``nochk_*``
     without). Unrolling overlaps more rows, rolling needs fewer registers:
 
-    - BF16, MXFP8, MXFP4 (:data:`_UNROLLED`): unrolled on every shape, or within 3%.
-    - The FP8 formats and the real kernels' combine formats (:data:`_UNROLLED_UP_TO_K8`;
-      the latter, and ``fp8_e4m3fnuz``, not tuned separately: they share the FP8 formats'
-      shape): unrolled
-      up to k = 8 (FP8 with the
-      check 279 vs 296 us at 8 x 8192 x 7168), rolled at Kimi-K3's k = 16 (FP8 block 128
-      with the check 311 vs 335 us; within 1% without it).
-    - NVFP4 and the 16e2m1xbf16 combines (:data:`_UNROLLED_UNCHECKED_UP_TO_K8`; these
-      take NVFP4's split tile and its rule): with the check it holds the expected
-      tile and the unchecked sum besides, and unrolled it needs 116+ registers a thread
-      (8 programs an SM) where rolled takes 96 (10): rolled is faster (395 vs 425 us at
-      8 x 8192 x 7168, 364 vs 452 at k = 16, within 1% at k = 6). Without the check it is
-      unrolled up to k = 8 (366 vs 383 us; V4-Pro 266 vs 294) and rolled at k = 16 (372 vs
-      423 us).
-    - nvfp4_token: rolled (whole-row programs: registers, compile time).
+    - ``always``, BF16, MXFP8, MXFP4: unrolled on every shape, or within 3%.
+    - ``up_to_k8``, the FP8 formats and the real kernels' FP8 combine formats (the latter,
+      and ``fp8_e4m3fnuz``, not tuned separately: they share the FP8 formats' shape):
+      unrolled up to k = 8 (FP8 with the check 279 vs 296 us at 8 x 8192 x 7168), rolled at
+      Kimi-K3's k = 16 (FP8 block 128 with the check 311 vs 335 us; within 1% without it).
+    - ``unchecked_up_to_k8``, NVFP4 and the 16e2m1xbf16 combines (these take NVFP4's split
+      tile and its rule): with the check it holds the expected tile and the unchecked sum
+      besides, and unrolled it needs 116+ registers a thread (8 programs an SM) where
+      rolled takes 96 (10): rolled is faster (395 vs 425 us at 8 x 8192 x 7168, 364 vs
+      452 at k = 16, within 1% at k = 6). Without the check it is unrolled up to k = 8
+      (366 vs 383 us; V4-Pro 266 vs 294) and rolled at k = 16 (372 vs 423 us).
+    - ``never``, nvfp4_token: rolled (whole-row programs: registers, compile time).
+
+    Args:
+        fmt: the format's row of ``moewire.format_table`` or its name.
+        k: routed slots per token.
+        check: whether the layout check runs in the same pass.
     """
-    if fmt_name in _UNROLLED_UNCHECKED_UP_TO_K8:
+    rule = facts(fmt).unroll
+    if rule == "unchecked_up_to_k8":
         return not check and k <= 8
-    if fmt_name in _UNROLLED_UP_TO_K8:
+    if rule == "up_to_k8":
         return k <= 8
-    return fmt_name in _UNROLLED
-# Formats whose program holds whole 16-element blocks per thread (the kernels' ``SPLIT``:
-# the two halves of each block loaded apart and joined; see ``_triton._tile_cols``), so
-# one thread per 16 columns.
-_SPLIT = frozenset({"nvfp4", "nvfp4_token", "trtllm_16e2m1xbf16", "flashinfer_nvfp4"})
+    return rule == "always"
 
 
-def num_warps(fmt_name: str, block_h: int, num_warps: int | None) -> int:
+def num_warps(fmt: FormatFacts | str, block_h: int, num_warps: int | None) -> int:
     """Warps per program: 8 columns per thread (at most 16 warps; a 128-column program
-    gets one warp); the split formats (:data:`_SPLIT`) one 16-element block per thread."""
+    gets one warp); a format with the split tile (its row's ``split_tile``) one 16-element
+    block per thread."""
     if num_warps:
         return num_warps
-    if fmt_name in _SPLIT:
+    if facts(fmt).split_tile:
         return max(1, min(16, block_h // 512))
     return max(1, min(16, block_h // 256))
 
 
-def block_h(fmt_name: str, hidden: int, block_h: int | None, *,
+def block_h(fmt: FormatFacts | str, hidden: int, block_h: int | None, *,
             pad_least: bool = True) -> int:
-    """Columns per program: ``block_h`` if given; else the whole row (``nvfp4_token``, or a
-    row shorter than 1024 columns); else 1024, or with ``pad_least`` (the combine) of 1024,
-    512 and 256 the one that pads the row's last program least, the larger on a tie.
+    """Columns per program: ``block_h`` if given; else the whole row (a row-scaled format,
+    ``nvfp4_token``: its row's ``whole_row``; or a row shorter than 1024 columns); else
+    1024, or with ``pad_least`` (the combine) of 1024, 512 and 256 the one that pads the
+    row's last program least, the larger on a tie.
 
     The combine takes ``pad_least``: at H = 3584 (Kimi-K3) seven full 512-column programs
     beat four 1024-column ones whose last is half empty but still runs the slot loop. The
@@ -77,7 +73,7 @@ def block_h(fmt_name: str, hidden: int, block_h: int | None, *,
     than 1024 at H = 3584 on the H200 (36.2 vs 30.5 us for FP8 at T = 8192, every format
     alike; ``benchmarks/results/h200-v5/qdq_block_grid.log``)."""
     whole_row = triton_next_pow2(hidden)
-    if fmt_name == "nvfp4_token":
+    if facts(fmt).whole_row:
         return whole_row
     if block_h is not None:
         return min(block_h, whole_row)

@@ -86,24 +86,25 @@ def _fused_combine(
 ) -> bool:
     """Run ``moewire.kernels.fused_combine`` when it supports this call; True if it ran.
 
-    The Triton kernel takes a format name and an FP32 device amax (or ``None``); it runs
-    for a quantizer in quantize mode (``row_quantizer.mode == "quantize"``, its format in
-    ``row_quantizer.fmt``, its amax in ``row_quantizer.static_amax``) on CUDA, when
-    ``kernels.available()`` and ``kernels.supports(fmt.name)``, for every shared position
+    The Triton kernel takes the format's row of the format table (``fmt.facts``) and an FP32
+    device amax (or ``None``); it runs for a quantizer in quantize mode
+    (``row_quantizer.mode == "quantize"``, its format in ``row_quantizer.fmt``, its amax in
+    ``row_quantizer.static_amax``) on CUDA, when ``kernels.available()`` and
+    ``kernels.supports(fmt.facts)``, for every shared position
     and for weighted sums. Everything else (CPU, plain callables, unsupported formats) takes
     the torch path below, which is the definition the kernel is tested against.
     """
     if not rows.is_cuda or getattr(row_quantizer, "mode", None) != "quantize":
         return False
     fmt = getattr(row_quantizer, "fmt", None)
-    if fmt is None:
+    if fmt is None or fmt.facts is None:
         return False
-    if not kernels.available() or not kernels.supports(fmt.name):
+    if not kernels.available() or not kernels.supports(fmt.facts):
         return False
     # The kernel takes an amax for global-scale formats only (fp8, nvfp4).
     amax = row_quantizer.static_amax if fmt.needs_amax else None
     kernels.fused_combine(
-        rows, topk_idx, num_tokens, out, fmt.name, amax, shared_position, weights=weights,
+        rows, topk_idx, num_tokens, out, fmt.facts, amax, shared_position, weights=weights,
         accumulate=accumulate,
     )
     return True
