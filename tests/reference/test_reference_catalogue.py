@@ -70,3 +70,13 @@ def test_the_choosers_read_the_catalogue():
     assert sites.MMA_TYPES == ("fp8xfp4", "nvfp4xnvfp4", "mxf4xmxf4")
     assert catalogue.mma_types(user="transformers") == (
         "bf16xbf16", "fp8xfp4", "fp4xfp4", "fp8xfp8")
+
+
+def test_from_dense_reaches_a_real_kernels_own_form():
+    # The SM90 kernel's module registers its forms on import; its weight cast refuses shapes
+    # off its 128-wide blocks before it needs DeepGEMM's package.
+    from moewire.integrations import deepgemm_sm90  # noqa: F401
+
+    with pytest.raises(ValueError, match=r"quantize_weights: H=192 and I=128 must be multiples"):
+        from_dense(torch.zeros(1, 256, 192), torch.zeros(1, 192, 128), "fp8xfp8",
+                   kernel=catalogue.SM90)

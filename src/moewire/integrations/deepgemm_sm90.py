@@ -39,7 +39,8 @@ Its experts adapter (:func:`register_sm90_experts`, :func:`symm_buffer_of`) sits
 stand-in's in ``moewire.megamoe.deepgemm_experts``; both are re-exported here.
 
 May import: the standard library, torch, ``moewire.megamoe.deepgemm_experts`` and
-``moewire.reference._ep_experts`` (the experts forward).
+``moewire.reference`` (the experts forward, the catalogue of builds, ``from_dense``'s form
+registry, the weights holder).
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ from moewire.megamoe.deepgemm_experts import (
     register_sm90_experts,
     symm_buffer_of,
 )
+from moewire.reference import catalogue
 from moewire.reference._ep_experts import MegaMoEForward
+from moewire.reference.dense import register_form
+from moewire.reference.weights import MegaMoEWeights
 
 __all__ = [
     "DEBUG_ENV",
@@ -325,6 +329,18 @@ def quantize_weights(
     w1 = tuple(torch.cat([p[i] for p in parts1]) for i in (0, 1))
     w2 = tuple(torch.cat([p[i] for p in parts2]) for i in (0, 1))
     return getattr(deep_gemm, KERNELS[kernel][1])(w1, w2)
+
+
+def _from_dense(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> MegaMoEWeights:
+    """``from_dense`` for this kernel: BF16, then :func:`quantize_weights` for the catalogue
+    row's kernel function (its raw weights are not kept)."""
+    function = catalogue.build(catalogue.SM90, mma_type).function
+    l1, l2 = quantize_weights(w1.bfloat16(), w2.bfloat16(), function)
+    return MegaMoEWeights(tuple(range(w1.shape[0])), mma_type, l1, l2, None, None)
+
+
+for _row in catalogue.builds(catalogue.SM90):
+    register_form(catalogue.SM90, _row.weights, _from_dense)
 
 
 # -- the experts module -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Dense expert weights in the form a stand-in build reads: :func:`from_dense`, the one
+"""Dense expert weights in the form a kernel build reads: :func:`from_dense`, the one
 conversion the study (``moewire study --weights``) and the transformers integration
-(``prepare``) share.
+(``prepare``) share. A real kernel's module registers its own forms (:func:`register_form`).
 
 Each weight form of ``moewire.reference.catalogue.WEIGHT_FORMS`` that the stand-in runs has
 one function here, then DeepGEMM's layout transform
@@ -37,7 +37,7 @@ from moewire.reference.fp4_fp4.weights import FP4MegaMoEWeights, quantize_expert
 from moewire.reference.nvfp4.weights import NVFP4MegaMoEWeights, quantize_nvfp4_weight
 from moewire.reference.weights import MegaMoEWeights
 
-__all__ = ["from_dense", "kernel_kwargs"]
+__all__ = ["from_dense", "kernel_kwargs", "register_form"]
 
 Weights = MegaMoEWeights | NVFP4MegaMoEWeights | FP4MegaMoEWeights
 
@@ -70,33 +70,55 @@ def _nvfp4_modelopt(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> FP4Meg
                              a1.to(w1.device), a2.to(w1.device))
 
 
-#: Weight form (``catalogue.WEIGHT_FORMS``) -> its conversion.
-_FORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, str], Any]] = {
-    "bf16": _bf16,
-    "fp4-ue8m0": _fp4_ue8m0,
-    "nvfp4-vllm": _nvfp4_vllm,
-    "nvfp4-modelopt": _nvfp4_modelopt,
+Form = Callable[[torch.Tensor, torch.Tensor, str], Any]
+
+#: (kernel, weight form of ``catalogue.WEIGHT_FORMS``) -> its conversion. A real kernel's
+#: module adds its own (:func:`register_form`): its weights need its package's transform.
+_FORMS: dict[tuple[str, str], Form] = {
+    (STAND_IN, "bf16"): _bf16,
+    (STAND_IN, "fp4-ue8m0"): _fp4_ue8m0,
+    (STAND_IN, "nvfp4-vllm"): _nvfp4_vllm,
+    (STAND_IN, "nvfp4-modelopt"): _nvfp4_modelopt,
 }
 
 
-def from_dense(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> Weights:
-    """Dense expert weights in the form the stand-in's ``mma_type`` build reads.
+def register_form(kernel: str, form: str, convert: Form) -> None:
+    """Make ``convert(w1, w2, mma_type)`` the conversion of ``kernel``'s weight form ``form``
+    (``moewire.integrations.deepgemm_sm90`` registers the real SM90 kernel's)."""
+    _FORMS[(kernel, form)] = convert
+
+
+def from_dense(w1: torch.Tensor, w2: torch.Tensor, mma_type: str,
+               kernel: str = STAND_IN) -> Weights:
+    """Dense expert weights in the form ``kernel``'s ``mma_type`` build reads.
 
     Args:
         w1: ``[E, 2I, H]`` rows ``[gate | up]``; w2: ``[E, H, I]``; any float dtype.
-        mma_type: a stand-in MMA type of ``moewire.reference.catalogue`` (``"bf16xbf16"``,
-            ``"fp8xfp4"``, ``"fp4xfp4"``, ``"nvfp4"``).
+        mma_type: an MMA type of ``kernel`` in ``moewire.reference.catalogue`` (the
+            stand-in's ``"bf16xbf16"``, ``"fp8xfp4"``, ``"fp4xfp4"``, ``"nvfp4"``).
+        kernel: ``"stand-in"`` (the default) or a real kernel whose module registered its
+            form (``"deepgemm-sm90"``).
 
     Returns:
-        The weights holder of the build's experts module, for experts ``0..E-1``:
-        :class:`~moewire.reference.weights.MegaMoEWeights`, ``NVFP4MegaMoEWeights`` or
-        ``FP4MegaMoEWeights`` (:func:`kernel_kwargs` gives its further kernel keywords).
+        The weights holder of the build, for experts ``0..E-1``:
+        :class:`~moewire.reference.weights.MegaMoEWeights` (a real kernel's weights too),
+        ``NVFP4MegaMoEWeights`` or ``FP4MegaMoEWeights`` (:func:`kernel_kwargs` gives their
+        further kernel keywords).
 
     Raises:
-        ValueError: ``mma_type`` is no stand-in build (the message lists them).
+        ValueError: ``kernel`` has no such build (the message lists its builds), or the
+            weights do not fit the build (the kernel's message).
+        RuntimeError: the build's form is a real kernel's whose module was not imported.
     """
-    row = build(STAND_IN, mma_type)
-    return _FORMS[row.weights](w1, w2, mma_type)
+    row = build(kernel, mma_type)
+    convert = _FORMS.get((kernel, row.weights))
+    if convert is None:
+        raise RuntimeError(
+            f"from_dense: the {row.weights!r} weights of kernel {kernel!r} are made by the "
+            "kernel's own module, which is not imported; import it first (for deepgemm-sm90: "
+            "moewire.integrations.deepgemm_sm90)"
+        )
+    return convert(w1, w2, mma_type)
 
 
 def kernel_kwargs(weights: Weights) -> dict[str, Any]:

@@ -169,7 +169,7 @@ def _sm90_form(module: nn.Module, l1: torch.Tensor, l2: torch.Tensor, top_k: int
             "Hopper GPU before prepare(kernel='deepgemm-sm90')"
         )
     try:
-        weights = sm90.quantize_weights(l1.bfloat16(), l2.bfloat16(), "fp8_mega_moe")
+        weights = from_dense(l1, l2, "fp8xfp8", kernel=catalogue.SM90)
     except ValueError as exc:
         raise ValueError(
             f"{_where(module)}: the deepgemm-sm90 build cannot take these experts ({exc}); "
@@ -182,7 +182,7 @@ def _sm90_form(module: nn.Module, l1: torch.Tensor, l2: torch.Tensor, top_k: int
     buffer = sm90.deep_gemm.get_symm_buffer_for_sm90_mega_moe(
         group, num_experts * ranks, max_num_tokens, top_k, hidden, two_i // 2
     )
-    return buffer, *weights, group
+    return buffer, weights.l1, weights.l2, group
 
 
 def _build_state(module: nn.Module, mma_type: str | None, max_num_tokens: int,
