@@ -31,6 +31,7 @@ endif
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/mypy
 	@echo "make test: the CPU suite in random order, seed $(SEED) (replay: make test SEED=$(SEED))"
 	$(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED)
 
@@ -54,8 +55,10 @@ $(DEMO_VENV)/.installed: pyproject.toml
 demo: $(DEMO_VENV)/.installed
 	$(DEMO_VENV)/bin/moewire study --budget 0.05
 
+# ruff, then mypy over src/moewire ([tool.mypy] in pyproject.toml says what is strict).
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/mypy
 
 # Curated mutation check (README "Development"): each mutant of a critical spot
 # (scripts/mutants.toml) is applied in a scratch copy and must fail its tests.

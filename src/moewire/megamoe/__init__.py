@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 # Eager, and bound after the import: importing the submodule ``moewire.megamoe.resum`` sets
 # the package attribute ``resum`` to the submodule; this rebinding makes
@@ -44,7 +45,7 @@ _LAZY = {
 __all__ = sorted([*_LAZY, "resum", "flavours"])
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Lazy: integrations import the registry alone, without the quantizer stack.
     if name in _LAZY:
         module, attr = _LAZY[name]

@@ -21,7 +21,13 @@ from moewire.megamoe.convert import (
     refuse_unconvert,
     unconvert,
 )
-from moewire.megamoe.quant_experts import QUANTIZER_NAMES, amax_rows, kernel_rows, set_amax_rows
+from moewire.megamoe.quant_experts import (
+    QUANTIZER_NAMES,
+    QuantExperts,
+    amax_rows,
+    kernel_rows,
+    set_amax_rows,
+)
 from moewire.megamoe.registry import adapter_for, registered_classes
 from moewire.megamoe.scales_file import (
     LAYER_KEYS,
@@ -76,7 +82,7 @@ def _qualified(module_name: str, attr: str) -> str:
     return f"{module_name}.{attr}" if module_name else attr
 
 
-def quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module, WireQuantizerLike]]:
+def quantizers(model: nn.Module) -> Iterator[tuple[str, QuantExperts, WireQuantizerLike]]:
     """``(qualified name, experts module, quantizer)`` for every dispatch/combine quantizer
     of the model's converted experts modules, in module order."""
     for name, module in _experts_modules(model):
@@ -381,7 +387,7 @@ def layer_shape(module: nn.Module) -> dict[str, int] | None:
     """``{"num_experts", "hidden", "top_k"}`` of an experts module, as a scales file records
     it, or ``None`` when the module does not carry them (DeepGEMM's and the stand-in's
     experts do: ``num_experts``, ``hidden``, ``top_k``)."""
-    values = [getattr(module, key, None) for key in LAYER_KEYS]
+    values: list[Any] = [getattr(module, key, None) for key in LAYER_KEYS]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         return None
     return dict(zip(LAYER_KEYS, values, strict=True))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -75,6 +75,7 @@ def _rebuild_quant(cls: type) -> nn.Module:
             "moewire's vLLM plugin) before torch.load"
         )
     install_proxies(adapter)
+    module: QuantExperts  # object.__new__ of a generated class: pickle restores the rest
     module = object.__new__(_quant_class(cls))
     _CONVERTED.add(module)
     return module
@@ -86,7 +87,7 @@ def _module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def is_converted(module: nn.Module) -> bool:
+def is_converted(module: nn.Module) -> TypeGuard[QuantExperts]:
     """Whether ``module`` is a moewire-quantized experts module."""
     return isinstance(module, QuantExperts)
 
@@ -138,6 +139,7 @@ def convert(
         module.__dict__[_FOREIGN] = True
     for attr in QUANTIZER_NAMES:
         label = f"{name or original}.{attr}"
+        quantizer: nn.Module
         if make_quantizer is None:
             quantizer = WireQuantizer(enable=False, name=label).to(device)
         else:

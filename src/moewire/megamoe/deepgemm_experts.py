@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
 from moewire.megamoe.flavours import detect
 from moewire.megamoe.registry import ExpertsAdapter, register_experts_class
 from moewire.reference import deep_gemm, fp4_fp4
+from moewire.reference._ep_experts import EPExperts
 from moewire.reference.experts import MegaMoEExperts
 from moewire.reference.fp4_fp4.experts import FP4MegaMoEExperts
 from moewire.reference.nvfp4.experts import NVFP4MegaMoEExperts
@@ -51,6 +52,11 @@ DEBUG_ENV = "DG_COMM_KERNEL_DEBUG"
 # -- the stand-in -----------------------------------------------------------------------------
 
 
+def _stand_in(module: nn.Module) -> EPExperts:
+    # This adapter is registered for the stand-in's experts classes only (EPExperts's).
+    return cast(EPExperts, module)
+
+
 def stand_in_adapter(name: str, forward_module: str, stage_fn: str,
                      **extra: Any) -> ExpertsAdapter:
     """The adapter of a stand-in experts class: its buffer, fused-shared setting and EP group
@@ -65,9 +71,9 @@ def stand_in_adapter(name: str, forward_module: str, stage_fn: str,
         stage_fn=stage_fn,
         stage_hidden_arg=0,
         kernel_ns="deep_gemm",
-        get_symm_buffer=lambda m: m.get_symm_buffer(),
-        fused_shared=lambda m: m.fused_shared,
-        ep_group=lambda m: m.ep_group,
+        get_symm_buffer=lambda m: _stand_in(m).get_symm_buffer(),
+        fused_shared=lambda m: _stand_in(m).fused_shared,
+        ep_group=lambda m: _stand_in(m).ep_group,
         **extra,
     )
 

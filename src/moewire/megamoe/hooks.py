@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import importlib
 import types
+import typing
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -41,20 +42,26 @@ from moewire.megamoe.registry import ExpertsAdapter, stage_fn_names
 __all__ = ["hook_module", "install_proxies"]
 
 
+def _running() -> QuantExperts | None:
+    """The quantized module whose forward is running (only ``QuantExperts.moewire_run`` sets
+    ``ACTIVE``), or ``None``."""
+    return typing.cast("QuantExperts | None", ACTIVE.get())
+
+
 # -- proxies on the forward module's globals ------------------------------------------------
 
 
 class _StagingProxy:
     """Stands in for the staging function; defers to the active quantized module, if any."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self._moewire_original = fn
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "staging")
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = ACTIVE.get()
+        module = _running()
         if module is None:
             return self._moewire_original(*args, **kwargs)
         _refuse_second_staging(module, self.__name__)
@@ -143,7 +150,7 @@ def _refusal(module: QuantExperts, name: str) -> str | None:
     return flavour.refused.get(name, _flavours.UNSUPPORTED_KERNELS[name])
 
 
-def _refuse_kernel(fn: Callable, name: str) -> Callable:
+def _refuse_kernel(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """A kernel some build refuses (``flavours.UNSUPPORTED_KERNELS``): refused inside a
     quantized forward whose quantizers are not all disabled when the module's own build
     refuses it (:func:`_refusal`), else the combine hook of :func:`_wrap_kernel` where a
@@ -151,7 +158,7 @@ def _refuse_kernel(fn: Callable, name: str) -> Callable:
     wrapped = _wrap_kernel(fn, name) if name in _flavours.kernel_functions() else fn
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        module = ACTIVE.get()
+        module = _running()
         if module is not None and any(
             getattr(module, q).mode != "disabled" for q in QUANTIZER_NAMES
         ):
@@ -165,13 +172,13 @@ def _refuse_kernel(fn: Callable, name: str) -> Callable:
         return wrapped(*args, **kwargs)
 
     kernel.__name__ = getattr(fn, "__name__", name)
-    kernel.__wrapped__ = fn
+    kernel.__wrapped__ = fn  # type: ignore[attr-defined]
     return kernel
 
 
-def _wrap_kernel(fn: Callable, name: str) -> Callable:
+def _wrap_kernel(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        module = ACTIVE.get()
+        module = _running()
         if module is None:
             return fn(*args, **kwargs)
         reached("kernel")
@@ -194,11 +201,11 @@ def _wrap_kernel(fn: Callable, name: str) -> Callable:
 
     kernel.__name__ = getattr(fn, "__name__", name)
     kernel.__doc__ = getattr(fn, "__doc__", None)
-    kernel.__wrapped__ = fn
+    kernel.__wrapped__ = fn  # type: ignore[attr-defined]
     return kernel
 
 
-def _stages_tokens(module: QuantExperts, x: Any) -> bool:
+def _stages_tokens(x: Any, module: QuantExperts) -> TypeGuard[torch.Tensor]:
     """Whether a cast's input is the layer's tokens: ``[T, H]`` with ``H`` the experts'
     hidden size (the buffer's ``hidden``, else the width of its staged ``x``)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -207,10 +214,10 @@ def _stages_tokens(module: QuantExperts, x: Any) -> bool:
     hidden = getattr(symm_buffer, "hidden", None)
     if hidden is None:
         hidden = symm_buffer.x.shape[-1]
-    return x.shape[1] == hidden
+    return bool(x.shape[1] == hidden)
 
 
-def _wrap_cast(fn: Callable, name: str) -> Callable:
+def _wrap_cast(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """DeepGEMM's per-token cast as a staging hook, for a forward that stages inline.
 
     Inside a quantized forward whose dispatch quantizer is not disabled, the first call
@@ -226,7 +233,7 @@ def _wrap_cast(fn: Callable, name: str) -> Callable:
     """
 
     def cast(*args: Any, **kwargs: Any) -> Any:
-        module = ACTIVE.get()
+        module = _running()
         if (
             module is None
             or IN_STAGING_CALL.get()
@@ -234,7 +241,7 @@ def _wrap_cast(fn: Callable, name: str) -> Callable:
         ):
             return fn(*args, **kwargs)
         x = args[0] if args else kwargs.get("x")
-        if not _stages_tokens(module, x):
+        if not _stages_tokens(x, module):
             return fn(*args, **kwargs)
         _refuse_second_staging(module, name)
         seen = REACHED.get() or set()
@@ -259,7 +266,7 @@ def _wrap_cast(fn: Callable, name: str) -> Callable:
 
     cast.__name__ = getattr(fn, "__name__", name)
     cast.__doc__ = getattr(fn, "__doc__", None)
-    cast.__wrapped__ = fn
+    cast.__wrapped__ = fn  # type: ignore[attr-defined]
     return cast
 
 
@@ -296,7 +303,7 @@ class _HookedModule(types.ModuleType):
 
 # A hooked module object's wrapped functions, on the module's life: (function, wrapper) by
 # name, so a function replaced on the module (a test's monkeypatch) is wrapped again.
-_Wrapped = dict[str, tuple[Callable, Callable]]
+_Wrapped = dict[str, tuple[Callable[..., Any], Callable[..., Any]]]
 _MODULE_WRAPPED: weakref.WeakKeyDictionary[types.ModuleType, _Wrapped] = weakref.WeakKeyDictionary()
 
 

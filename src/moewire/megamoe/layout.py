@@ -160,7 +160,8 @@ def dequantize_fp8_rows(q: torch.Tensor, sf: torch.Tensor, num_tokens: int) -> t
     """
     values = q[:, :num_tokens].double().unflatten(-1, (-1, FP8_COMBINE_TILE))
     scale = torch.pow(2.0, sf[:, :num_tokens].double() - 127).unsqueeze(-1)
-    return (values * scale).flatten(-2).float()
+    rows: torch.Tensor = (values * scale).flatten(-2).float()
+    return rows
 
 
 def _region(

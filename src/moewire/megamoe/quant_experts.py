@@ -30,7 +30,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -53,6 +53,7 @@ from moewire.megamoe.layout import (
     holds_fp8_combine,
 )
 from moewire.megamoe.registry import ExpertsAdapter, adapter_for, stage_fn_names
+from moewire.quantizer.contract import WireQuantizerModule
 
 __all__ = [
     "FUSION_SWITCH",
@@ -73,21 +74,25 @@ STATE_KEYS = (
     "_moewire_adapter_", "_moewire_name_", "_moewire_kernel_rows_", "_moewire_amax_rows_"
 )
 
+# A call's positional and keyword arguments, as a hook receives and rebuilds them.
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+
 
 def _locate_hidden(
-    fn: Callable, args: tuple, kwargs: dict, where: int | str, name: str
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[tuple, dict]]]:
+    fn: Callable[..., Any], args: Args, kwargs: Kwargs, where: int | str, name: str
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Args, Kwargs]]]:
     """Find ``hidden_states`` in a staging call; returns it and a function that rebuilds
     the call's ``(args, kwargs)`` with a replacement."""
     if isinstance(where, int) and len(args) > where:
 
-        def put_positional(value: torch.Tensor) -> tuple[tuple, dict]:
+        def put_positional(value: torch.Tensor) -> tuple[Args, Kwargs]:
             return args[:where] + (value,) + args[where + 1 :], kwargs
 
         return args[where], put_positional
     if isinstance(where, str) and where in kwargs:
 
-        def put_keyword(value: torch.Tensor) -> tuple[tuple, dict]:
+        def put_keyword(value: torch.Tensor) -> tuple[Args, Kwargs]:
             return args, {**kwargs, where: value}
 
         return kwargs[where], put_keyword
@@ -108,7 +113,14 @@ def _locate_hidden(
 
 
 
-class QuantExperts:
+if TYPE_CHECKING:
+    # The mixin is only ever first in the MRO of an experts nn.Module (Quant<Cls>).
+    _ExpertsModule = nn.Module
+else:
+    _ExpertsModule = object
+
+
+class QuantExperts(_ExpertsModule):
     """Mixin of the generated ``Quant<Cls>`` classes (first in their MRO).
 
     Needs two submodules, ``dispatch_quantizer`` and ``combine_quantizer``, with the
@@ -121,8 +133,8 @@ class QuantExperts:
     """
 
     _moewire_quant_class = True
-    dispatch_quantizer: nn.Module
-    combine_quantizer: nn.Module
+    dispatch_quantizer: WireQuantizerModule
+    combine_quantizer: WireQuantizerModule
 
     @property
     def _moewire_adapter(self) -> ExpertsAdapter:
@@ -144,7 +156,7 @@ class QuantExperts:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.moewire_run(super().forward, *args, **kwargs)
 
-    def moewire_run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    def moewire_run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` as this module's Mega-MoE forward: hooks active,
         then the fail-closed check of :meth:`forward`.
 
@@ -199,7 +211,7 @@ class QuantExperts:
                 f"{original_class(type(self)).__qualname__}: {refusal}"
             )
 
-    def _moewire_stage_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _moewire_stage_forward(self, args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
         """The staging hook of a forward that stages with a plain copy (the adapter's
         ``forward_dispatch``): the tokens' argument of this forward becomes
         ``dispatch_quantizer(tokens)``, out of place (calibrating: collected at the kernel
@@ -211,7 +223,7 @@ class QuantExperts:
         if where is None:
             return args, kwargs
 
-        def rebuild(*a: Any, **k: Any) -> tuple[tuple, dict]:
+        def rebuild(*a: Any, **k: Any) -> tuple[Args, Kwargs]:
             return a, k
 
         rebuild.__signature__ = inspect.signature(super().forward)  # type: ignore[attr-defined]
@@ -219,7 +231,10 @@ class QuantExperts:
         # check, the plain-copy mark so a staging call or cast in the same forward refuses
         # (the tokens are quantized already).
         REACHED.get().update(("staging", PLAIN_COPY_HOOK))  # type: ignore[union-attr]
-        return self._moewire_stage(rebuild, args, kwargs, cast="plain copy", where=where)
+        staged: tuple[Args, Kwargs] = self._moewire_stage(
+            rebuild, args, kwargs, cast="plain copy", where=where
+        )
+        return staged
 
     def _moewire_require_hooks(self, reached: set[str]) -> None:
         """Fail closed: an enabled quantizer whose hook the forward never reached.
@@ -263,9 +278,9 @@ class QuantExperts:
 
     def _moewire_stage(
         self,
-        fn: Callable,
-        args: tuple,
-        kwargs: dict,
+        fn: Callable[..., Any],
+        args: Args,
+        kwargs: Kwargs,
         cast: str | None = None,
         where: int | str | None = None,
     ) -> Any:
@@ -311,7 +326,7 @@ class QuantExperts:
         return fn(*args, **kwargs)
 
     def _moewire_stage_for_shared_pass(
-        self, fn: Callable, args: tuple, kwargs: dict, quantized: tuple[tuple, dict]
+        self, fn: Callable[..., Any], args: Args, kwargs: Kwargs, quantized: tuple[Args, Kwargs]
     ) -> Any:
         """Stage a forward whose kernel fuses a shared expert, with the dispatch quantizer
         quantizing: now the original tokens with every routed slot invalid (``topk_ids`` all
@@ -343,7 +358,7 @@ class QuantExperts:
         return result
 
     def _moewire_shared_pass(
-        self, kernel_fn: Callable, args: tuple, kwargs: dict, kernel: str
+        self, kernel_fn: Callable[..., Any], args: Args, kwargs: Kwargs, kernel: str
     ) -> torch.Tensor | None:
         """At the kernel call of a forward that owes a quantized staging (a fused shared
         expert, the dispatch quantizer quantizing): the shared expert's own launch, then the
@@ -444,7 +459,7 @@ class QuantExperts:
         y: torch.Tensor,
         staged: tuple[torch.Tensor, torch.Tensor],
         kernel: str,
-        call_args: tuple[Callable, tuple, dict] | None = None,
+        call_args: tuple[Callable[..., Any], Args, Kwargs] | None = None,
         shared_row: torch.Tensor | None = None,
     ) -> None:
         """Check, then calibrate or re-sum the combine rows into ``y``.
@@ -545,7 +560,7 @@ def _routed_scale(
     name: str,
     layout: Any,
     kernel: str,
-    call_args: tuple[Callable, tuple, dict] | None,
+    call_args: tuple[Callable[..., Any], Args, Kwargs] | None,
     fused: bool,
 ) -> float | None:
     """The factor of a layout's ``routed_scale`` step for this kernel call (its keyword
@@ -559,6 +574,8 @@ def _routed_scale(
         value = kwargs[arg]
     else:
         try:
+            if fn is None:  # no call to read it from
+                raise TypeError(kernel)
             bound = inspect.signature(fn).bind_partial(*args, **kwargs)
             bound.apply_defaults()
             value = bound.arguments[arg]
@@ -600,7 +617,9 @@ def set_amax_rows(module: nn.Module, kind: str | None) -> None:
 
 
 
-def _on_device(quantizer: nn.Module, device: torch.device, name: str, which: str) -> None:
+def _on_device(
+    quantizer: WireQuantizerModule, device: torch.device, name: str, which: str
+) -> None:
     """Keep the quantizer's state where the data is: moved eagerly, refused mid-capture."""
     state = [t for t in (quantizer.static_amax, *quantizer.buffers()) if t is not None]
     if all(t.device == device for t in state):
@@ -626,7 +645,7 @@ def original_class(quant: type) -> type:
     Raises:
         TypeError: ``quant`` is not a class generated by moewire's ``convert``.
     """
-    cls = quant.__dict__.get("_moewire_original_class")
+    cls: type | None = quant.__dict__.get("_moewire_original_class")
     if cls is None:
         raise TypeError(f"{quant.__qualname__} is not a class generated by moewire's convert")
     return cls

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from moewire import formats, kernels
-from moewire.quantizer import WireQuantizer
+from moewire.quantizer import WireQuantizer, WireQuantizerLike
 
 __all__ = ["SHARED_POSITIONS", "resum"]
 
@@ -101,6 +102,8 @@ def _fused_combine(
         return False
     if not kernels.available() or not kernels.supports(fmt.facts):
         return False
+    # In quantize mode the row quantizer is a wire quantizer, not a plain callable.
+    row_quantizer = cast(WireQuantizerLike, row_quantizer)
     # The kernel takes an amax for global-scale formats only (fp8, nvfp4).
     amax = row_quantizer.static_amax if fmt.needs_amax else None
     kernels.fused_combine(

@@ -66,7 +66,7 @@ class Scale(NamedTuple):
     layer: Mapping[str, int] | None = None
 
 
-def scales_path(path: Any, caller: str) -> Path:
+def scales_path(path: object, caller: str) -> Path:
     """``path`` as a :class:`~pathlib.Path`; ``caller`` names the call in the error.
 
     Raises:
@@ -147,7 +147,8 @@ def _check_version(path: Path, version: Any) -> int:
     if isinstance(version, bool) or version not in _READS:
         raise _bad(path, f"version is {version!r}, and this moewire reads versions "
                          f"{', '.join(map(str, _READS))}")
-    return version
+    checked: int = version
+    return checked
 
 
 def _check_layer(path: Path, name: str, entry: Mapping[str, Any], version: int) -> None:

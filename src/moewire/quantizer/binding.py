@@ -16,13 +16,14 @@ May import: torch, ``moewire.formats`` and the package's own ``config``, ``state
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moewire import formats
 from moewire.quantizer.calibrate import QuantizerCalibration
 from moewire.quantizer.config import parse_cfg
+from moewire.quantizer.contract import WireQuantizerModule
 from moewire.quantizer.state import host_amax
 
 
@@ -247,3 +248,8 @@ class WireQuantizer(QuantizerCalibration):
         elif self.fmt.needs_amax:
             parts.append("amax=dynamic" if self.allow_dynamic else "amax=None, needs calibration")
         return ", ".join(parts)
+
+
+if TYPE_CHECKING:
+    # The type checker proves here that WireQuantizer keeps the contract it is used through.
+    _KEEPS_THE_CONTRACT: type[WireQuantizerModule] = WireQuantizer

@@ -22,11 +22,11 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
-from moewire.quantizer.contract import calibration, max_all_reduce
+from moewire.quantizer.contract import WireQuantizerLike, calibration, max_all_reduce
 from moewire.quantizer.state import QuantizerState
 
 _Calibrated = TypeVar("_Calibrated", bound="QuantizerCalibration")
@@ -128,7 +128,9 @@ class QuantizerCalibration(QuantizerState):
         Raises:
             RuntimeError: already calibrating (calibration does not nest).
         """
-        with calibration([(self, ())]):
+        # The whole quantizer (binding.WireQuantizer) keeps the contract; this layer alone
+        # lacks the format's members (fmt, __call__, is_static_scale).
+        with calibration([(cast(WireQuantizerLike, self), ())]):
             yield self
 
     def load_calib_amax(self) -> torch.Tensor | None:

@@ -175,22 +175,22 @@ def positive_amax(value: Any, key: tuple[Any, ...]) -> float:
         raise CfgError(
             f"{key[0]}={value!r} must be a number, e.g. constant_amax: 2688.0", key
         )
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
+    amax = float(value)
+    if not math.isfinite(amax) or amax <= 0:
         raise CfgError(
-            f"{key[0]}={value!r} must be finite and > 0 (2688.0 = 6 * 448 makes the NVFP4 "
+            f"{key[0]}={amax!r} must be finite and > 0 (2688.0 = 6 * 448 makes the NVFP4 "
             "global scale 1)",
             key,
         )
     # The amax is an FP32 buffer: a value FP32 rounds to inf or to 0 would be stored as
     # something else than what was asked for.
-    if not _FP32_TINY <= value <= _FP32_MAX:
+    if not _FP32_TINY <= amax <= _FP32_MAX:
         raise CfgError(
-            f"{key[0]}={value!r} is outside FP32's range [{_FP32_TINY:.4g}, {_FP32_MAX:.4g}] "
+            f"{key[0]}={amax!r} is outside FP32's range [{_FP32_TINY:.4g}, {_FP32_MAX:.4g}] "
             "(the amax is stored in FP32); give a value in that range, e.g. 2688.0",
             key,
         )
-    return value
+    return amax
 
 
 def _flag(cfg: Mapping[str, Any], key: str, default: bool) -> bool:

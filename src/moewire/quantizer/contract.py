@@ -20,7 +20,7 @@ import torch
 
 from moewire import formats
 
-__all__ = ["WireQuantizerLike", "calibration", "max_all_reduce"]
+__all__ = ["WireQuantizerLike", "WireQuantizerModule", "calibration", "max_all_reduce"]
 
 
 class WireQuantizerLike(Protocol):
@@ -29,7 +29,7 @@ class WireQuantizerLike(Protocol):
     Two classes implement it: :class:`WireQuantizer` and ModelOpt's
     ``moewire.integrations.modelopt.WireTensorQuantizer``. The Mega-MoE wrapper, the re-sum,
     ``moewire.megamoe.api`` and the integrations use these members only (plus
-    ``nn.Module``'s ``buffers()`` and ``to()``).
+    ``nn.Module``'s ``buffers()`` and ``to()``: :class:`WireQuantizerModule`).
     """
 
     @property
@@ -79,6 +79,18 @@ class WireQuantizerLike(Protocol):
 
     def load_amax(self, amax: torch.Tensor | float) -> None:
         """Fix the amax to a saved value."""
+
+
+class WireQuantizerModule(WireQuantizerLike, Protocol):
+    """A wire quantizer as an experts module holds it: the contract, and the two members of
+    ``nn.Module`` (both implementations are modules) the Mega-MoE wrapper uses to keep the
+    quantizer's state on the data's device."""
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        """The state tensors (``amax`` and the calibration state)."""
+
+    def to(self, device: torch.device) -> Any:
+        """Move the state to ``device``."""
 
 
 @contextlib.contextmanager

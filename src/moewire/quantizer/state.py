@@ -160,7 +160,7 @@ class QuantizerState(nn.Module):
                ) -> _State:
         # model.to(torch.bfloat16) must move the state, never round the amax.
         before = dict(self._buffers)
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves it untyped
         for key, old in before.items():
             new = self._buffers[key]
             if old is not None and new is not None and new.dtype != old.dtype:
