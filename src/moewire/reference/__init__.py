@@ -82,6 +82,10 @@ __all__ = sorted([*_LAZY, "deep_gemm"])
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name == "deep_gemm":
-        return importlib.import_module("moewire.reference.deep_gemm")
+    # A submodule (``deep_gemm``, ``nvfp4``, ...) not imported yet, as an eager package gave it.
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module 'moewire.reference' has no attribute {name!r}")
