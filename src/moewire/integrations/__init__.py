@@ -27,7 +27,7 @@ existing host is one entry in its ``sites`` table.
 
 The flat module paths of moewire 0.1.0 (``vllm_worker``, ``vllm_sites``, ``_vllm_bridge``,
 ``_vllm_groups``, ``sglang_sites``, ``modelopt_quantizer``) are deprecated aliases of the new
-ones for one release (``_moved``).
+ones until moewire 0.3.0 removes them (``moewire._moved``).
 
 Nothing is imported here: each host imports its framework, which may be absent.
 """
