@@ -141,14 +141,22 @@ class Totals:
 
     def differing_runs(self, group=None) -> list[int]:
         """The runs whose sums are not the same, bit for bit, on every rank of ``group``
-        (empty when they agree). Every rank calls it: a MAX and a MIN all-reduce of a copy
-        of the buffer."""
+        (empty when they agree). A sum that is NaN on every rank agrees; NaN on some ranks
+        and a number on others differs. Every rank calls it: a MAX and a MIN all-reduce of a
+        copy of the buffer, and a SUM of its NaN mask.
+        """
         import torch.distributed as dist
 
-        high, low = self.buffer.clone(), self.buffer.clone()
+        # gloo's MAX and MIN keep the number beside a NaN (std::max and std::min compare
+        # false with NaN), so the NaNs are counted apart and the numbers compared without them.
+        nan = self.buffer.isnan()
+        values = torch.where(nan, 0.0, self.buffer)
+        high, low, count = values.clone(), values, nan.double()
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-        same = (high == low) | (high.isnan() & low.isnan())
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+        world = dist.get_world_size(group)
+        same = torch.where(count == 0, high == low, count == world)
         return [run for run, ok in enumerate(same.all(dim=1).tolist()) if not ok]
 
     def token_kl(self, run: int) -> torch.Tensor:

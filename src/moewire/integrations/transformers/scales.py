@@ -96,8 +96,11 @@ def save_scales(model: nn.Module, path: str | Path, host: str | None = None) -> 
         ``path``.
 
     Raises:
-        RuntimeError: an amax differs between ranks (the message names the quantizers).
-        ValueError: what :func:`moewire.save_scales` refuses.
+        RuntimeError: an amax differs between ranks (the message names the quantizers); on
+            ranks other than 0, rank 0 could not write the file (the message names its
+            cause).
+        ValueError: what :func:`moewire.save_scales` refuses (on rank 0, any error of the
+            writer is raised as it is).
     """
     import torch.distributed as dist
 
@@ -111,21 +114,29 @@ def save_scales(model: nn.Module, path: str | Path, host: str | None = None) -> 
             "which records the groups"
         )
     distributed = dist.is_available() and dist.is_initialized()
-    error: BaseException | None = None
+    error: Exception | None = None
     if not distributed or dist.get_rank() == 0:
         try:
             if host is None:
                 api.save_scales(model, path)
             else:
                 save_serving_scales(model, path, host)
-        except (ValueError, OSError) as exc:
+            if not path.is_file():
+                raise OSError(f"save_scales: the writer returned but {path} does not exist")
+        # Any failure, not only the refusals: a rank 0 that left before the broadcast below
+        # would keep every other rank waiting until the process group times out.
+        except Exception as exc:
             error = exc
     if distributed:
-        # Every rank learns whether rank 0 wrote the file (and the file exists on return).
-        failed = [error is not None]
-        dist.broadcast_object_list(failed, src=0)
-        if failed[0] and error is None:
-            raise RuntimeError(f"save_scales: rank 0 could not write {path}; see its error")
+        # Every rank learns whether rank 0 wrote the file, and why not: no rank returns the
+        # path of a file that does not exist.
+        cause = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(cause, src=0)
+        if cause[0] is not None and error is None:
+            raise RuntimeError(
+                f"save_scales: rank 0 could not write {path}: {cause[0]}; fix that cause "
+                "(rank 0's traceback shows it) and call save_scales again on every rank"
+            )
     if error is not None:
         raise error
     return path
