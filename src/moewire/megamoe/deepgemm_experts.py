@@ -3,8 +3,8 @@ the stand-in's and the real SM90 kernel's, in one place.
 
 - The stand-in's three (``moewire.reference``): ``MegaMoEExperts`` (``"reference"``),
   ``NVFP4MegaMoEExperts`` (``"reference-nvfp4"``) and ``FP4MegaMoEExperts``
-  (``"reference-fp4-fp4"``), registered when this module is imported (the registry imports
-  it on its first lookup, :data:`moewire.megamoe.registry.BUILTIN`). Their forward reads the
+  (``"reference-fp4-fp4"``), registered when this module is imported (the registry loads it
+  by name once it is defined, :data:`moewire.megamoe.registry.BUILTIN`). Their forward reads the
   staging function and ``deep_gemm`` from its own module; their build is the flavour the
   stand-in imitates now (read from the module as from any DeepGEMM), except the NVFP4 x NVFP4
   kernel's, which is DeepGEMM 2.8.0's alone.

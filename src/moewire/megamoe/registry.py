@@ -8,7 +8,7 @@ adapter of their nearest registered base unless registered themselves.
 
 The registry registers and imports no experts class. moewire's own experts modules on
 DeepGEMM's API (the stand-in's and the real SM90 kernel's) have their adapters in
-``moewire.megamoe.deepgemm_experts``, which the registry imports on its first lookup
+``moewire.megamoe.deepgemm_experts``, which the registry loads by name once it is defined
 (:data:`BUILTIN`); each host registers its framework's classes the same way
 (``moewire.integrations.vllm`` ...).
 """
@@ -93,18 +93,9 @@ class ExpertsAdapter:
 # (``applies``): vLLM main's MoE layer holds gpt-oss's modular experts or ModelOpt's NVFP4
 # Mega-MoE quant method.
 _ADAPTERS: dict[type, tuple[ExpertsAdapter, ...]] = {}
-#: The modules that register moewire's own experts classes when imported, imported by name on
-#: the registry's first lookup (they import the registry, so it cannot import them).
+#: The modules that register moewire's own experts classes when imported; the registry
+#: loads them by name once it is defined (they import it, so it cannot import them).
 BUILTIN = ("moewire.megamoe.deepgemm_experts",)
-_builtin_loaded = False
-
-
-def _load_builtin() -> None:
-    global _builtin_loaded
-    if not _builtin_loaded:
-        _builtin_loaded = True
-        for name in BUILTIN:
-            importlib.import_module(name)
 
 
 def register_experts_class(cls: type, adapter: ExpertsAdapter) -> None:
@@ -146,7 +137,6 @@ def unregister_experts_class(cls: type) -> None:
 
 def adapter_for(module: nn.Module) -> ExpertsAdapter | None:
     """The adapter of ``module``'s class or its nearest registered base, else ``None``."""
-    _load_builtin()
     for klass in type(module).__mro__:
         for adapter in _ADAPTERS.get(klass, ()):
             if adapter.applies is None or adapter.applies(module):
@@ -163,5 +153,10 @@ def stage_fn_names(adapter: ExpertsAdapter) -> tuple[str, ...]:
 def registered_classes() -> dict[type, ExpertsAdapter]:
     """A copy of the registry: class -> its adapter (the last registered, where several
     share the class)."""
-    _load_builtin()
     return {cls: adapters[-1] for cls, adapters in _ADAPTERS.items()}
+
+
+# moewire's own experts classes have their adapters as soon as the registry exists, as every
+# lookup (and every test's snapshot of the registry) expects.
+for _name in BUILTIN:
+    importlib.import_module(_name)
