@@ -82,11 +82,18 @@ def test_the_fused_shared_expert_keeps_the_original_tokens(flavour):
     assert not torch.equal(shared_on_x[k, :T], routed_on_xq[k, :T])
     x_before = x.clone()
     _dispatch(experts)
-    y = experts(x, w, ids)
+    # The stand-in module names the build it imitates now: the wrapper reads the rows in
+    # this build's order only inside use_flavour.
+    with deep_gemm.use_flavour(flavour):
+        y = experts(x, w, ids)
     np.testing.assert_array_equal(
         oracles.torch_bits(y), _oracle(routed_on_xq, shared_on_x, ids, FUSING[flavour]))
     assert torch.equal(x, x_before)
-    assert layout_check.layout_checked(experts.get_symm_buffer())
+    # The check passed and ruled out every other slot; rows this ordinary may leave the
+    # other end of the sum unproven (tests/megamoe/test_megamoe_shared_order.py proves it).
+    other = "last" if FUSING[flavour] == "first" else "first"
+    assert set(layout_check.unproven_readings(experts.get_symm_buffer())) <= {
+        f"shared row added {other}"}
 
 
 def test_with_a_combine_quantizer_too():

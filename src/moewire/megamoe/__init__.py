@@ -8,7 +8,8 @@
 - ``ExpertsAdapter`` / ``register_experts_class`` / ``adapter_for``: how an experts class
   is hooked.
 - ``convert`` (the in-place ModelOpt-style class swap), ``QuantExperts`` (its mixin, for
-  other class-swap frameworks) with ``install_proxies``, ``layout_checked``.
+  other class-swap frameworks) with ``install_proxies``, ``layout_checked`` and
+  ``unproven_readings`` (the shared-row readings the layout check has not yet ruled out).
 - ``quantize``, ``unquantize``, ``calibrate``, ``save_scales``, ``load_scales``, ``summary``.
 """
 
@@ -33,6 +34,7 @@ _LAZY = {
     "is_converted": ("moewire.megamoe.convert", "is_converted"),
     "install_proxies": ("moewire.megamoe.hooks", "install_proxies"),
     "layout_checked": ("moewire.megamoe.layout_check", "layout_checked"),
+    "unproven_readings": ("moewire.megamoe.layout_check", "unproven_readings"),
     "QuantExperts": ("moewire.megamoe.quant_experts", "QuantExperts"),
     "quantize": ("moewire.megamoe.api", "quantize"),
     "calibrate": ("moewire.megamoe.api", "calibrate"),

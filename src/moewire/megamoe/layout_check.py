@@ -15,9 +15,11 @@ is what owns them all.)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ from moewire import kernels
 from moewire.megamoe import flavours as _flavours
 from moewire.megamoe.resum import accumulate_mode, resum
 
-__all__ = ["layout_checked", "reset_layout_checks"]
+__all__ = ["layout_checked", "reset_layout_checks", "unproven_readings"]
 
 
 @dataclass
@@ -35,9 +37,10 @@ class _BufferCheck:
     generation: int  # reset_layout_checks() forgets every check of an older generation
     graph_warned: bool = False
     checked: bool = False
-    # Stored slots a fused shared row could also be read from, that no batch has yet ruled
-    # out (None: not started). The buffer is checked once this is empty.
-    unrefuted: set[int] | None = None
+    # Readings of a fused shared row other than the build's (read from another stored slot,
+    # or added at the other end of the sum) that no batch has yet ruled out (None: not
+    # started). The buffer is checked once this is empty.
+    unrefuted: set[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,18 @@ def buffer_state(symm_buffer: Any) -> _BufferCheck:
 
 
 def layout_checked(symm_buffer: Any) -> bool:
-    """Whether the eager layout check has passed for ``symm_buffer``."""
+    """Whether the eager layout check has passed for ``symm_buffer``: the re-sum equals
+    ``y`` and, with a fused shared expert, every other reading of the shared row has failed
+    on some batch (:func:`unproven_readings` names those still open)."""
     return buffer_state(symm_buffer).checked
+
+
+def unproven_readings(symm_buffer: Any) -> tuple[str, ...]:
+    """The readings of ``symm_buffer``'s fused shared row, other than its build's, that no
+    batch has yet told apart from it, e.g. ``("shared row added last", "shared row read
+    from slot 2")``; every eager batch is checked again while one is left. Empty before the
+    first batch with a routed row, once checked, and without a fused shared expert."""
+    return tuple(sorted(buffer_state(symm_buffer).unrefuted or ()))
 
 
 def reset_layout_checks() -> None:
@@ -175,11 +188,14 @@ def check(name: str, state: _BufferCheck, call: Combine) -> None:
     token (the kernel gives every token its shared row: ``impls/sm100_*_mega_moe.cuh``,
     lane ``kNumTopk`` is always valid). With a fused shared expert, sums that match
     do not yet say which stored row is the shared one: with every slot valid, reading
-    the shared row from another slot adds the same rows. So the buffer is marked
-    checked only once, over one or more batches, every other reading (shared row at
-    slot ``j < k``, routed slots shifted past it) has failed to reproduce ``y`` on some
-    token (a token with an invalid slot, or a padding token with the shared row only);
-    until then every eager batch is checked again.
+    the shared row from another slot adds the same rows, and on ordinary rows adding it
+    first or last gives the same FP32 sum. So the buffer is marked checked only once, over
+    one or more batches, every other reading has failed to reproduce ``y`` on some token:
+    the shared row at slot ``j < k`` with the routed slots shifted past it (refuted by a
+    token with an invalid slot, or a padding token with the shared row only), and the
+    shared row at the other end of the sum (refuted by rows whose sum shows the order).
+    Until then every eager batch is checked again (:func:`unproven_readings` names the
+    readings still open).
 
     Args:
         name: the layer's name, for errors.
@@ -247,9 +263,12 @@ def _compare(name: str, state: _BufferCheck, call: Combine) -> bool:
     if not has_routed:
         return False
     if bad:
+        # An earlier batch matched on rows that could not tell these readings apart.
+        open_readings = (f" Earlier batches matched this reading but left unproven: "
+                         f"{', '.join(sorted(state.unrefuted))}." if state.unrefuted else "")
         raise RuntimeError(
             f"{_layout_failure(name, call)} ({bad} of {total} compared "
-            f"tokens differ).{_debug_env_hint()} {_layout_causes()}"
+            f"tokens differ).{open_readings}{_debug_env_hint()} {_layout_causes()}"
         )
     return True
 
@@ -286,20 +305,37 @@ def _assert_in_graph(
     torch._assert_async(ok, short[:254])
 
 
+def _alternative_readings(call: Combine) -> dict[str, Callable[[], torch.Tensor]]:
+    """The other readings of a fused shared row, each as its re-sum of this call's rows:
+    read from stored slot ``j < k`` (routed slots ``j..`` shifted up by one), and added at
+    the other end of the sum. A kernel with a ``routed_scale`` step adds its shared row
+    after the rounded routed sum, so the other end is no reading of its rows (resum
+    refuses it)."""
+    k = call.topk_idx.shape[1]
+    readings: dict[str, Callable[[], torch.Tensor]] = {}
+    for j in range(k):
+        order = [*range(j), *range(j + 1, k + 1), j]
+        readings[f"shared row read from slot {j}"] = (
+            lambda order=order: call.resum(call.rows[order]))
+    if call.routed_scale is None:
+        other = "last" if call.shared == "first" else "first"
+        readings[f"shared row added {other}"] = (
+            lambda: dataclasses.replace(call, shared=other).resum())
+    return readings
+
+
 def _refute_shared_readings(state: _BufferCheck, call: Combine) -> None:
     """After a passing check: mark the buffer checked, or, with a fused shared expert,
-    once every other reading of the shared row has failed to reproduce ``y`` (every
-    token has its shared row, so every token is compared)."""
+    once every other reading of the shared row (:func:`_alternative_readings`) has failed
+    to reproduce ``y`` (every token has its shared row, so every token is compared)."""
     if call.shared is not None:
-        k = call.topk_idx.shape[1]
+        readings = _alternative_readings(call)
         if state.unrefuted is None:
-            state.unrefuted = set(range(k))
-        for j in sorted(state.unrefuted):
-            # Shared row read from slot j, routed slots j.. shifted up by one.
-            order = [*range(j), *range(j + 1, k + 1), j]
-            alternative = call.resum(call.rows[order])
+            state.unrefuted = set(readings)
+        for reading in sorted(state.unrefuted):
+            alternative = readings[reading]()
             if bool((alternative.view(torch.int16) != call.y.view(torch.int16)).any()):
-                state.unrefuted.discard(j)
+                state.unrefuted.discard(reading)
         if state.unrefuted:
             return
     state.checked = True
