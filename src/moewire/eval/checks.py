@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from moewire.study.paths import writable_dir
+
 __all__ = ["EvalError", "Checked", "Ranks", "check_out_dir", "parse_pair", "preflight",
            "read_text"]
 
@@ -168,19 +170,7 @@ def check_out_dir(out: str | os.PathLike) -> Path:
     Raises:
         EvalError: ``--out`` is an existing file, or cannot be created or written.
     """
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise EvalError("--out", f"{path} exists and is not a directory; pass a directory (it "
-                        "is created if missing), e.g. --out moewire-eval")
-    probe = path / ".moewire-write-check"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise EvalError("--out", f"cannot write into {path} ({exc.strerror or exc}); pass a "
-                        "directory you can write to") from None
-    return path
+    return writable_dir(out, EvalError, "moewire-eval")
 
 
 def _check_config(path: Path) -> dict[str, Any]:

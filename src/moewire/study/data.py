@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from moewire.study.errors import StudyArgumentError
+from moewire.study.paths import existing_file
 
 #: Tensor names read from ``--weights`` for layer ``L`` and expert ``e`` (DeepSeek-V3/V4
 #: and Kimi checkpoints in Hugging Face naming). Shapes: gate/up ``[I, H]``, down ``[H, I]``,
@@ -368,12 +369,8 @@ def load_activations(path: str | Path, hidden: int) -> torch.Tensor:
         StudyArgumentError: unreadable file, no usable tensor, or a last dim that is not
             the layer's hidden size (message names ``--activations``).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise StudyArgumentError(
-            "--activations", f"{path} does not exist or is not a file; pass a .pt or "
-            ".safetensors file holding [N, H] hidden states"
-        )
+    path = existing_file(path, "--activations",
+                         "a .pt or .safetensors file holding [N, H] hidden states")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

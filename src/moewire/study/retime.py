@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moewire.study.errors import StudyArgumentError
+from moewire.study.paths import existing_file
 from moewire.study.settings import (
     SCHEMA,
     StudyConfig,
@@ -42,12 +43,7 @@ def read_results(path: str | Path) -> dict:
         StudyArgumentError: (``--from``) the file is missing, not JSON, not a study's
             results, or lacks the stored routing (written by an older moewire).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise StudyArgumentError(
-            "--from", f"{path} does not exist or is not a file; pass the results.json a "
-            "finished `moewire study` wrote"
-        )
+    path = existing_file(path, "--from", "the results.json a finished `moewire study` wrote")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_decode)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

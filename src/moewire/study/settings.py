@@ -9,6 +9,7 @@ cause and the fix; the CLI turns it into exit code 2.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from pathlib import Path
 # CLI parses its flags (and answers --help) without importing torch.
 from moewire.reference.catalogue import SM90, STAND_IN, builds, mma_types
 from moewire.study.errors import StudyArgumentError
+from moewire.study.paths import writable_dir
 from moewire.study.presets import DEFAULT_MODEL, PRESETS, ModelPreset
 
 #: The ``schema`` of the results.json a study writes (and ``--from`` reads).
@@ -156,16 +158,20 @@ def _positive(value: object, argument: str, minimum: int = 1) -> int:
     return value
 
 
+def _one_of(value: str, known: Collection[str], argument: str, what: str) -> None:
+    if value not in known:
+        raise StudyArgumentError(
+            argument, f"unknown {what} {value!r}; pick one of {', '.join(known)}"
+        )
+
+
 def validate(cfg: StudyConfig) -> StudyConfig:
     """Check every setting that can be checked before data is read; returns ``cfg``.
 
     Shapes that come from files (``--weights``, ``--activations``) are checked when the
     files are read (:mod:`moewire.study.data`).
     """
-    if cfg.model not in PRESETS:
-        raise StudyArgumentError(
-            "--model", f"unknown model {cfg.model!r}; pick one of {', '.join(PRESETS)}"
-        )
+    _one_of(cfg.model, PRESETS, "--model", "model")
     _positive(cfg.tokens, "--tokens")
     _positive(cfg.ranks, "--ranks")
     _positive(cfg.calib_batches, "--calib-batches")
@@ -178,10 +184,7 @@ def validate(cfg: StudyConfig) -> StudyConfig:
             "--tokens", f"{cfg.tokens} tokens do not split evenly over --ranks {cfg.ranks}; "
             f"use a multiple of {cfg.ranks}"
         )
-    if cfg.mma not in MMA_TYPES:
-        raise StudyArgumentError(
-            "--mma", f"unknown MMA type {cfg.mma!r}; pick one of {', '.join(MMA_TYPES)}"
-        )
+    _one_of(cfg.mma, MMA_TYPES, "--mma", "MMA type")
     imbalance = cfg.router_imbalance
     if imbalance is not None and (isinstance(imbalance, bool)
                                   or not isinstance(imbalance, (int, float))
@@ -190,10 +193,7 @@ def validate(cfg: StudyConfig) -> StudyConfig:
             "--router-imbalance", f"must be a number >= 1 (1 = every expert equally loaded; "
             f"DeepSeek-like routing is 2-3), got {imbalance!r}"
         )
-    if cfg.kernel not in KERNELS:
-        raise StudyArgumentError(
-            "--kernel", f"unknown kernel {cfg.kernel!r}; pick one of {', '.join(KERNELS)}"
-        )
+    _one_of(cfg.kernel, KERNELS, "--kernel", "kernel")
     if cfg.device not in ("cpu", "cuda"):
         raise StudyArgumentError("--device", f"must be cpu or cuda, got {cfg.device!r}")
     check_kernel_flags(cfg)
@@ -389,23 +389,7 @@ def check_out_dir(out: str | Path) -> Path:
     Raises:
         StudyArgumentError: ``--out`` is an existing file, or cannot be created or written.
     """
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise StudyArgumentError(
-            "--out", f"{path} exists and is not a directory; pass a directory (it is created "
-            "if missing), e.g. --out moewire-study"
-        )
-    probe = path / ".moewire-write-check"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise StudyArgumentError(
-            "--out", f"cannot write into {path} ({exc.strerror or exc}); pass a directory you "
-            "can write to"
-        ) from None
-    return path
+    return writable_dir(out, StudyArgumentError, "moewire-study")
 
 
 def check_layer_shapes(
