@@ -132,6 +132,18 @@ def source_reach(module_name: str) -> SourceReach | None:
         return None
 
 
+def missing_call(module_name: str, calls: tuple[str, ...]) -> str | None:
+    """Why ``module_name``'s source does not make every call of ``calls`` (as
+    :meth:`SourceReach.calls` reads them), or ``None`` when it makes them all."""
+    reach = source_reach(module_name)
+    if reach is None:
+        return f"the source of {module_name} cannot be read"
+    for call in calls:
+        if not reach.calls(call):
+            return f"{module_name} never calls {call.lstrip('.')}...)"
+    return None
+
+
 def _trampoline(bridge: str, global_name: str, name: str) -> Callable[..., Any]:
     def trampoline(*args: Any, **kwargs: Any) -> Any:
         return getattr(sys.modules[bridge], global_name)(*args, **kwargs)

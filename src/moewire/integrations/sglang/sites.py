@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from moewire.integrations._host import source_reach
+from moewire.integrations._host import missing_call
 from moewire.reference.catalogue import DEEPGEMM, mma_types
 
 __all__ = ["MEGA_MOE", "MMA_TYPES", "SITES", "SglangSite", "recognise"]
@@ -105,10 +105,4 @@ def recognise(site: SglangSite) -> str | None:
         return f"{site.module} does not import ({exc})"
     if not callable(getattr(module, site.function, None)):
         return f"{site.module} has no function {site.function}"
-    reach = source_reach(site.module)
-    if reach is None:
-        return f"the source of {site.module} cannot be read"
-    for call in site.calls:
-        if not reach.calls(call):
-            return f"{site.module} never calls {call.lstrip('.')}...)"
-    return None
+    return missing_call(site.module, site.calls)

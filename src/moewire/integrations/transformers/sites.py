@@ -45,7 +45,7 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
-from moewire.integrations._host import source_reach
+from moewire.integrations._host import missing_call
 
 __all__ = ["SITES", "MegaMoeSite", "resolve", "recognise"]
 
@@ -137,12 +137,9 @@ def recognise(site: MegaMoeSite) -> str | None:
     for name in (site.loader, site.bundle_class, site.buffers, site.arch_check, site.bundle):
         if not hasattr(module, name):
             return f"{site.module} has no {name}"
-    reach = source_reach(site.module)
-    if reach is None:
-        return f"the source of {site.module} cannot be read"
-    for call in site.calls:
-        if not reach.calls(call):
-            return f"{site.module} never calls {call.lstrip('.')}...)"
+    missing = missing_call(site.module, site.calls)
+    if missing is not None:
+        return missing
     for cls_path, interface_path in site.experts:
         try:
             cls, interface = resolve(cls_path), resolve(interface_path)
