@@ -16,6 +16,7 @@ is what owns them all.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 import weakref
@@ -305,6 +306,11 @@ def _assert_in_graph(
     torch._assert_async(ok, short[:254])
 
 
+def _resum_rows(call: Combine, order: list[int]) -> torch.Tensor:
+    """The call's re-sum with its stored rows taken in ``order``."""
+    return call.resum(call.rows[order])
+
+
 def _alternative_readings(call: Combine) -> dict[str, Callable[[], torch.Tensor]]:
     """The other readings of a fused shared row, each as its re-sum of this call's rows:
     read from stored slot ``j < k`` (routed slots ``j..`` shifted up by one), and added at
@@ -315,8 +321,7 @@ def _alternative_readings(call: Combine) -> dict[str, Callable[[], torch.Tensor]
     readings: dict[str, Callable[[], torch.Tensor]] = {}
     for j in range(k):
         order = [*range(j), *range(j + 1, k + 1), j]
-        readings[f"shared row read from slot {j}"] = (
-            lambda order=order: call.resum(call.rows[order]))
+        readings[f"shared row read from slot {j}"] = functools.partial(_resum_rows, call, order)
     if call.routed_scale is None:
         other = "last" if call.shared == "first" else "first"
         readings[f"shared row added {other}"] = (
