@@ -295,6 +295,29 @@ def _block_max(xb):
 
 
 @triton.jit
+def _bf16_block_decode_scale(xb, HW_CAST: tl.constexpr):
+    """The BF16 decode-scale rule of TRT-LLM's and FlashInfer's NVFP4 casts, per block of a
+    split tile [NB, 8, 2]: ``(finite, a, ds)``, [NB, 1, 1] each: whether the block's
+    NaN-propagating max |x| is finite, that max rounded to BF16 (0 when it is not), and
+    ``ds = fl(a * fl(1/6))``."""
+    bmax = _block_max(xb)
+    finite = bmax < float("inf")
+    a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
+    return finite, a, a * _INV_6
+
+
+@triton.jit
+def _signed_e2m1(v, HW_CAST: tl.constexpr, SIGNED_ZERO: tl.constexpr):
+    """The E2M1 value of FP32 ``v`` (magnitude by ``_e2m1_magnitude``) carrying ``v``'s sign
+    bit; without ``SIGNED_ZERO`` a zero magnitude is +0."""
+    mag = _e2m1_magnitude(tl.abs(v), HW_CAST, False)
+    sign_bit = v.to(tl.int32, bitcast=True) & -2147483648
+    if not SIGNED_ZERO:
+        sign_bit = tl.where(mag == 0.0, 0, sign_bit)
+    return (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _nvfp4_consts(gs):
     """What NVFP4's block-scale division needs from the global scale ``gs``, computed once
     per program (per row for ``nvfp4_token``) instead of once per block:
@@ -463,17 +486,12 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
         # trtllm_16e2m1xbf16 on the split tile [BLOCK_H // 16, 8, 2]: one thread per block.
         tl.static_assert(SPLIT, "16-element block tiles hold whole blocks per thread (SPLIT)")
         xb = x
-        bmax = _block_max(xb)
-        finite = bmax < float("inf")
-        a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
-        ds = a * _INV_6
+        finite, _, ds = _bf16_block_decode_scale(xb, HW_CAST)
         # A subnormal decode scale is flushed (the encoder's rcp.approx.ftz): zeros.
         enc = tl.where(ds >= _FLT_MIN, tl.math.div_rn(tl.full(ds.shape, 1.0, tl.float32), ds),
                        0.0)
         v = xb * enc
-        mag = _e2m1_magnitude(tl.abs(v), HW_CAST, False)
-        sign_bit = tl.where(mag == 0.0, 0, v.to(tl.int32, bitcast=True) & -2147483648)
-        q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+        q = _signed_e2m1(v, HW_CAST, False)
         ds = tl.where(finite, ds, float("nan"))
         out = q * tl.broadcast_to(ds, q.shape)
     elif FMT == 13:
@@ -503,16 +521,11 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
         # flashinfer_nvfp4 on the split tile: BF16 amax, the masked reciprocal, signed zeros.
         tl.static_assert(SPLIT, "16-element block tiles hold whole blocks per thread (SPLIT)")
         xb = x
-        bmax = _block_max(xb)
-        finite = bmax < float("inf")
-        a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
-        ds = a * _INV_6
+        finite, a, ds = _bf16_block_decode_scale(xb, HW_CAST)
         mask = tl.minimum(ds * _MASK_1E30, 1.0)
         enc = tl.where(ds >= _FLT_MIN, _rcp_approx_bf16_decode_scale(ds, a) * mask, 0.0)
         v = xb * enc
-        mag = _e2m1_magnitude(tl.abs(v), HW_CAST, False)
-        sign_bit = v.to(tl.int32, bitcast=True) & -2147483648
-        q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+        q = _signed_e2m1(v, HW_CAST, True)
         ds = tl.where(finite, ds, float("nan"))
         out = q * tl.broadcast_to(ds, q.shape)
     elif FMT <= 17:
