@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import moewire
+from layout_proof import slots_proven
 from moewire import formats
 from moewire.integrations.vllm import sites as vllm_sites
 from moewire.megamoe import flavours, layout_check
@@ -128,7 +129,7 @@ def test_backend_shape_is_recognised_and_its_combine_bit_exact(fused):
         assert _same(_oracle(buf, T, shared="first" if fused else None), y_plain)
         moewire.quantize(experts, _combine("bf16"))
         assert _same(experts(x, w, ids, activation_clamp=10.0), y_plain)
-        assert layout_check.layout_checked(buf)
+        assert slots_proven(buf)
         moewire.quantize(experts, _combine("mxfp8"))
         y = experts(x, w, ids, activation_clamp=10.0)
     assert _same(_oracle(buf, T, "mxfp8", shared="first" if fused else None), y)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import moewire
+from layout_proof import slots_proven
 from moewire import formats
 from moewire.integrations.vllm import sites as vllm_sites
 from moewire.megamoe import api, flavours, layout_check, registry
@@ -452,7 +453,7 @@ def test_deepgemm_28_guess_is_proven_by_the_layout_check(monkeypatch):
     moewire.quantize(experts, {"quant_cfg": [
         {"quantizer_name": "*combine_quantizer", "cfg": {"format": "bf16"}}]})
     assert _same(experts(x, w, ids), y_plain)
-    assert layout_check.layout_checked(experts.symm_buffer)
+    assert slots_proven(experts.symm_buffer)
     assert experts._moewire_adapter.flavour(experts) == "deepgemm-2.8"
 
 

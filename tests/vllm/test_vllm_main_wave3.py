@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import moewire
+from layout_proof import slots_proven
 from moewire import formats
 from moewire.integrations.vllm import sites as vllm_sites
 from moewire.megamoe import flavours, layout_check, registry
@@ -244,7 +245,7 @@ def test_dsv4_dispatch_with_and_without_the_fused_shared_expert(fused, monkeypat
         assert not _same(y, y_xq)
     else:
         assert _same(y, y_xq)
-    assert layout_check.layout_checked(buf)
+    assert slots_proven(buf)
 
 
 def _region(buf, fused: bool) -> torch.Tensor:
