@@ -295,11 +295,12 @@ def _block_max(xb):
 
 
 @triton.jit
-def _bf16_block_decode_scale(xb, HW_CAST: tl.constexpr):
+def _bf16_block_decode_scale(xb, HW_CAST: tl.constexpr, SPLIT: tl.constexpr):
     """The BF16 decode-scale rule of TRT-LLM's and FlashInfer's NVFP4 casts, per block of a
     split tile [NB, 8, 2]: ``(finite, a, ds)``, [NB, 1, 1] each: whether the block's
     NaN-propagating max |x| is finite, that max rounded to BF16 (0 when it is not), and
     ``ds = fl(a * fl(1/6))``."""
+    tl.static_assert(SPLIT, "16-element block tiles hold whole blocks per thread (SPLIT)")
     bmax = _block_max(xb)
     finite = bmax < float("inf")
     a = _round_bf16(tl.where(finite, bmax, 0.0), HW_CAST)
@@ -307,14 +308,17 @@ def _bf16_block_decode_scale(xb, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _signed_e2m1(v, HW_CAST: tl.constexpr, SIGNED_ZERO: tl.constexpr):
-    """The E2M1 value of FP32 ``v`` (magnitude by ``_e2m1_magnitude``) carrying ``v``'s sign
-    bit; without ``SIGNED_ZERO`` a zero magnitude is +0."""
+def _e2m1_qdq(xb, enc, ds, finite, HW_CAST: tl.constexpr, SIGNED_ZERO: tl.constexpr):
+    """A split tile's blocks to E2M1 and back, given each block's encode and decode scale
+    and whether its max is finite (else NaN): ``e2m1(xb * enc) * ds``, the E2M1 value
+    carrying the sign bit of ``xb * enc``; without ``SIGNED_ZERO`` a zero magnitude is +0."""
+    v = xb * enc
     mag = _e2m1_magnitude(tl.abs(v), HW_CAST, False)
     sign_bit = v.to(tl.int32, bitcast=True) & -2147483648
     if not SIGNED_ZERO:
         sign_bit = tl.where(mag == 0.0, 0, sign_bit)
-    return (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+    q = (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+    return q * tl.broadcast_to(tl.where(finite, ds, float("nan")), q.shape)
 
 
 @triton.jit
@@ -484,16 +488,11 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
         out = tl.reshape(q * tl.broadcast_to(scale, q.shape), (BLOCK_H,))
     elif FMT == 12:
         # trtllm_16e2m1xbf16 on the split tile [BLOCK_H // 16, 8, 2]: one thread per block.
-        tl.static_assert(SPLIT, "16-element block tiles hold whole blocks per thread (SPLIT)")
-        xb = x
-        finite, _, ds = _bf16_block_decode_scale(xb, HW_CAST)
+        finite, _, ds = _bf16_block_decode_scale(x, HW_CAST, SPLIT)
         # A subnormal decode scale is flushed (the encoder's rcp.approx.ftz): zeros.
         enc = tl.where(ds >= _FLT_MIN, tl.math.div_rn(tl.full(ds.shape, 1.0, tl.float32), ds),
                        0.0)
-        v = xb * enc
-        q = _signed_e2m1(v, HW_CAST, False)
-        ds = tl.where(finite, ds, float("nan"))
-        out = q * tl.broadcast_to(ds, q.shape)
+        out = _e2m1_qdq(x, enc, ds, finite, HW_CAST, False)
     elif FMT == 13:
         # fp8_e4m3fnuz: fp8's per-tensor rule with FNUZ's 240 (scale in ``sc``).
         s, inv_s, _, _ = sc
@@ -519,15 +518,10 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
         out = tl.reshape(q * tl.broadcast_to(sf, q.shape), (BLOCK_H,))
     elif FMT == 15:
         # flashinfer_nvfp4 on the split tile: BF16 amax, the masked reciprocal, signed zeros.
-        tl.static_assert(SPLIT, "16-element block tiles hold whole blocks per thread (SPLIT)")
-        xb = x
-        finite, a, ds = _bf16_block_decode_scale(xb, HW_CAST)
+        finite, a, ds = _bf16_block_decode_scale(x, HW_CAST, SPLIT)
         mask = tl.minimum(ds * _MASK_1E30, 1.0)
         enc = tl.where(ds >= _FLT_MIN, _rcp_approx_bf16_decode_scale(ds, a) * mask, 0.0)
-        v = xb * enc
-        q = _signed_e2m1(v, HW_CAST, True)
-        ds = tl.where(finite, ds, float("nan"))
-        out = q * tl.broadcast_to(ds, q.shape)
+        out = _e2m1_qdq(x, enc, ds, finite, HW_CAST, True)
     elif FMT <= 17:
         # MoRI fp8_blockwise: a block above the FP8 max is scaled by fl(M / a); the others
         # are cast as they are (scale 1).
