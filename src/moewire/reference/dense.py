@@ -16,7 +16,7 @@ one function here, then DeepGEMM's layout transform
   the kernel's ``l1_alpha`` / ``l2_alpha``.
 - ``nvfp4-modelopt`` (``fp4xfp4``, DeepGEMM 2.8.0's NVFP4 x NVFP4 kernel): NVFP4 as
   ModelOpt's checkpoints hold it, gate, up and down each with its own per-expert global
-  scale (:func:`moewire.reference.fp4_fp4.weights.quantize_experts`), the kernel's
+  scale (:func:`moewire.reference.fp4_fp4.weights.quantize_expert`), the kernel's
   ``l1_alphas`` / ``l2_alphas``.
 
 May import: torch, ``catalogue``, ``deep_gemm``, ``_numerics`` and the weights modules
@@ -33,9 +33,9 @@ import torch
 from moewire.reference import deep_gemm
 from moewire.reference._numerics import quantize_fp4_ue8m0
 from moewire.reference.catalogue import STAND_IN, build
-from moewire.reference.fp4_fp4.weights import FP4MegaMoEWeights, quantize_experts
-from moewire.reference.nvfp4.weights import NVFP4MegaMoEWeights, quantize_nvfp4_weight
-from moewire.reference.weights import MegaMoEWeights
+from moewire.reference.fp4_fp4.weights import FP4MegaMoEWeights, quantize_expert
+from moewire.reference.nvfp4.weights import NVFP4MegaMoEWeights, quantize_nvfp4_expert
+from moewire.reference.weights import ExpertQuantizer, MegaMoEWeights, quantized_weights
 
 __all__ = ["from_dense", "kernel_kwargs", "register_form"]
 
@@ -54,31 +54,27 @@ def _fp4_ue8m0(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> MegaMoEWeig
     return MegaMoEWeights(tuple(range(w1.shape[0])), mma_type, l1, l2, raw1, raw2)
 
 
-def _nvfp4_vllm(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> NVFP4MegaMoEWeights:
-    parts = [[quantize_nvfp4_weight(w[e].float()) for e in range(w.shape[0])] for w in (w1, w2)]
-    raw1, raw2 = (tuple(torch.stack([p[j] for p in ps]) for j in range(2)) for ps in parts)
-    gs1, gs2 = (torch.stack([p[2] for p in ps]) for ps in parts)
-    l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
-    return NVFP4MegaMoEWeights(tuple(range(w1.shape[0])), l1, l2, raw1, raw2, gs1, gs2)
-
-
-def _nvfp4_modelopt(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> FP4MegaMoEWeights:
-    raw1, raw2, a1, a2 = quantize_experts(w1.float(), w2.float())
-    raw1, raw2 = (tuple(t.to(w1.device) for t in raw) for raw in (raw1, raw2))
-    l1, l2 = deep_gemm.transform_weights_for_mega_moe(raw1, raw2)
-    return FP4MegaMoEWeights(tuple(range(w1.shape[0])), l1, l2, raw1, raw2,
-                             a1.to(w1.device), a2.to(w1.device))
-
-
 Form = Callable[[torch.Tensor, torch.Tensor, str], Any]
+
+
+def _nvfp4(holder: Callable[..., Any], quantize_expert: ExpertQuantizer) -> Form:
+    """The conversion of an NVFP4 form: each expert quantized by ``quantize_expert``, the
+    holder on the weights' device."""
+    def convert(w1: torch.Tensor, w2: torch.Tensor, mma_type: str) -> Any:
+        dense = ((l1.float(), l2.float()) for l1, l2 in zip(w1, w2, strict=True))
+        return quantized_weights(holder, quantize_expert, dense, tuple(range(w1.shape[0])),
+                                 w1.device)
+
+    return convert
+
 
 #: (kernel, weight form of ``catalogue.WEIGHT_FORMS``) -> its conversion. A real kernel's
 #: module adds its own (:func:`register_form`): its weights need its package's transform.
 _FORMS: dict[tuple[str, str], Form] = {
     (STAND_IN, "bf16"): _bf16,
     (STAND_IN, "fp4-ue8m0"): _fp4_ue8m0,
-    (STAND_IN, "nvfp4-vllm"): _nvfp4_vllm,
-    (STAND_IN, "nvfp4-modelopt"): _nvfp4_modelopt,
+    (STAND_IN, "nvfp4-vllm"): _nvfp4(NVFP4MegaMoEWeights, quantize_nvfp4_expert),
+    (STAND_IN, "nvfp4-modelopt"): _nvfp4(FP4MegaMoEWeights, quantize_expert),
 }
 
 

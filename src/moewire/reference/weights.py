@@ -17,7 +17,7 @@ May import: torch, ``moewire.reference.deep_gemm`` (the API) and ``_numerics``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +117,33 @@ def dense_expert(seed: int, expert: int, hidden: int, intermediate: int, outlier
     seed_e = (seed * 1000003 + expert) * 2
     return (_dense(seed_e, 2 * intermediate, hidden, outlier_channels, outlier_scale),
             _dense(seed_e + 1, hidden, intermediate, outlier_channels, outlier_scale))
+
+
+#: One expert's dense ``(l1 [2I, H], l2 [H, I])`` to its quantized form: ``(l1 codes, l1
+#: block scales, l1 global scale(s), l2 codes, l2 block scales, l2 global scale)``.
+ExpertQuantizer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def quantized_weights(holder: Callable[..., Any], quantize_expert: ExpertQuantizer,
+                      dense: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                      experts: tuple[int, ...], device: torch.device) -> Any:
+    """The weights holder of quantized experts with global scales (the NVFP4 families).
+
+    Args:
+        holder: its class, called ``holder(experts, l1, l2, l1_raw, l2_raw, l1_scale,
+            l2_scale)``.
+        quantize_expert: one expert's quantization (:data:`ExpertQuantizer`).
+        dense: each expert's dense ``(l1, l2)``, in the order of ``experts`` (quantized one
+            at a time, so a large build holds one dense expert at once).
+        experts: the global expert ids; device: where the tensors go (then the kernel's
+            layout transform, ``deep_gemm.transform_weights_for_mega_moe``, runs there).
+    """
+    parts = [quantize_expert(l1, l2) for l1, l2 in dense]
+    w1, sf1, gs1, w2, sf2, gs2 = (torch.stack([p[j] for p in parts]).to(device)
+                                  for j in range(6))
+    l1_raw, l2_raw = (w1, sf1), (w2, sf2)
+    l1, l2 = deep_gemm.transform_weights_for_mega_moe(l1_raw, l2_raw)
+    return holder(experts, l1, l2, l1_raw, l2_raw, gs1, gs2)
 
 
 def add_shared_expert(weights: Any, num_shared_experts: int, hidden: int, intermediate: int,

@@ -8,8 +8,8 @@ fl(1/2688))``, E4M3 scales per 16 of ``amax16 / (6 gs)``); the kernel reads ``e2
 and takes ``(gs_w1, gs_w3)`` as ``l1_alphas`` and ``gs_w2`` as ``l2_alphas``. A fused shared
 expert is BF16 (DeepGEMM 2.8.0 runs it in BF16 from ``x_bf16``).
 
-May import: torch, ``moewire.reference.deep_gemm`` (the API), ``moewire.reference.weights``
-and the NVFP4 family's ``nvfp4.weights``.
+May import: torch, ``moewire.reference.weights`` (the holder's builder) and the NVFP4
+family's ``nvfp4.weights``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from moewire.reference import deep_gemm
 from moewire.reference.nvfp4.weights import quantize_nvfp4_weight
-from moewire.reference.weights import add_shared_expert, dense_expert, expert_ids
+from moewire.reference.weights import (
+    add_shared_expert,
+    dense_expert,
+    expert_ids,
+    quantized_weights,
+)
 
-__all__ = ["FP4MegaMoEWeights", "make_fp4_fp4_weights", "quantize_experts"]
+__all__ = ["FP4MegaMoEWeights", "make_fp4_fp4_weights", "quantize_expert"]
 
 
 @dataclass
@@ -52,34 +56,22 @@ class FP4MegaMoEWeights:
     shared_l2_raw: torch.Tensor | None = None
 
 
-def quantize_experts(
-    l1: torch.Tensor, l2: torch.Tensor
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor,
-           torch.Tensor]:
-    """Dense expert weights to ModelOpt-style NVFP4 (gate and up with their own global scale).
+def quantize_expert(l1: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One expert's dense weights to ModelOpt-style NVFP4 (gate and up with their own global
+    scale); an :data:`~moewire.reference.weights.ExpertQuantizer`.
 
     Args:
-        l1: floating ``[E, 2I, H]``, rows ``[gate | up]``; l2: floating ``[E, H, I]``.
+        l1: floating ``[2I, H]``, rows ``[gate | up]``; l2: floating ``[H, I]``.
 
     Returns:
-        ``(l1_raw, l2_raw, l1_alphas, l2_alphas)``: ``(int8 [E, 2I, H/2], int32 [E, 2I,
-        H/64])``, ``(int8 [E, H, I/2], int32 [E, H, I/64])`` (not transformed), FP32
-        ``[E, 2]`` and ``[E]``.
+        ``(int8 [2I, H/2], int32 [2I, H/64], FP32 [2], int8 [H, I/2], int32 [H, I/64], FP32
+        [])``: L1's codes and scales (not transformed) and the global scales of w1 and w3,
+        then L2's.
     """
-    inter = l1.shape[1] // 2
-    parts: dict[str, list[torch.Tensor]] = {n: [] for n in ("w1", "s1", "a1", "w2", "s2", "a2")}
-    for e in range(l1.shape[0]):
-        gate = quantize_nvfp4_weight(l1[e, :inter])
-        up = quantize_nvfp4_weight(l1[e, inter:])
-        down = quantize_nvfp4_weight(l2[e])
-        parts["w1"].append(torch.cat([gate[0], up[0]]))
-        parts["s1"].append(torch.cat([gate[1], up[1]]))
-        parts["a1"].append(torch.stack([gate[2], up[2]]))
-        parts["w2"].append(down[0])
-        parts["s2"].append(down[1])
-        parts["a2"].append(down[2])
-    s = {n: torch.stack(v) for n, v in parts.items()}
-    return (s["w1"], s["s1"]), (s["w2"], s["s2"]), s["a1"].float(), s["a2"].float()
+    inter = l1.shape[0] // 2
+    gate, up, down = (quantize_nvfp4_weight(w) for w in (l1[:inter], l1[inter:], l2))
+    return (torch.cat([gate[0], up[0]]), torch.cat([gate[1], up[1]]),
+            torch.stack([gate[2], up[2]]), *down)
 
 
 def make_fp4_fp4_weights(
@@ -106,14 +98,9 @@ def make_fp4_fp4_weights(
     """
     ids = expert_ids(num_experts, experts, "make_fp4_fp4_weights")
     device = torch.device(device)
-    dense = [dense_expert(seed, e, hidden, intermediate, outlier_channels, outlier_scale)
-             for e in ids]
-    l1_raw, l2_raw, a1, a2 = quantize_experts(torch.stack([d[0] for d in dense]),
-                                              torch.stack([d[1] for d in dense]))
-    l1_raw = tuple(t.to(device) for t in l1_raw)
-    l2_raw = tuple(t.to(device) for t in l2_raw)
-    l1, l2 = deep_gemm.transform_weights_for_mega_moe(l1_raw, l2_raw)
-    weights = FP4MegaMoEWeights(ids, l1, l2, l1_raw, l2_raw, a1.to(device), a2.to(device))
+    dense = (dense_expert(seed, e, hidden, intermediate, outlier_channels, outlier_scale)
+             for e in ids)
+    weights = quantized_weights(FP4MegaMoEWeights, quantize_expert, dense, ids, device)
     if num_shared_experts:
         add_shared_expert(weights, num_shared_experts, hidden, intermediate, seed,
                           outlier_channels, outlier_scale, "bf16", device)

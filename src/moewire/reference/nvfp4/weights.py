@@ -11,8 +11,8 @@ expert), per 16 along K ``bs = e4m3(clamp(fl(bmax / fl(6 gs)), 2^-9, 448))``,
 A fused shared expert is MXFP8 (E4M3, UE8M0 per 32) or BF16, as vLLM's
 ``MEGA_MOE_NVFP4.shared`` allows.
 
-May import: torch, ``moewire.reference.deep_gemm`` (the API), ``moewire.reference._numerics``
-and ``moewire.reference.weights``, and the family's ``_numerics``.
+May import: torch, ``moewire.reference._numerics`` and ``moewire.reference.weights`` (the
+holder's builder), and the family's ``_numerics``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from moewire.reference import deep_gemm
 from moewire.reference._numerics import FP4_MAX, FP8_MAX, quantize_e2m1
 from moewire.reference.nvfp4._numerics import (
     E4M3_MIN,
@@ -32,9 +31,15 @@ from moewire.reference.nvfp4._numerics import (
     pack_e4m3,
     pack_fp4_codes,
 )
-from moewire.reference.weights import add_shared_expert, dense_expert, expert_ids
+from moewire.reference.weights import (
+    add_shared_expert,
+    dense_expert,
+    expert_ids,
+    quantized_weights,
+)
 
-__all__ = ["NVFP4MegaMoEWeights", "make_nvfp4_weights", "quantize_nvfp4_weight"]
+__all__ = ["NVFP4MegaMoEWeights", "make_nvfp4_weights", "quantize_nvfp4_expert",
+           "quantize_nvfp4_weight"]
 
 
 def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,6 +56,13 @@ def quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     bs = e4m3((bmax / (gs * FP4_MAX)).clamp(E4M3_MIN, FP8_MAX))
     codes = quantize_e2m1(blocks / (bs * gs)).flatten(-2)
     return pack_fp4_codes(codes), pack_e4m3(bs.squeeze(-1)), gs
+
+
+def quantize_nvfp4_expert(l1: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One expert's dense weights (L1 ``[2I, H]``, L2 ``[H, I]``) to NVFP4, each with its
+    own global scale (:func:`quantize_nvfp4_weight`, gate and up sharing L1's); an
+    :data:`~moewire.reference.weights.ExpertQuantizer`."""
+    return (*quantize_nvfp4_weight(l1), *quantize_nvfp4_weight(l2))
 
 
 @dataclass
@@ -111,18 +123,9 @@ def make_nvfp4_weights(
             f"got {shared_dtype!r}"
         )
     device = torch.device(device)
-    parts: dict[str, list[torch.Tensor]] = {n: [] for n in ("w1", "s1", "g1", "w2", "s2", "g2")}
-    for e in ids:
-        dense = dense_expert(seed, e, hidden, intermediate, outlier_channels, outlier_scale)
-        for tag, w_dense in zip(("1", "2"), dense, strict=True):
-            w, sf, gs = quantize_nvfp4_weight(w_dense)
-            parts["w" + tag].append(w)
-            parts["s" + tag].append(sf)
-            parts["g" + tag].append(gs)
-    stacked = {n: torch.stack(v).to(device) for n, v in parts.items()}
-    l1_raw, l2_raw = (stacked["w1"], stacked["s1"]), (stacked["w2"], stacked["s2"])
-    l1, l2 = deep_gemm.transform_weights_for_mega_moe(l1_raw, l2_raw)
-    weights = NVFP4MegaMoEWeights(ids, l1, l2, l1_raw, l2_raw, stacked["g1"], stacked["g2"])
+    dense = (dense_expert(seed, e, hidden, intermediate, outlier_channels, outlier_scale)
+             for e in ids)
+    weights = quantized_weights(NVFP4MegaMoEWeights, quantize_nvfp4_expert, dense, ids, device)
     if num_shared_experts:
         weights.shared_dtype = shared_dtype
         add_shared_expert(weights, num_shared_experts, hidden, intermediate, seed,
