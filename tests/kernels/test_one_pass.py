@@ -22,6 +22,7 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: the GPU tier runs the one-pass path itself",
                 allow_module_level=True)
 
+from layout_proof import slots_proven
 from moewire import kernels  # noqa: E402
 from moewire.megamoe import layout_check  # noqa: E402
 from moewire.megamoe.convert import convert  # noqa: E402
@@ -86,9 +87,11 @@ def test_one_pass_equals_the_torch_path(one_pass, fmt, fused, monkeypatch):
     args, kwargs = one_pass["kernel"][0]
     assert args[7] is not None and args[8] is not None, "the kernel did not run the check"
     # No torch re-sum for the check; with a fused shared row, only the alternative
-    # readings (k of them) that prove which stored row is the shared one.
-    assert one_pass["resum"] == (4 if fused else 0)
-    assert layout_checked(experts.get_symm_buffer())
+    # readings that prove which stored row is the shared one (k of them) and where it is
+    # added (the other end of the sum).
+    assert one_pass["resum"] == (5 if fused else 0)
+    assert slots_proven(experts.get_symm_buffer()) if fused else layout_checked(
+        experts.get_symm_buffer())
 
     monkeypatch.undo()
     layout_check.reset_layout_checks()
@@ -133,7 +136,7 @@ def test_one_pass_keeps_the_blind_spot_closed(one_pass, monkeypatch):
     pad[3] = True
     with forward_context(is_padding=pad):
         experts(x, w, ids)
-    assert layout_checked(buf)
+    assert slots_proven(buf)
 
 
 def test_one_pass_compares_tokens_that_have_only_the_shared_row(one_pass, monkeypatch):
