@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moewire.reference._alloc import allocate, group_size_rank, itemsize, numel
+from moewire.reference._alloc import allocate, fail, group_size_rank, itemsize, numel
 from moewire.reference.builds import KERNEL_BUILDS, KernelBuild
 
 # The smallest BLOCK_M of the Mega-MoE kernels (``layout/mega_moe.cuh``, kCandidateBlockM).
@@ -69,6 +69,14 @@ class RegionBuffer:
         self.hidden = hidden
         self.intermediate_hidden = intermediate_hidden
 
+    def _set_experts(self, num_shared_experts: int) -> None:
+        """After :meth:`_set_sizes`: ``num_experts_per_rank`` (the experts split evenly over
+        the ranks), ``num_shared_experts`` as given, and ``num_slots``: ``k``, plus one for
+        a fused shared expert."""
+        self.num_experts_per_rank = self.num_experts // self.num_ranks
+        self.num_shared_experts = num_shared_experts
+        self.num_slots = self.num_topk + (1 if num_shared_experts > 0 else 0)
+
     @property
     def _dlpack_views(self) -> bool:
         """Views are DLPack tensors sharing no storage object with ``.buffer``."""
@@ -94,6 +102,18 @@ class RegionBuffer:
         self.buffer.zero_()
         if self.num_ranks > 1:
             dist.barrier(group=self.group)
+
+    def _share(self, base: RegionBuffer, num_bytes: int, where: str) -> None:
+        """Use ``base``'s bytes instead of allocating (the caller checked that ``base`` is a
+        live buffer of its type and group); ``where`` names the call in the error.
+
+        Raises:
+            ValueError: this layout needs more than ``num_bytes`` of ``base``.
+        """
+        if num_bytes > base.buffer.numel():
+            fail(where, f"this configuration needs {num_bytes} bytes but base holds "
+                        f"{base.buffer.numel()}; build it without base")
+        self.buffer, self.handle = base.buffer, base.handle
 
     def _view_names(self) -> list[str]:
         return [n for n in self._moewire_regions if n not in self._HIDDEN]
@@ -193,13 +213,11 @@ class SymmBuffer(RegionBuffer):
             group, "get_symm_buffer_for_mega_moe", num_experts, num_max_tokens_per_rank,
             num_topk, hidden, intermediate_hidden,
         )
+        self._set_experts(num_shared_experts)
         self.use_fp8_combine = use_fp8_combine
-        self.num_experts_per_rank = num_experts // self.num_ranks
-        self.num_shared_experts = num_shared_experts
         self.mma_type = mma_type
         self.activation = activation
         self._moewire_flavour = build.name
-        self.num_slots = num_topk + (1 if num_shared_experts > 0 else 0)
         self._allocate(self._lay_out(), device)
         self._slice_views()
 

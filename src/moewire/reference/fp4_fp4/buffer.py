@@ -111,11 +111,9 @@ class FP4SymmBuffer(RegionBuffer):
             group, where, num_experts, align(num_max_tokens_per_rank, TOKEN_ALIGNMENT),
             num_topk, hidden, intermediate_hidden,
         )
-        self.num_experts_per_rank = num_experts // num_ranks
-        self.num_shared_experts = num_shared_experts
+        self._set_experts(num_shared_experts)
         self.mma_type = mma_type
         self.activation = activation
-        self.num_slots = num_topk + (1 if num_shared_experts > 0 else 0)
         self._moewire_flavour = FLAVOUR
         offset = self._lay_out()
         if base is None:
@@ -126,10 +124,7 @@ class FP4SymmBuffer(RegionBuffer):
                 base.group is not group
             ):
                 _fail(where, "base must be a live fp4xfp4 SymmBuffer of the same group")
-            if offset > base.buffer.numel():
-                _fail(where, f"this configuration needs {offset} bytes but base holds "
-                             f"{base.buffer.numel()}; build it without base")
-            self.buffer, self.handle = base.buffer, base.handle
+            self._share(base, offset, where)
         self._slice_views()
         for name in ("shared_l1_acts", "shared_l1_acts_sf", "shared_l2_acts_sf"):
             setattr(self, name, None)

@@ -140,12 +140,10 @@ class NVFP4SymmBuffer(RegionBuffer):
             group, where, num_experts, _align(num_max_tokens_per_rank, TOKEN_ALIGNMENT),
             num_topk, hidden, intermediate_hidden,
         )
-        self.num_experts_per_rank = num_experts // num_ranks
-        self.num_shared_experts = num_shared_experts
+        self._set_experts(num_shared_experts)
         self.mma_type = "nvfp4"
         self.activation = "swiglu"
         self.shared_dtype = shared_dtype
-        self.num_slots = num_topk + (1 if num_shared_experts > 0 else 0)
 
         offset = self._lay_out()
         if base is None:
@@ -159,13 +157,7 @@ class NVFP4SymmBuffer(RegionBuffer):
                 _fail(where, "base must be a live NVFP4SymmBuffer (not destroyed)")
             if base.group is not group:
                 _fail(where, "base was built for another process group; pass one of the same")
-            if offset > base.buffer.numel():
-                _fail(
-                    where,
-                    f"this configuration needs {offset} bytes but base holds "
-                    f"{base.buffer.numel()}; build it without base",
-                )
-            self.buffer, self.handle = base.buffer, base.handle
+            self._share(base, offset, where)
         self._slice_views()
 
     def _regions(self) -> list[Region]:
