@@ -52,7 +52,7 @@ from moewire.reference.nvfp4._numerics import (
     pack_e4m3,
     pack_fp4_codes,
 )
-from moewire.reference.nvfp4.mega_moe import _activation, _NVFP4Experts
+from moewire.reference.nvfp4.mega_moe import _activation, _NVFP4Experts, slot_sum
 
 __all__ = ["combine", "fp4_fp4_mega_moe"]
 
@@ -287,10 +287,7 @@ def combine(
         BF16 ``[T, H]``.
     """
     t, k = num_tokens, topk_idx.shape[1]
-    valid = topk_idx[:t] >= 0
-    acc = torch.zeros((t, rows.shape[2]), dtype=torch.float32, device=rows.device)
-    for s in range(k):
-        acc = torch.where(valid[:, s : s + 1], acc + rows[s, :t].float(), acc)
+    acc = slot_sum(rows, topk_idx, t, lambda acc, row, s: acc + row)
     # The kernel takes the factor as a C float: its FP32 value (a Python float holding it
     # multiplies an FP32 tensor exactly as that FP32 scalar).
     scale = float(torch.tensor(float(routed_scaling_factor), dtype=torch.float32))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -389,6 +390,29 @@ def nvfp4_mega_moe(
         buf.buffer.zero_()
 
 
+def slot_sum(rows: torch.Tensor, topk_idx: torch.Tensor, num_tokens: int,
+             add: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """The routed part of the SM100 kernels' combine: per token ``acc = +0.0`` (FP32), then
+    for each valid slot ``s`` (``topk_idx >= 0``) in ascending order (``__ffs`` of the slot
+    mask) ``acc = add(acc, float(rows[s, t]), s)``, the kernel's own arithmetic. Invalid
+    slots are selected away, never multiplied by a mask: their rows are stale and may hold
+    NaN.
+
+    Args:
+        rows: BF16 ``[k (+1), >= T, H]``; topk_idx: int ``[T, k]``; num_tokens: ``T``.
+        add: ``(acc FP32 [T, H], row FP32 [T, H], slot) -> acc``.
+
+    Returns:
+        FP32 ``[T, H]``.
+    """
+    t, k = num_tokens, topk_idx.shape[1]
+    valid = topk_idx[:t] >= 0
+    acc = torch.zeros((t, rows.shape[2]), dtype=torch.float32, device=rows.device)
+    for s in range(k):
+        acc = torch.where(valid[:, s : s + 1], add(acc, rows[s, :t].float(), s), acc)
+    return acc
+
+
 def weighted_combine(
     rows: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -414,11 +438,8 @@ def weighted_combine(
         BF16 ``[T, H]``.
     """
     t, k = num_tokens, topk_idx.shape[1]
-    valid = topk_idx[:t] >= 0
-    acc = torch.zeros((t, rows.shape[2]), dtype=torch.float32, device=rows.device)
-    for s in range(k):
-        fused = fma_f32(rows[s, :t].float(), topk_weights[:t, s : s + 1].float(), acc)
-        acc = torch.where(valid[:, s : s + 1], fused, acc)
+    weights = topk_weights[:t].float()
+    acc = slot_sum(rows, topk_idx, t, lambda acc, row, s: fma_f32(row, weights[:, s : s + 1], acc))
     if shared:
         acc = acc + rows[k, :t].float()
     return acc.bfloat16()
