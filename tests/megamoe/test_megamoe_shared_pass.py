@@ -265,11 +265,19 @@ def test_the_second_launch_is_refused_where_it_cannot_be_made(cls, match):
 # -- CUDA graphs (H200) ----------------------------------------------------------------------
 
 
+# Token 0's column 0 in the capturable kernel: routed 2^16, 1, 1, 0 and the shared row 2^24.
+# Shared first, 2^24 + 2^16 absorbs each +1 and rounds to 2^24; shared last gives 2^24 + 2^17
+# (tests/megamoe/test_megamoe_shared_order.py): the first eager check proves the order.
+ORDER_ROWS = torch.tensor([2.0**16, 1.0, 1.0, 0.0, 2.0**24]).bfloat16()
+_ORDER_ROWS: dict[torch.device, torch.Tensor] = {}  # made by the eager call, before capture
+
+
 def _capturable_fused_kernel(y, l1, l2, buf, shared_l1_weights=None, shared_l2_weights=None,
                              **kwargs):
     """A ``bf16_mega_moe`` with no host sync (the stand-in's syncs): routed rows
     ``bf16(x * gain)`` at the valid slots, the shared row ``bf16(x / 2 + 1)`` at slot k for
-    every token, summed shared first in FP32, one rounding (vLLM 0.33's order)."""
+    every token, summed shared first in FP32, one rounding (vLLM 0.33's order). Token 0's
+    column 0 holds rows whose sum shows that order (:data:`ORDER_ROWS`)."""
     t, k = y.shape[0], buf.num_topk
     idx = buf.topk_idx[:t]
     valid = (idx >= 0).T.unsqueeze(-1)
@@ -279,6 +287,7 @@ def _capturable_fused_kernel(y, l1, l2, buf, shared_l1_weights=None, shared_l2_w
     rows[:k, :t] = torch.where(valid, (x.unsqueeze(0) * gain.T.unsqueeze(-1)).bfloat16(),
                                rows[:k, :t])
     rows[k, :t] = (x * 0.5 + 1.0).bfloat16()
+    rows[:, 0, 0] = _ORDER_ROWS.setdefault(y.device, ORDER_ROWS.to(y.device))
     acc = torch.zeros((t, y.shape[1]), dtype=torch.float32, device=y.device)
     acc = acc + rows[k, :t].float()
     for s in range(k):
@@ -299,6 +308,7 @@ def test_the_shared_pass_replays_in_a_cuda_graph_like_eager(monkeypatch):
     experts.dispatch_quantizer = WireQuantizer("fp8", constant_amax=AMAX).cuda()
     experts.combine_quantizer = WireQuantizer("bf16").cuda()
     static = [t.cuda() for t in batch(T, experts.hidden, seed=70, scale=3.0)]
+    static[2][0] = torch.arange(static[2].shape[1])  # token 0 shows the order (ORDER_ROWS)
     eager_first = experts(*static).clone()  # the eager checks run here
     assert layout_check.layout_checked(experts.get_symm_buffer())
     x, w, ids = (t.cpu() for t in static)
@@ -309,6 +319,7 @@ def test_the_shared_pass_replays_in_a_cuda_graph_like_eager(monkeypatch):
     for s in range(ids.shape[1]):
         routed = (xq.float() * gain[:, s : s + 1]).bfloat16().float()
         acc = torch.where((ids[:, s] >= 0)[:, None], acc + routed, acc)
+    acc[0, 0] = 2.0**24  # ORDER_ROWS summed shared first
     np.testing.assert_array_equal(oracles.torch_bits(eager_first.cpu()),
                                   oracles.torch_bits(acc.bfloat16()))
     side = torch.cuda.Stream()
