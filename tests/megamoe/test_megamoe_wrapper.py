@@ -9,6 +9,7 @@ import torch
 from mm_helpers import SHAPES, Layer, Model, batch, make_experts, region
 from torch import nn
 
+import moewire
 from moewire.megamoe import hooks, layout_check, quant_experts
 from moewire.megamoe.convert import convert
 from moewire.megamoe.layout_check import layout_checked
@@ -594,7 +595,9 @@ def test_all_valid_batches_do_not_prove_which_row_is_shared(monkeypatch):
 
 
 def test_a_padding_token_proves_the_shared_row(monkeypatch):
-    experts = combine_on(converted(Model(n=1, fused=1)))
+    model = converted(Model(n=1, fused=1))
+    assert "layout proof open" not in moewire.summary(model)  # no batch yet
+    experts = combine_on(model)
     buf = experts.get_symm_buffer()
     x, w, ids = batch(T, SHAPES["bf16xbf16"][0], seed=31, masked=0.0)
     experts(x, w, ids)
@@ -605,6 +608,8 @@ def test_a_padding_token_proves_the_shared_row(monkeypatch):
         experts(x, w, ids)
     # Every other slot is ruled out; rows this ordinary cannot show first from last.
     assert layout_check.unproven_readings(buf) == ("shared row added last",)
+    assert ("layers.0.experts: layout proof open (each eager batch is checked until its rows "
+            "tell these apart): shared row added last") in moewire.summary(model)
     monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _shared_stored_first(deep_gemm.bf16_mega_moe))
     layout_check.reset_layout_checks()
     with forward_context(is_padding=pad), pytest.raises(RuntimeError, match="layout check"):

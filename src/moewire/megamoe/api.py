@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from moewire.formats.base import amax_is_valid
+from moewire.megamoe import layout_check
 from moewire.megamoe.convert import (
     _module_device,
     convert,
@@ -558,11 +559,33 @@ def load_scales(model: nn.Module, path: str | Path, *, allow_extra: bool = False
     return [name for name, _, _ in updates]
 
 
+def _unproven_layout(module: nn.Module) -> tuple[str, ...]:
+    """The readings of ``module``'s buffer that its layout check has not yet ruled out;
+    empty before its first call and once checked. A buffer the adapter cannot give now (a
+    host's buffer not yet allocated, or refused under ``DG_COMM_KERNEL_DEBUG``, which its
+    next forward reports) has no proof to report either."""
+    adapter = getattr(module, "_moewire_adapter", None)
+    try:
+        buffer = None if adapter is None else adapter.get_symm_buffer(module)
+    except (AttributeError, RuntimeError):
+        return ()
+    return () if buffer is None else layout_check.unproven_readings(buffer)
+
+
 def summary(model: nn.Module) -> str:
     """One line per dispatch/combine quantizer: name, format, mode, amax (and where it
     came from: calibrated, constant, loaded), and whether its scale is static (row-local)
-    or computed per call."""
+    or computed per call. An experts module whose buffer's layout proof is still open (a
+    fused shared row whose readings no batch has yet told apart) adds a line naming them."""
     lines = []
+    for name, module in _experts_modules(model):
+        if is_converted(module):
+            open_readings = _unproven_layout(module)
+            if open_readings:
+                lines.append(
+                    f"{name}: layout proof open (each eager batch is checked until its rows "
+                    f"tell these apart): {', '.join(open_readings)}"
+                )
     for name, _, q in quantizers(model):
         amax = q.static_amax
         amax_text = "none" if amax is None else f"{float(amax):.6g}"
