@@ -10,7 +10,8 @@ Usage (from the repository root; ``make mutants`` runs it with the project's ven
 
 The repository's files (tracked and untracked, not ignored: ``git ls-files -co
 --exclude-standard``) are copied once into a scratch folder; the working tree is never
-touched. The named tests first run there unmutated (they must pass). Then, one mutant at a
+touched. The named tests first run there unmutated (they must pass; the suites that name only
+tests run together, in one process). Then, one mutant at a
 time, its edits are applied to the scratch copy, its tests run with ``-x`` (the scratch
 ``src`` first on ``PYTHONPATH``), and the file is restored. A mutant whose tests fail is
 *caught*; one whose tests pass *survived*; a run that cannot collect or errors otherwise is
@@ -114,6 +115,20 @@ def run_tests(scratch: Path, tests: tuple[str, ...], timeout: float) -> tuple[in
     return done.returncode, (done.stdout + done.stderr)[-3000:]
 
 
+def unmutated_runs(suites: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The pytest runs that show every suite passes on the unmutated code: the suites that
+    name only tests (paths or node ids) together in one run, since the suite passes in any
+    order and together (``make test``), and each suite with options (``-k``) alone. One
+    process instead of one per suite: a process start imports torch and transformers."""
+    plain = sorted({t for tests in suites if not _has_options(tests) for t in tests})
+    with_options = [tests for tests in suites if _has_options(tests)]
+    return ([tuple(plain)] if plain else []) + with_options
+
+
+def _has_options(tests: tuple[str, ...]) -> bool:
+    return any(arg.startswith("-") for arg in tests)
+
+
 def _first_failure(output: str) -> str:
     """The first ``FAILED`` line of pytest's summary (the test that caught the mutant)."""
     for line in output.splitlines():
@@ -180,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         scratch_copy(scratch)
         check_import_path(scratch)
         suites = sorted({m.tests for m in mutants})
-        for tests in suites:
-            code, tail = run_tests(scratch, tests, args.timeout)
+        for tests in unmutated_runs(suites):
+            code, tail = run_tests(scratch, tests, args.timeout * len(tests))
             if code != 0:
                 print(tail, file=sys.stderr)
                 print(

@@ -60,3 +60,17 @@ def test_a_stale_mutant_is_refused_with_its_name():
     stale = mutants.Mutant("stale", "spot", "src/x.py", ("tests",), (("not in the file", "x"),))
     with pytest.raises(LookupError, match="mutant 'stale': its original text occurs 0 times"):
         stale.apply("some code")
+
+
+def test_the_unmutated_runs_cover_every_suite_once():
+    """The suites that name only tests run together in one process, each suite with options
+    (``-k``) alone, and every suite's tests are in some run. Break: drop the suites with
+    options, or merge a ``-k`` into the shared run (it would deselect other suites' tests)."""
+    suites = sorted({m.tests for m in LIST})
+    runs = mutants.unmutated_runs(suites)
+    shared, *alone = runs
+    assert not any(arg.startswith("-") for arg in shared)
+    assert sorted(alone) == sorted(s for s in suites if any(a.startswith("-") for a in s))
+    for suite in suites:
+        assert suite in alone or set(suite) <= set(shared)
+    assert len(shared) == len(set(shared))
