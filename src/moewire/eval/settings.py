@@ -56,6 +56,9 @@ class EvalConfig:
         tasks: lm-evaluation-harness task names, run on every run but the per-layer ones.
         tasks_path: a directory of task YAML files (lm-eval's ``--include_path``).
         task_limit: at most this many documents per task (lm-eval's ``--limit``).
+        force: an ``out_dir`` holding an earlier run's files is refused unless this is set;
+            then those files are removed first (and the log says which), so no earlier file
+            stays beside this run's (:func:`moewire.outputs.prepare_output_dir`).
     """
 
     pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS
@@ -75,6 +78,7 @@ class EvalConfig:
     tasks: Sequence[str] = ()
     tasks_path: str | os.PathLike | None = None
     task_limit: int | None = None
+    force: bool = False
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(EvalConfig))
