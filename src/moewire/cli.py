@@ -1,8 +1,14 @@
 """The ``moewire`` command: ``moewire study`` (the main job), ``moewire eval`` (a whole model),
 ``moewire formats`` and ``moewire builds``.
 
-Exit codes: 0 on success, 2 on a bad argument (argparse's convention; the message names
-the argument and the fix), 1 on any other failure.
+Exit codes: 0 on success, 2 on a bad argument (argparse's convention; one line that names
+the argument and the fix, the usage block only for ``--help``), 130 when interrupted
+(Ctrl-C: one line, no traceback, as a shell reports SIGINT), 1 on any other failure.
+
+``study`` and ``eval`` share one vocabulary: ``--kernel stand-in`` or ``deepgemm-sm90``
+(``reference``, the study's former name, still works with a deprecation notice), format
+names in any case (``FP8:NVFP4`` is ``fp8:nvfp4``), and a ``--budget`` that must be above 0
+(a bound no quantized pair can meet is refused before any work).
 """
 
 from __future__ import annotations
@@ -12,6 +18,43 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+
+def _rank0() -> bool:
+    """Whether this process speaks for the run: rank 0 under ``torchrun``, or not under it
+    (a ``RANK`` that is not a number counts as rank 0, so that someone says it)."""
+    rank = os.environ.get("RANK", "0")
+    return not rank.isdigit() or int(rank) == 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument said in one line (``moewire eval: error: argument
+    --budget: ...; see moewire eval --help``) instead of the usage block and the line, and
+    said once under ``torchrun`` (every rank parses the same arguments)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n"
+                  if _rank0() else None)
+
+
+def _kernel(text: str) -> str:
+    """An argparse type: a ``--kernel`` name in any case; ``reference`` (the study's former
+    name of the stand-in) with a deprecation notice."""
+    from moewire.study.settings import KERNEL_ALIASES, KERNELS
+
+    name = text.strip().lower()
+    if name in KERNEL_ALIASES:
+        if _rank0():
+            print(f"moewire: warning: --kernel {name} is deprecated; it is now called "
+                  f"--kernel {KERNEL_ALIASES[name]}", file=sys.stderr)
+        return KERNEL_ALIASES[name]
+    if name not in KERNELS:
+        raise argparse.ArgumentTypeError(f"unknown kernel {text!r}; pick one of "
+                                         f"{', '.join(KERNELS)}")
+    return name
+
+
+_kernel.__name__ = "kernel"
 
 
 def _bounded(kind: type, minimum: float, *, strict: bool = False):
@@ -120,10 +163,11 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--mma", choices=MMA_TYPES, default=d.mma,
                    help="stand-in kernel MMA type (default fp8xfp4, as DeepSeek-V4 serves; "
                    "nvfp4: the NVFP4 Mega-MoE of vLLM 0.33/0.34, unweighted combine rows)")
-    p.add_argument("--kernel", choices=KERNELS, default=d.kernel,
-                   help="reference: the stand-in kernel (default); deepgemm-sm90: DeepGEMM's "
-                   "real SM90 Mega-MoE kernel (needs a Hopper GPU, the package and --device "
-                   "cuda; docs/real-kernel.md)")
+    p.add_argument("--kernel", type=_kernel, default=d.kernel,
+                   metavar="{" + ",".join(KERNELS) + "}",
+                   help="stand-in: moewire's stand-in kernel (default; any device); "
+                   "deepgemm-sm90: DeepGEMM's real SM90 Mega-MoE kernel (needs a Hopper GPU, "
+                   "the package and --device cuda; docs/real-kernel.md)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
     p.add_argument("--router-imbalance", type=_float_at_least(1.0), default=None,
                    metavar="X",
@@ -210,18 +254,36 @@ def _line_hooks():
 
 
 def _rich_bar(console):
-    """A rich progress display with the time so far and the estimated time to go."""
+    """A rich progress display with the time so far and the estimated time to go.
+
+    The description is a plain-text column (``markup=False``): a label such as
+    ``fp8:nvfp4 [layer 3]`` is shown as written, and the bar renders the same whatever
+    markup setting a line printed above it used (a markup string column is drawn with
+    the printing call's setting, so a ``markup=False`` log line made it show the literal
+    ``[progress.description]``)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
+        TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
     from rich.progress import Progress as RichProgress
 
-    return RichProgress("[progress.description]{task.description}", BarColumn(),
+    return RichProgress(TextColumn("{task.description}", markup=False), BarColumn(),
                         MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                         console=console, transient=True)
+
+
+def _bar_log(bar):
+    """``log(line)`` above a live bar: the line as plain text, never wrapped by rich (a
+    terminal narrower than the line folds it, and a copy of it stays one line)."""
+    from rich.text import Text
+
+    def log(line: str) -> None:
+        bar.console.print(Text(line), soft_wrap=True, highlight=False)
+
+    return log
 
 
 def _rich_hooks(bar):
@@ -401,7 +463,8 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
                    help="tokens evaluated (default 1024)")
     p.add_argument("--seq-len", type=_int_at_least(2), default=128,
                    help="tokens per window (default 128)")
-    p.add_argument("--kernel", choices=("stand-in", "deepgemm-sm90"), default="stand-in",
+    p.add_argument("--kernel", type=_kernel, default="stand-in",
+                   metavar="{stand-in,deepgemm-sm90}",
                    help="the Mega-MoE kernel (default stand-in; deepgemm-sm90: DeepGEMM's real "
                         "SM90 fp8_mega_moe on a Hopper GPU, FP8 128x128 block-scaled weights)")
     from moewire.reference.catalogue import mma_types
@@ -412,8 +475,9 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
                         "and tokens NVFP4, H and I multiples of 512; fp8xfp8 for "
                         "deepgemm-sm90)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--budget", type=_float_at_least(0.0), default=None, metavar="KL",
-                   help="mean-KL budget: name the cheapest pair within it")
+    p.add_argument("--budget", type=_float_above(0.0), default=None, metavar="KL",
+                   help="mean-KL budget (> 0; every quantized pair has some KL): name the "
+                   "cheapest pair within it")
     p.add_argument("--per-layer", metavar="DISPATCH:COMBINE", default=None,
                    help="quantize one layer at a time with this pair; with --budget, measure "
                         "and write mixed_recipe.yaml")
@@ -463,9 +527,10 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise EvalError("--pairs", "the flag is given without a pair; pass one or more (e.g. "
                         "--pairs fp8:nvfp4 nvfp4:nvfp4), or leave --pairs out for the default "
                         "three")
-    pairs = [parse_pair(text) for text in (args.pairs or ["fp8:fp8", "fp8:nvfp4",
-                                                           "nvfp4:nvfp4"])]
-    per_layer = parse_pair(args.per_layer, "--per-layer") if args.per_layer else None
+    # Format names in any case, as moewire study's --dispatch and --combine.
+    pairs = [parse_pair(text.lower()) for text in (args.pairs or ["fp8:fp8", "fp8:nvfp4",
+                                                                   "nvfp4:nvfp4"])]
+    per_layer = parse_pair(args.per_layer.lower(), "--per-layer") if args.per_layer else None
     tasks = [] if args.tasks is None else [t.strip() for t in args.tasks.split(",")
                                            if t.strip()]
     if args.tasks is not None and not tasks:
@@ -484,7 +549,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         bar = _rich_bar(Console(stderr=True))
         with bar:
             report = evaluate(args.checkpoint, config,
-                              log=lambda s: bar.console.print(s, highlight=False, markup=False),
+                              log=_bar_log(bar),
                               progress=_eval_progress(bar))
     else:
         report = evaluate(args.checkpoint, config)
@@ -578,7 +643,7 @@ def _run_builds(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``moewire`` argument parser (subcommands ``study``, ``eval``, ``formats`` and
     ``builds``; ``--version``)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="moewire",
         description="Simulate low-precision MoE dispatch/combine in fused Mega-MoE kernels.",
     )
@@ -598,8 +663,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``moewire`` console script; returns the exit code."""
-    from moewire.study.errors import StudyArgumentError  # light: no torch
-
     parser = build_parser()
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
@@ -608,6 +671,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    out = _out_dir(args)
+    existed = out is not None and out.exists()
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        if _rank0():
+            print(f"moewire {args.command}: interrupted; {_left_behind(out, existed)}",
+                  file=sys.stderr)
+        return 130
+
+
+def _out_dir(args: argparse.Namespace) -> Path | None:
+    """The output directory a ``study`` or ``eval`` run writes (``None``: none known yet)."""
+    if args.command == "eval":
+        return Path(args.out)
+    if args.command == "study" and args.from_json is None:
+        from moewire.study.settings import StudyConfig
+
+        return Path(args.out or StudyConfig.out)
+    return None if getattr(args, "out", None) is None else Path(args.out)
+
+
+def _left_behind(out: Path | None, existed: bool) -> str:
+    """What an interrupted run leaves, in words; an output directory that the run created
+    and left empty is removed (a later run then starts clean, with no ``--force``)."""
+    if out is None or not out.is_dir():
+        return "nothing was written"
+    if not existed and not any(out.iterdir()):
+        out.rmdir()
+        return f"nothing was written (the empty {out} is removed)"
+    return f"{out} holds only the files finished before it"
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """Run the subcommand of ``args``; a refusal is one line on stderr and exit code 2."""
+    from moewire.study.errors import StudyArgumentError  # light: no torch
+
     try:
         if args.command == "formats":
             return _run_formats(args)
@@ -619,10 +719,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 return _run_eval(args)
             except EvalError as exc:
-                # Under torchrun every rank refuses alike; rank 0 says it once (and any
-                # rank whose RANK is not a rank).
-                rank = os.environ.get("RANK", "0")
-                if not rank.isdigit() or int(rank) == 0:
+                # Under torchrun every rank refuses alike; rank 0 says it once.
+                if _rank0():
                     print(f"moewire eval: error: {exc}", file=sys.stderr)
                 return 2
         return _run_study(args)

@@ -320,15 +320,15 @@ def build_layer(
         experts, layer_cls: another kernel's routed experts and layer class (both or none).
 
     Raises:
-        ValueError: ``cfg.kernel`` is not ``reference`` and no ``experts`` are given (the
+        ValueError: ``cfg.kernel`` is not ``stand-in`` and no ``experts`` are given (the
             stand-in must never stand in for the real kernel silently).
     """
     preset = cfg.preset
     real = experts is not None
-    if real != (cfg.kernel != "reference") or real != (layer_cls is not None):
+    if real != (cfg.kernel != "stand-in") or real != (layer_cls is not None):
         raise ValueError(
             f"build_layer: --kernel {cfg.kernel} needs its own experts and layer class "
-            "(moewire.study.real_kernel.build_layer for deepgemm-sm90); the reference "
+            "(moewire.study.real_kernel.build_layer for deepgemm-sm90); the stand-in "
             "kernel takes neither"
         )
     device = torch.device(cfg.device)

@@ -42,7 +42,7 @@ def check(cfg: StudyConfig) -> None:
         raise StudyArgumentError(
             "--kernel", f"the real SM90 Mega-MoE kernel cannot run here: {why}. It needs a "
             "Hopper GPU and DeepGEMM's SM90 package (scripts/real_kernel/build_kit.sh, "
-            "docs/real-kernel.md); without them use --kernel reference"
+            "docs/real-kernel.md); without them use --kernel stand-in"
         )
 
 

@@ -40,8 +40,11 @@ MMA_TYPES = mma_types(STAND_IN, "study")
 #: The synthetic router's default hottest-expert load over the mean (DeepSeek's
 #: bias-balanced routing keeps it at a few x).
 DEFAULT_ROUTER_IMBALANCE = 2.5
-#: ``--kernel``: the stand-in (any device) or a real build (moewire.study.real_kernel).
-KERNELS = ("reference", "deepgemm-sm90")
+#: ``--kernel``: the stand-in (any device) or a real build (moewire.study.real_kernel); the
+#: same names as ``moewire eval --kernel``.
+KERNELS = ("stand-in", "deepgemm-sm90")
+#: Former ``--kernel`` names (old -> current), accepted by the CLI with a deprecation notice.
+KERNEL_ALIASES = {"reference": "stand-in"}
 # What H and I must be multiples of for each stand-in build (the catalogue is torch-free, so
 # the CLI checks flags before torch loads).
 _HIDDEN_MULTIPLE = {b.mma_type: b.hidden_multiple for b in builds(STAND_IN, "study")}
@@ -73,7 +76,7 @@ class StudyConfig:
             mean (its selection bias is fitted to it); ``None``:
             :data:`DEFAULT_ROUTER_IMBALANCE`, or ``E / k`` when fewer experts cannot carry
             it. A checkpoint's router is used as is.
-        kernel: ``reference`` (the stand-in kernel) or ``deepgemm-sm90`` (DeepGEMM's real
+        kernel: ``stand-in`` (the stand-in kernel) or ``deepgemm-sm90`` (DeepGEMM's real
             SM90 Mega-MoE kernel on a Hopper GPU, :mod:`moewire.study.real_kernel`).
         interconnect: the time estimate's profile (:data:`moewire.study.comm.INTERCONNECTS`).
         ep_size: the EP size of the time estimate; ``None``: :func:`default_ep_size` (8,
@@ -100,7 +103,7 @@ class StudyConfig:
     seed: int = 0
     out: str = "moewire-study"
     router_imbalance: float | None = None
-    kernel: str = "reference"
+    kernel: str = "stand-in"
     interconnect: str = "nvlink-h200"
     ep_size: int | None = None
     ep_tokens: int | None = None
@@ -159,6 +162,11 @@ def _positive(value: object, argument: str, minimum: int = 1) -> int:
 
 
 def _one_of(value: str, known: Collection[str], argument: str, what: str) -> None:
+    if value in KERNEL_ALIASES and what == "kernel":
+        raise StudyArgumentError(
+            argument, f"{value!r} is now called {KERNEL_ALIASES[value]!r}; pass "
+            f"kernel={KERNEL_ALIASES[value]!r}"
+        )
     if value not in known:
         raise StudyArgumentError(
             argument, f"unknown {what} {value!r}; pick one of {', '.join(known)}"
@@ -212,7 +220,8 @@ def validate(cfg: StudyConfig) -> StudyConfig:
         )
     if cfg.layer is not None:
         _positive(cfg.layer, "--layer", minimum=0)
-    if cfg.weights is None and (cfg.experts or cfg.preset.num_experts) >= cfg.preset.top_k:
+    if cfg.weights is None:  # the shapes are known now: refuse before the layer is built
+        _check_top_k(cfg.experts or cfg.preset.num_experts, cfg.preset.top_k)
         _check_imbalance(cfg, cfg.experts or cfg.preset.num_experts, cfg.preset.top_k)
     if cfg.weights is not None and cfg.experts is not None:
         raise StudyArgumentError(
@@ -392,17 +401,21 @@ def check_out_dir(out: str | Path) -> Path:
     return writable_dir(out, StudyArgumentError, "moewire-study")
 
 
+def _check_top_k(num_experts: int, top_k: int) -> None:
+    if top_k > num_experts:
+        raise StudyArgumentError(
+            "--experts", f"{num_experts} experts are fewer than top-k {top_k}; use at least "
+            f"{top_k}"
+        )
+
+
 def check_layer_shapes(
     cfg: StudyConfig, num_experts: int, top_k: int, hidden: int, intermediate: int
 ) -> None:
     """Checks that need the layer's shapes (from the preset or the weights file)."""
     from moewire import formats
 
-    if top_k > num_experts:
-        raise StudyArgumentError(
-            "--experts", f"{num_experts} experts are fewer than top-k {top_k}; use at least "
-            f"{top_k}"
-        )
+    _check_top_k(num_experts, top_k)
     _check_imbalance(cfg, num_experts, top_k)
     if num_experts % cfg.ranks:
         raise StudyArgumentError(
