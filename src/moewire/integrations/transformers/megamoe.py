@@ -17,6 +17,13 @@ SITES` (transformers 5.23.0, ``integrations/deepgemm.py``; the sources are in th
   the interface instead (``FP8ExpertsInterface.register``, transformers' own registration),
   which runs the forward inside the converted module's quantized forward and records the
   call's ``process_group``. Outside a converted module it calls the forward unchanged.
+- **One rank** (:func:`one_rank_group`): the forward needs a ``process_group`` (its buffers
+  rendezvous over it, ``_SYMM_BUFFERS[group.group_name]``), which only ``MegaMoeEP`` passes,
+  and transformers 5.23 applies no EP plan for ``ep_size=1`` (``modeling_utils``'s
+  distribution runs for ``ep_size > 1`` only). For a module that runs on one process without
+  an EP plan, ``prepare`` records a process group of one rank (:data:`ONE_RANK`) and the
+  trampoline passes it when the call has none: what ``MegaMoeEP`` does on one rank (the slice
+  is the whole batch and the all-gather a copy), without the DTensor sharding.
 - **The stand-in as transformers' kernel** (:func:`install_stand_in`, the explicit opt-in
   ``prepare(model, kernel="stand-in")``): ``_DEEPGEMM`` becomes a ``DeepGEMM`` bundle whose
   five Mega-MoE entry points are :mod:`moewire.reference.hub_deep_gemm` (the stand-in of
@@ -51,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moewire.integrations.deepgemm_sm90 import one_rank_group as one_rank_nccl
 from moewire.integrations.deepgemm_sm90 import symm_buffer_of
 from moewire.integrations.transformers.sites import SITES, MegaMoeSite, recognise, resolve
 from moewire.megamoe.active import ACTIVE
@@ -66,9 +74,11 @@ from moewire.reference import hub_deep_gemm
 __all__ = [
     "CALL_GROUP",
     "GROUPS",
+    "ONE_RANK",
     "install_stand_in",
     "keep_fp8_on_cpu",
     "load_bundle",
+    "one_rank_group",
     "register",
     "remove_stand_in",
     "run_quantized",
@@ -82,6 +92,8 @@ __all__ = [
 CALL_GROUP = "_moewire_tf_call_group"
 #: ``module.__dict__`` key: ``(EP group, DP groups)`` recorded by ``prepare`` from the mesh.
 GROUPS = "_moewire_tf_groups"
+#: ``module.__dict__`` key: the one-rank group ``prepare`` gives a module without an EP plan.
+ONE_RANK = "_moewire_tf_one_rank"
 
 # site name -> [(interface class, the value moewire replaced)], while registered.
 _REGISTERED: dict[str, list[tuple[type, Callable]]] = {}
@@ -115,6 +127,8 @@ def _trampoline(site: MegaMoeSite, forward: Callable[..., Any]) -> Callable[...,
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         *args: Any, **kwargs: Any) -> torch.Tensor:
         group = kwargs.get(site.group_arg, args[0] if args else None)
+        if group is None and not args and ONE_RANK in self.__dict__:
+            group = kwargs[site.group_arg] = self.__dict__[ONE_RANK]
         if group is not None:
             self.__dict__[CALL_GROUP] = group
         return run_quantized(forward, self, hidden_states, top_k_index, top_k_weights,
@@ -354,6 +368,37 @@ def remove_stand_in(site: MegaMoeSite) -> None:
         setattr(module, site.bundle, before)
     if getattr(getattr(module, site.arch_check), "_moewire_stand_in", False):
         setattr(module, site.arch_check, check)
+
+
+def one_rank_group(where: str, device: torch.device) -> Any:
+    """The process group of one rank that ``where``'s forward rendezvous over when the model
+    runs on one process without an EP plan (the module docstring's "One rank").
+
+    A model on a GPU gets ``deepgemm_sm90.one_rank_group`` (NCCL: the real kernel's buffer is
+    symmetric memory over it). A model on the CPU gets a gloo group of rank 0, over the
+    running process group of world size 1 or, without one, over one this starts (gloo, an
+    in-process store: no port).
+
+    Raises:
+        RuntimeError: a process group of several ranks is running and the module has no EP
+            plan; the message gives the ``DistributedConfig`` that applies it.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() != 1:
+        world = dist.get_world_size()
+        raise RuntimeError(
+            f"{where}: experts_implementation='deepgemm_megamoe' runs on {world} ranks without "
+            "expert parallelism, and transformers' Mega-MoE exchanges the tokens of the EP "
+            "group inside its kernel; load the model with from_pretrained(path, "
+            f"distributed_config=DistributedConfig(tp_size={world}, ep_size={world})) so "
+            "transformers applies its EP plan (MegaMoeEP)"
+        )
+    if device.type == "cuda":
+        return one_rank_nccl()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.new_group([0], backend="gloo")
 
 
 def load_bundle(site: MegaMoeSite, where: str) -> None:

@@ -108,6 +108,11 @@ def prepare(
     - Under transformers' expert parallelism (``model`` loaded with a ``DistributedConfig``
       with ``ep_size > 1``): every buffer spans the EP group and calibration reduces over
       the EP group and the data-parallel dimensions of the expert mesh (:mod:`.ep`).
+    - ``"deepgemm_megamoe"`` experts on one process without an EP plan (a plain
+      ``from_pretrained``, or ``DistributedConfig(ep_size=1)``, for which transformers applies
+      none): each gets a one-rank process group that the forward is given
+      (:func:`.megamoe.one_rank_group`; a process group of world size 1 is started when none
+      runs). Under a process group of several ranks such a model is refused.
 
     Args:
         model: a transformers model.
@@ -131,7 +136,8 @@ def prepare(
             implementations; a module's layout or activation is one the kernel cannot
             express; an unknown kernel or build (the message names the module).
         RuntimeError: ``"deepgemm-sm90"`` without a Hopper GPU or DeepGEMM's SM90 package;
-            transformers' kernel without an SM100 GPU.
+            transformers' kernel without an SM100 GPU; ``"deepgemm_megamoe"`` experts without
+            an EP plan under a process group of several ranks.
     """
     ours, theirs = experts_modules(model), site_modules(model)
     if not ours and not theirs:
@@ -156,4 +162,20 @@ def prepare(
         by_site.setdefault(site, []).append((name, module))
     for site, modules in by_site.items():
         _prepare_site(site, modules, mma_type, kernel)
+        if ep_group is None:
+            _give_one_rank_group(modules)
     return model
+
+
+def _give_one_rank_group(modules: list[tuple[str, nn.Module]]) -> None:
+    """Record a one-rank group on every module that runs without an EP plan (transformers
+    marks the modules its plans reach ``_is_hooked``), for the trampoline to pass
+    (:func:`.megamoe.one_rank_group`); one group for all of them."""
+    group = None
+    for name, module in modules:
+        if getattr(module, "_is_hooked", False):
+            continue
+        if group is None:
+            group = megamoe.one_rank_group(name, _local(module.gate_up_proj).device)
+        module.__dict__[megamoe.ONE_RANK] = group
+        module.__dict__[megamoe.GROUPS] = (group, ())
