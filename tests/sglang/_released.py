@@ -23,13 +23,22 @@ from moewire.reference.sgl_staging import sglang_mega_moe_pre_dispatch
 
 MEGA_MOE_SM90 = "sglang.srt.layers.moe.mega_moe_sm90"
 MEGA_MOE = "sglang.srt.layers.moe.mega_moe"
+FLASHINFER_MEGAMOE = "sglang.srt.layers.moe.flashinfer_megamoe"
+FLASHINFER_AUTOTUNE = "sglang.srt.layers.moe.flashinfer_megamoe_autotune"
+MEGA_MOE_FLYDSL = "sglang.srt.layers.moe.mega_moe_flydsl"
+MUSE_SPARK_MEGAMOE = "sglang.srt.layers.muse_spark.muse_spark_megamoe"
 _PACKAGES = ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.moe",
              "sglang.srt.models", "sglang.srt.models.deepseek_common", "sglang.kernels",
              "sglang.kernels.ops", "sglang.kernels.ops.moe", "sglang.srt.layers.attention",
              "sglang.srt.layers.attention.dsa", "sglang.srt.model_executor",
-             "sglang.srt.multimodal", "sglang.srt.multimodal.dsv41")
+             "sglang.srt.multimodal", "sglang.srt.multimodal.dsv41",
+             "sglang.srt.layers.moe.moe_runner", "sglang.srt.layers.utils",
+             "sglang.srt.layers.muse_spark")
 _REAL = ("sglang.srt.environ", "sglang.srt.plugins.hook_registry", "sglang.srt.plugins",
          MEGA_MOE_SM90, MEGA_MOE)
+#: The wheel's other Mega-MoE paths (loaded by :func:`load` with ``other=True``): moewire
+#: has no site for them and refuses their layers at load.
+OTHER = (FLASHINFER_AUTOTUNE, FLASHINFER_MEGAMOE, MEGA_MOE_FLYDSL, MUSE_SPARK_MEGAMOE)
 
 
 def _absent(what: str):
@@ -37,6 +46,12 @@ def _absent(what: str):
         raise NotImplementedError(f"{what} has no CPU replacement in these tests")
 
     return call
+
+
+def _copy_or_rebind_param(layer, name, tensor) -> None:
+    """``sglang.srt.layers.utils.common.copy_or_rebind_param``: the parameter takes the
+    prepared tensor."""
+    getattr(layer, name).data = tensor
 
 
 class _MegaMoEBackend:
@@ -59,7 +74,8 @@ REPLACED = {
     # SGLang's JIT CUDA cast (the SM100 fp8xfp4 staging): moewire's stand-in of it.
     "sglang.kernels.ops.moe.dsv4": {"mega_moe_pre_dispatch": sglang_mega_moe_pre_dispatch},
     "sglang.srt.layers.attention.dsa.utils": {"is_dsa_enable_prefill_cp": lambda: False},
-    "sglang.srt.layers.dp_attention": {"get_dp_global_num_tokens": lambda: None},
+    "sglang.srt.layers.dp_attention": {"get_dp_global_num_tokens": lambda: None,
+                                       "get_is_extend_in_batch": lambda: False},
     "sglang.srt.layers.moe.mega_gate": {
         "run_mega_gate": _absent("Mega-Gate"),
         "should_use_mega_gate": lambda *args, **kwargs: False},
@@ -68,6 +84,15 @@ REPLACED = {
     "sglang.srt.multimodal.dsv41.vl_routing": {"vision_topk": _absent("vision_topk")},
     "sglang.srt.utils": {"is_hip": lambda: False, "is_sm100_supported": lambda: False},
     "sglang.srt.runtime_context": {"get_parallel": _parallel},
+    # What flashinfer_megamoe.py imports of the MoE runner framework (a decorator that
+    # registers run_flashinfer_megamoe, and the base classes of its quant info).
+    "sglang.srt.layers.moe.moe_runner.base": {
+        "MoeQuantInfo": type("MoeQuantInfo", (), {}),
+        "MoeRunnerConfig": type("MoeRunnerConfig", (), {}),
+        "register_fused_func": lambda *names: (lambda fn: fn)},
+    "sglang.srt.layers.utils.common": {"copy_or_rebind_param": _copy_or_rebind_param},
+    # mega_moe_flydsl.py's padded-row fill (a Triton kernel); not reached at load.
+    "sglang.kernels.ops.moe.fill_padded_rows": {"_fill_padded_rows": _absent("_fill_padded_rows")},
 }
 
 
@@ -94,8 +119,9 @@ def _load(root: Path, name: str) -> types.ModuleType:
     return module
 
 
-def load(root: Path, device_sm: int) -> list[str]:
-    """Put SGLang's released modules into ``sys.modules``; returns every name added."""
+def load(root: Path, device_sm: int, other: bool = False) -> list[str]:
+    """Put SGLang's released modules into ``sys.modules`` (with ``other``, also the
+    modules of :data:`OTHER`); returns every name added."""
     added = []
     for name in _PACKAGES:
         package = types.ModuleType(name)
@@ -109,7 +135,7 @@ def load(root: Path, device_sm: int) -> list[str]:
             module._device_sm = device_sm
         sys.modules[name] = module
         added.append(name)
-    for name in _REAL:
+    for name in _REAL + (OTHER if other else ()):
         _load(root, name)
         added.append(name)
     return added

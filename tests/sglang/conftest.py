@@ -15,7 +15,7 @@ from moewire.megamoe import layout_check, registry
 
 
 @contextlib.contextmanager
-def _sglang(monkeypatch, device_sm: int, deep_gemm):
+def _sglang(monkeypatch, device_sm: int, deep_gemm, other: bool = False):
     root = _released.wheel_root()
     if root is None:
         pytest.skip("the sglang 0.5.23 wheel is not installed (make test-sglang)")
@@ -23,7 +23,7 @@ def _sglang(monkeypatch, device_sm: int, deep_gemm):
              if name == "sglang" or name.startswith("sglang.") or name == "deep_gemm"}
     before = dict(registry._ADAPTERS)
     monkeypatch.setitem(sys.modules, "deep_gemm", deep_gemm)
-    added = _released.load(root, device_sm=device_sm)
+    added = _released.load(root, device_sm=device_sm, other=other)
     layout_check.reset_layout_checks()
     try:
         yield
@@ -53,3 +53,16 @@ def sglang_sm100(monkeypatch):
     stand-in (``_sgl_standin.sm100_module``); yields ``mega_moe``."""
     with _sgl_standin.sm100_module(monkeypatch) as deep_gemm, _sglang(monkeypatch, 100, deep_gemm):
         yield sys.modules[_released.MEGA_MOE]
+
+
+@pytest.fixture
+def sglang_other(monkeypatch):
+    """As ``sglang_sm90``, with the wheel's other Mega-MoE modules loaded (FlashInfer, FlyDSL,
+    Muse Spark: ``_released.OTHER``) over the libraries' load-time names
+    (``_other_standins``); yields ``sys.modules``."""
+    import _other_standins
+
+    for name, module in _other_standins.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    with _sglang(monkeypatch, 90, _sgl_standin.module(), other=True):
+        yield sys.modules

@@ -4,7 +4,8 @@ Where SGLang runs its Mega-MoE experts is one declarative entry per site in
 :mod:`moewire.integrations.sglang.sites`; the package derives the rest: the trampolines the
 sites are rebound to and the experts adapter that names them (``trampolines``), the paths
 moewire cannot see, refused with the fix (``refusals``), and a loaded model quantized and
-calibrated (``quantize``).
+calibrated (``quantize``). SGLang's Mega-MoE paths with no site entry (FlashInfer, FlyDSL,
+Muse Spark) are one entry each in :mod:`moewire.integrations.sglang.paths`, refused at load.
 
 This module is the glue SGLang loads. :func:`register` is SGLang's general plugin (entry
 point ``sglang.srt.plugins``): with ``MOEWIRE_RECIPE`` set, it quantizes every Mega-MoE
@@ -27,6 +28,7 @@ from moewire.integrations._host import (
     finish_calibration,
     rank_path,
 )
+from moewire.integrations.sglang.paths import OTHER_PATHS
 from moewire.integrations.sglang.quantize import (
     _ep_rank,
     calibrating,
@@ -39,7 +41,8 @@ from moewire.integrations.sglang.sites import recognise as recognise_site
 from moewire.integrations.sglang.trampolines import STAGE_GLOBAL, install
 
 __all__ = [
-    "ENV_FP8_COMBINE", "ENV_MEGA_GATE", "ENV_RECIPE", "ENV_SCALES", "MEGA_MOE", "SITES",
+    "ENV_FP8_COMBINE", "ENV_MEGA_GATE", "ENV_RECIPE", "ENV_SCALES", "MEGA_MOE", "OTHER_PATHS",
+    "SITES",
     "STAGE_GLOBAL", "SchedulerCalibration", "calibrate", "calibrating", "experts_modules",
     "install", "quantize_sglang_model", "recognise_site", "register",
 ]

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from moewire.integrations._host import rank_path
+from moewire.integrations.sglang.paths import refuse_other_paths
 from moewire.integrations.sglang.trampolines import _ep_group, install
 
 __all__ = ["calibrating", "experts_modules", "quantize_sglang_model"]
@@ -33,12 +34,15 @@ def quantize_sglang_model(model: nn.Module, recipe: Any, scales_path: str | None
         The number of quantized experts modules.
 
     Raises:
-        RuntimeError: no Mega-MoE experts (SGLang not run with ``--moe-a2a-backend
-            megamoe``), or an SGLang without the sites moewire hooks.
+        RuntimeError: a module runs on a Mega-MoE path with no site entry (FlashInfer,
+            FlyDSL, Muse Spark, or one moewire has not read:
+            :mod:`moewire.integrations.sglang.paths`), no Mega-MoE experts (SGLang not run
+            with ``--moe-a2a-backend megamoe``), or an SGLang without the sites moewire hooks.
     """
     from moewire.megamoe import api
     from moewire.megamoe.registry import register_experts_class
 
+    refuse_other_paths(model)
     found = experts_modules(model)
     if not found:
         raise RuntimeError(
