@@ -137,3 +137,10 @@ def test_mark_interrupted_writes_the_marker_and_a_forced_run_removes_it(tmp_path
         prepare_output_dir(tmp_path, "eval", EVAL_FILES, False, print)
     prepare_output_dir(tmp_path, "eval", EVAL_FILES, True, print)
     assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST]
+
+
+def test_mark_interrupted_before_any_file_leaves_the_directory_as_it_was(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    prepare_output_dir(tmp_path, "eval", EVAL_FILES, False, print)
+    assert mark_interrupted(tmp_path) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -12,7 +12,8 @@ complete files, and never one run's files beside another's.
 - :class:`OutputDir`: the directory a run writes into; each file is added to the manifest
   before it is written, so the manifest lists every file the run may have left.
 - :func:`mark_interrupted`: a run stopped before its end writes the marker ``INTERRUPTED``
-  beside its complete files and flags the manifest.
+  beside its complete files and flags the manifest (or, having written nothing, leaves the
+  directory as it found it).
 
 Manifest (JSON): ``{"kind": "eval", "files": ["results.json", ...], "complete": bool,
 "interrupted": bool, "started": ISO time}``.
@@ -190,22 +191,28 @@ def prepare_output_dir(path: str | os.PathLike, kind: str, files: Collection[str
     return out
 
 
-def mark_interrupted(path: str | os.PathLike) -> Path:
-    """Write the ``INTERRUPTED`` marker into the output directory ``path`` and flag its
-    manifest: the files the manifest lists are complete (each was written atomically), the
-    rest of the run's files were never written.
+def mark_interrupted(path: str | os.PathLike) -> Path | None:
+    """Say in the output directory ``path`` that its run was interrupted.
+
+    When the run had written files: the marker ``INTERRUPTED`` is written beside them and the
+    manifest flagged; the files the manifest lists are complete (each was written
+    atomically), the run's other files were never written. When it had written none: the
+    manifest is removed, and the directory holds what it held before the run.
 
     Returns:
-        The marker's path.
+        The marker's path, or ``None`` when the run had written nothing.
     """
     path = Path(path)
     manifest = _read_manifest(path) or {"files": []}
     files = [n for n in manifest.get("files", []) if _plain(n)]
+    done = [n for n in files if n != INTERRUPTED and (path / n).is_file()]
+    if not done:
+        (path / MANIFEST).unlink(missing_ok=True)
+        return None
     if INTERRUPTED not in files:
         files.append(INTERRUPTED)
     _write_manifest(path, {**manifest, "files": files, "complete": False, "interrupted": True})
-    done = [n for n in files if n != INTERRUPTED and (path / n).is_file()]
     return write_atomic(path / INTERRUPTED, (
         f"This run was interrupted at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}. "
-        f"The files here are complete, each as last written: {', '.join(done) or 'none'}; "
-        "the run's other files were not written.\n"))
+        f"The files here are complete, each as last written: {', '.join(done)}; the run's "
+        "other files were not written.\n"))

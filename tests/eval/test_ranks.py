@@ -29,6 +29,7 @@ from eval_helpers import TEXT  # noqa: E402
 
 from moewire.cli import main  # noqa: E402
 from moewire.eval import EvalError, evaluate, plan, runner  # noqa: E402
+from moewire.outputs import MANIFEST  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 300
@@ -68,7 +69,8 @@ def _check_files(written: list[list[str]], stdout: str, tmp: Path) -> None:
     """Rank 0 wrote the results and the plot, rank 1 nothing; the table is printed once."""
     assert written[1] == [], written[1]
     assert {Path(p).name for p in written[0]} >= {"results.json", "kl.png"}
-    assert sorted(p.name for p in (tmp / "out").iterdir()) == ["kl.png", "results.json"]
+    assert sorted(p.name for p in (tmp / "out").iterdir()) == [MANIFEST, "kl.png",
+                                                              "results.json"]
     assert stdout.count("run ") == 1 and stdout.count("wrote ") == 1, stdout
 
 

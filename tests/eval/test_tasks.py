@@ -128,3 +128,72 @@ def test_tasks_report_accuracy_and_stderr_beside_the_baseline(tokenized, tmp_pat
 )
 def test_scores_read_lm_evals_results(results, expected):
     assert scores(results) == expected
+
+
+def _not_loaded(*args, **kwargs):
+    raise AssertionError("the model was loaded before the refusal")
+
+
+def _hub_task(directory, dataset: str) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "hub_task.yaml").write_text(
+        f"task: hub_task\ndataset_path: {dataset}\ndataset_name: tiny\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: ['a', 'b']\n"
+        "doc_to_target: 0\nmetric_list:\n  - metric: acc\n")
+    return "hub_task"
+
+
+def test_a_tasks_dataset_missing_offline_is_refused_before_loading(tokenized, tmp_path, offline,
+                                                                   capsys, monkeypatch):
+    """Downloads off and the dataset not in the cache: one line naming the dataset and how to
+    fetch it, exit 2, before the model loads and before --out is claimed."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    from moewire.eval import runner
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(runner, "_load", _not_loaded)
+    task = _hub_task(tmp_path / "tasks", "moewire-tests/absent")
+    out = tmp_path / "out"
+    code = main(["eval", str(tokenized), "--pairs", "fp8:nvfp4", "--tasks", task,
+                 "--tasks-path", str(tmp_path / "tasks"), "--max-tokens", "32", "--seq-len",
+                 "32", "--device", "cpu", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert ("--tasks: task 'hub_task' reads the dataset 'moewire-tests/absent' (config 'tiny'), "
+            "which is not in the datasets cache") in err
+    assert ("datasets.load_dataset('moewire-tests/absent', 'tiny')" in err
+            and "HF_HUB_OFFLINE" in err), err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_failing_task_leaves_the_metrics_on_disk_and_ends_in_one_line(tokenized, tmp_path,
+                                                                       offline, capsys,
+                                                                       monkeypatch):
+    from moewire.eval import tasks
+
+    def offline_hub(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'x' on the Hub (OfflineModeIsEnabled)\nsecond line")
+
+    monkeypatch.setattr(tasks, "run_tasks", offline_hub)
+    task = write_task(tmp_path / "tasks")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "out"
+    code = main(["eval", str(tokenized), "--pairs", "fp8:nvfp4", "--tasks", task,
+                 "--tasks-path", str(tmp_path / "tasks"), "--text", str(text),
+                 "--max-tokens", "32", "--seq-len", "32", "--device", "cpu", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == (
+        "moewire eval: error: --tasks: lm-eval failed on run bf16:bf16 (ConnectionError: "
+        "Couldn't reach 'x' on the Hub (OfflineModeIsEnabled)); the perplexity, KL and top-1 "
+        f"results are in {out / 'results.json'}")
+    report = json.loads((out / "results.json").read_text())
+    assert report["complete"] is False
+    assert [r["name"] for r in report["pairs"]] == ["bf16:bf16", "fp8:nvfp4"]
+    assert report["pairs"][1]["kl_mean"] > 0 and math.isfinite(report["pairs"][1]["perplexity"])
+    assert (out / "kl.png").stat().st_size > 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["kl_figure", "plot", "table"]
+__all__ = ["kl_figure", "plot", "plot_png", "table"]
 
 _COLUMNS = (("ppl", 12), ("KL mean", 11), ("KL p99", 11), ("top-1", 8), ("bytes/tok", 11),
             ("wire us", 9))
@@ -52,14 +52,27 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def plot(report: dict[str, Any], path: Path) -> Path:
-    """Write ``kl.png`` (:func:`kl_figure`) to ``path``."""
+def plot_png(report: dict[str, Any]) -> bytes:
+    """``kl.png`` (:func:`kl_figure`) as PNG bytes."""
+    import io
+
     import matplotlib.pyplot as plt
 
     fig = kl_figure(report)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png")
+    finally:
+        plt.close(fig)
+    return buffer.getvalue()
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """Write ``kl.png`` (:func:`kl_figure`) to ``path``, atomically
+    (:func:`moewire.outputs.write_atomic`)."""
+    from moewire.outputs import write_atomic
+
+    return write_atomic(path, plot_png(report))
 
 
 def kl_figure(report: dict[str, Any]):

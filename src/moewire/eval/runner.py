@@ -1,6 +1,6 @@
 """``moewire eval``: what a wire format pair does to a whole transformers MoE model.
 
-For a local checkpoint (loaded offline, ``HF_HUB_OFFLINE=1``) with
+For a local checkpoint (its files only: ``local_files_only=True``) with
 ``experts_implementation="moewire"`` (:mod:`moewire.integrations.transformers`), every run
 (a pair, a recipe, a pair on one layer) is compared with the same model on a BF16 wire:
 
@@ -30,6 +30,26 @@ How it runs (one model, in lockstep):
    not grow with ``max_tokens`` (8 bytes per token and run for the exact KL percentile).
 4. With ``per_layer`` and ``budget``, the mixed recipe is measured as one more run and
    backed off layer by layer until it is within the budget (:mod:`moewire.eval.recipe`).
+5. The tasks (lm-eval), run by run.
+
+Nothing finished is lost: ``out_dir`` is claimed before the model loads
+(:func:`moewire.outputs.prepare_output_dir`: an earlier run's files are refused, or removed
+with ``force``), and ``results.json`` is written atomically as soon as the metrics are
+measured, again after the mixed recipe, after each run's tasks, and at the end
+(``"complete": true``). A task that fails ends the run with one line
+(:class:`TasksFailed`) after the metrics are on disk; a ``KeyboardInterrupt`` leaves the
+complete files and the ``INTERRUPTED`` marker (:func:`moewire.outputs.mark_interrupted`),
+then propagates.
+
+``results.json`` (schema :data:`SCHEMA`, as the study's): ``schema``, ``versions``
+(moewire, torch, transformers, python), ``checkpoint`` (absolute path), ``config_sha256``
+(of its ``config.json`` bytes), ``text`` (``source``, ``sha256`` of its UTF-8 bytes,
+``chars``), the settings and, per run, the metrics.
+
+The Hub is never forced offline: the checkpoint is read from its directory alone, and a
+task's dataset is fetched when the environment allows it (``HF_HUB_OFFLINE`` /
+``HF_DATASETS_OFFLINE`` unset) or read from the datasets cache when it does not
+(:func:`moewire.eval.tasks.check_tasks` resolves every dataset before the model loads).
 
 Across ranks (``torchrun --nproc-per-node N -m moewire eval PATH``): the model is loaded
 with transformers' ``DistributedConfig(tp_size=N, ep_size=N, ep_implementation="moewire")``
@@ -46,9 +66,11 @@ equal it bit for bit (docs/eval.md, "Across ranks").
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -59,8 +81,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moewire.eval.checks import Checked, Ranks
-from moewire.eval.plan import Plan, Windows, make_plan
+from moewire.eval.checks import Checked, EvalError, Ranks
+from moewire.eval.plan import Plan, Windows, _agree_on_refusal, make_plan
 from moewire.eval.recipe import (
     WireCost,
     fit_mixed,
@@ -72,9 +94,22 @@ from moewire.eval.recipe import (
 )
 from moewire.eval.session import Run, Session
 from moewire.eval.settings import BASELINE, DEFAULT_PAIRS, EvalConfig, ProgressFn, config_from
+from moewire.outputs import OutputDir, mark_interrupted, prepare_output_dir
 from moewire.study.verdict import Budget, cheapest_within
 
-__all__ = ["BASELINE", "DEFAULT_PAIRS", "EvalConfig", "PairResult", "evaluate"]
+__all__ = ["BASELINE", "DEFAULT_PAIRS", "SCHEMA", "EvalConfig", "PairResult", "TasksFailed",
+           "evaluate"]
+
+#: The ``schema`` of the ``results.json`` an eval writes.
+SCHEMA = 1
+#: Every file an eval may write into ``out_dir`` (``moewire.outputs``: an earlier run's).
+FILES = frozenset({"results.json", "kl.png", "mixed_recipe.yaml"})
+_EMBEDDED_TEXT = "moewire/data/calibration.txt (embedded)"
+
+
+class TasksFailed(EvalError):
+    """lm-eval failed on a run after the metrics were measured (and written, with
+    ``out_dir``): ``"--tasks: <run>: <cause>; <where the results are>"``."""
 
 
 @dataclass
@@ -212,21 +247,72 @@ def evaluate(
         TypeError: a config and keyword fields together, or a keyword that is no field.
         EvalError: any argument or file that is wrong, before the model loads (the message
             names it and the fix), or a run that does not fit in memory; under several
-            ranks, a refusal of any rank, on every rank.
+            ranks, a refusal of any rank, on every rank. ``out_dir`` holding an earlier
+            run's files without ``force``.
+        TasksFailed: lm-eval failed after the metrics were measured and written.
+        KeyboardInterrupt: after the complete files are left and marked (module docstring).
     """
     config = config_from(config, fields)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ranks = Ranks.from_env()
     if ranks.rank != 0:
         log, progress = (lambda s: None), (lambda stage, done, total: None)
     plan = make_plan(checkpoint, config, log, ranks)
     try:
-        return _run_plan(plan, log, progress or _line_progress(log))
+        out = _claim_out(plan, log)
+        try:
+            return _run_plan(plan, out, log, progress or _line_progress(log))
+        except KeyboardInterrupt:
+            if out is not None:
+                marker = mark_interrupted(out.path)
+                log(f"eval: interrupted; {out.path} holds only complete files"
+                    + (f" ({marker.name} lists them)" if marker else " (none was written)"))
+            raise
     finally:
         if plan.joined:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def _claim_out(plan: Plan, log: Callable[[str], None]) -> OutputDir | None:
+    """Rank 0's output directory, an earlier run's files refused or (``force``) removed; under
+    several ranks a refusal is raised on every rank."""
+    out, refused = None, None
+    if plan.out is not None:
+        try:
+            out = prepare_output_dir(plan.out, "eval", FILES, plan.config.force, log, EvalError)
+        except EvalError as exc:
+            refused = exc
+    if plan.ranks.world > 1:
+        _agree_on_refusal(refused)
+    elif refused is not None:
+        raise refused
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    import moewire
+
+    return {"moewire": moewire.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _text_record(config: EvalConfig) -> dict[str, Any]:
+    """Which text was evaluated: its source, the SHA-256 of its UTF-8 bytes, its length."""
+    if config.text is None:
+        import moewire
+
+        text = (Path(moewire.__file__).parent / "data" / "calibration.txt").read_text()
+        source = _EMBEDDED_TEXT
+    else:
+        text, source = config.text, config.text_source or "the text argument"
+    return {"source": source, "sha256": _sha256(text.encode("utf-8")), "chars": len(text)}
 
 
 def _runs(plan: Plan, names: list[str], cost: Callable) -> tuple[list[Run], list[Run]]:
@@ -244,9 +330,10 @@ def _runs(plan: Plan, names: list[str], cost: Callable) -> tuple[list[Run], list
     return main, probes
 
 
-def _run_plan(plan: Plan, log: Callable[[str], None], progress: ProgressFn) -> dict[str, Any]:
+def _run_plan(plan: Plan, out: OutputDir | None, log: Callable[[str], None],
+              progress: ProgressFn) -> dict[str, Any]:
     """Load the model, calibrate every run, measure them in lockstep, then the mixed recipe
-    and the tasks; write the files."""
+    and the tasks; write ``results.json`` after each (module docstring)."""
     import moewire.integrations.transformers as mt
     from moewire.study.comm import INTERCONNECTS, comm_time, uniform_traffic
 
@@ -268,8 +355,11 @@ def _run_plan(plan: Plan, log: Callable[[str], None], progress: ProgressFn) -> d
 
     main, probes = _runs(plan, names, cost)
     every = main + probes
+    path = plan.checked.path.resolve()
     report: dict[str, Any] = {
-        "checkpoint": str(plan.checked.path), "model_type": plan.checked.config.get("model_type"),
+        "schema": SCHEMA, "complete": False, "versions": _versions(),
+        "checkpoint": str(path), "config_sha256": _sha256((path / "config.json").read_bytes()),
+        "model_type": plan.checked.config.get("model_type"), "text": _text_record(config),
         "tokens": windows.tokens, "windows": len(windows.inputs), "seq_len": config.seq_len,
         "kernel": config.kernel,
         "mma_type": config.mma_type or next(iter(mt.KERNELS[config.kernel])),
@@ -278,8 +368,10 @@ def _run_plan(plan: Plan, log: Callable[[str], None], progress: ProgressFn) -> d
         "interconnect": config.interconnect,
         "time_ep_size": config.time_ep_size,
     }
-    mixed_yaml = None
+    if plan.tasks:
+        report["tasks"] = list(plan.tasks)
     loaded = time.perf_counter()
+    report["seconds"] = {"load": loaded - started}
     session = Session(model, modules, windows.inputs[0], dev)
     try:
         progress("calibration", 0, len(every))
@@ -289,6 +381,8 @@ def _run_plan(plan: Plan, log: Callable[[str], None], progress: ProgressFn) -> d
         calibrated = time.perf_counter()
         totals = session.measure(every, windows, progress, "window")
         measured = time.perf_counter()
+        report["seconds"].update(calibrate=calibrated - loaded, measure=measured - calibrated)
+        report["tokens_per_second"] = windows.tokens * len(every) / (measured - calibrated)
         results = [_result(run, totals.result(i), windows.tokens) for i, run in enumerate(main)]
         for r in results:
             log(f"eval: {r.name}: ppl {r.perplexity:.4f}, KL mean {r.kl_mean:.3e}, p99 "
@@ -305,31 +399,45 @@ def _run_plan(plan: Plan, log: Callable[[str], None], progress: ProgressFn) -> d
             log(f"eval: {low[0]}:{low[1]} on one layer at a time, KL mean by layer: "
                 + ", ".join(f"{n}: {r['kl_mean']:.3e}" for n, r in by_layer.items()))
             if config.budget is not None:
+                _save(out, report, results, dev)
                 mixed = _mixed(session, main[0], config.per_layer, by_layer, results,
                                config.budget, names, cost, windows, progress, log,
                                report["per_layer"])
                 if mixed is not None:
                     main.append(mixed[0])
                     results.append(mixed[1])
-                    mixed_yaml = mixed[2]
+                    if out is not None:
+                        recipe_path = out.write("mixed_recipe.yaml", mixed[2])
+                        report["per_layer"]["recipe"] = str(recipe_path)
+                        log(f"eval: mixed recipe -> {recipe_path}")
+        _save(out, report, results, dev, plot=True)
         if plan.tasks:
-            _tasks(session, plan, main, results, progress)
+            _tasks(session, plan, main, results, progress,
+                   lambda: _save(out, report, results, dev))
     finally:
         session.close()
-    done = time.perf_counter()
-    report.update({
-        "seconds": {"load": loaded - started, "calibrate": calibrated - loaded,
-                    "measure": measured - calibrated, "total": done - started},
-        "tokens_per_second": windows.tokens * len(every) / (measured - calibrated),
-        "peak_memory_bytes": (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
-                              else None),
-        "pairs": [asdict(r) for r in results],
-    })
-    if plan.tasks:
-        report["tasks"] = list(plan.tasks)
-    if plan.out is not None:
-        _write(report, plan.out, mixed_yaml, log)
+    report["seconds"]["total"] = time.perf_counter() - started
+    report["complete"] = True
+    _save(out, report, results, dev)
+    if out is not None:
+        out.complete()
     return report
+
+
+def _save(out: OutputDir | None, report: dict[str, Any], results: list[PairResult],
+          dev: torch.device, plot: bool = False) -> None:
+    """``report`` with the results so far, written to ``results.json`` (atomically), and with
+    ``plot`` the KL plot ``kl.png``."""
+    report["peak_memory_bytes"] = (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
+                                   else None)
+    report["pairs"] = [asdict(r) for r in results]
+    if out is None:
+        return
+    out.write("results.json", json.dumps(report, indent=1))
+    if plot:
+        from moewire.eval.report import plot_png
+
+        out.write("kl.png", plot_png(report))
 
 
 def _verdict(results: list[PairResult], budget: float,
@@ -351,29 +459,31 @@ def _cheapest(results: list[PairResult], budget: float) -> PairResult | None:
 
 
 def _tasks(session: Session, plan: Plan, runs: list[Run], results: list[PairResult],
-           progress: ProgressFn) -> None:
-    """lm-eval's tasks on each run, its quantizers installed."""
+           progress: ProgressFn, save: Callable[[], None]) -> None:
+    """lm-eval's tasks on each run, its quantizers installed; ``save()`` after each run.
+
+    Raises:
+        TasksFailed: lm-eval failed on a run (one line: the run, the exception's first line,
+            where the metrics are).
+    """
     from moewire.eval.tasks import run_tasks
 
     progress("tasks", 0, len(runs))
     for i, (run, result) in enumerate(zip(runs, results, strict=True)):
         session.install(run)
-        result.tasks = run_tasks(session.model, plan.tokenizer, plan.task_manager, plan.tasks,
-                                 device=plan.checked.device, limit=plan.config.task_limit)
+        try:
+            result.tasks = run_tasks(session.model, plan.tokenizer, plan.task_manager,
+                                     plan.tasks, device=plan.checked.device,
+                                     limit=plan.config.task_limit)
+        except Exception as exc:
+            cause = (str(exc).strip().splitlines() or [""])[0]
+            where = (f"the perplexity, KL and top-1 results are in {plan.out / 'results.json'}"
+                     if plan.out is not None else "pass --out to keep the perplexity, KL and "
+                     "top-1 results of a run whose tasks fail")
+            raise TasksFailed("--tasks", f"lm-eval failed on run {run.name} "
+                              f"({type(exc).__name__}: {cause}); {where}") from exc
+        save()
         progress("tasks", i + 1, len(runs))
-
-
-def _write(report: dict[str, Any], out: Path, mixed_yaml: str | None,
-           log: Callable[[str], None]) -> None:
-    from moewire.eval.report import plot
-
-    if mixed_yaml is not None:
-        recipe_path = out / "mixed_recipe.yaml"
-        recipe_path.write_text(mixed_yaml)
-        report["per_layer"]["recipe"] = str(recipe_path)
-        log(f"eval: mixed recipe -> {recipe_path}")
-    (out / "results.json").write_text(json.dumps(report, indent=1))
-    plot(report, out / "kl.png")
 
 
 def _layer_index(module_name: str) -> int:

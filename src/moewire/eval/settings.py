@@ -31,6 +31,8 @@ class EvalConfig:
         pairs: ``(dispatch, combine)`` format names.
         recipes: recipe names or YAML paths, measured as well.
         text: the evaluation text (default: the embedded calibration text).
+        text_source: where ``text`` came from, recorded in ``results.json`` with its SHA-256
+            (the CLI passes the ``--text`` path; default ``"the text argument"``).
         max_tokens: tokens evaluated (in windows of ``seq_len``).
         seq_len: tokens per window.
         mma_type: the kernel's build (``moewire.integrations.transformers.KERNELS``;
@@ -79,6 +81,7 @@ class EvalConfig:
     tasks_path: str | os.PathLike | None = None
     task_limit: int | None = None
     force: bool = False
+    text_source: str | None = None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(EvalConfig))

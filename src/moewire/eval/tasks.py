@@ -12,10 +12,16 @@ One setting differs from lm-eval's default: its log-softmax runs in FP32
 is rounded to 1/16 and two choices closer than that tie (lm-eval's ``--model_args
 softmax_dtype=float32`` gives the same).
 
-Task names are checked before the model loads (:func:`check_tasks`): lm-eval indexes its
-task files (``lm_eval.tasks.TaskManager``); with ``include_path`` (lm-eval's
-``--include_path``, a directory of task YAML files) that directory is indexed alone first,
-and lm-eval's own tasks only when a name is not found there.
+Task names and their datasets are checked before the model loads (:func:`check_tasks`):
+lm-eval indexes its task files (``lm_eval.tasks.TaskManager``); with ``include_path``
+(lm-eval's ``--include_path``, a directory of task YAML files) that directory is indexed
+alone first, and lm-eval's own tasks only when a name is not found there. Then each task is
+built once, which loads its dataset (lm-eval 0.4.13 ``lm_eval/api/task.py``,
+``ConfigurableTask.download``: ``datasets.load_dataset(dataset_path, dataset_name,
+**dataset_kwargs)``): a local file (``dataset_path: json`` with ``data_files``), the datasets
+cache, or the Hub when downloads are allowed. moewire never turns them off itself: set
+``HF_HUB_OFFLINE=1`` (or ``HF_DATASETS_OFFLINE=1``) to read the cache alone. A dataset that
+cannot be loaded is refused by name, with the command that fetches it.
 
 lm-eval seeds Python's, numpy's and torch's global generators with its default seeds, so
 every run sees the same documents and few-shot examples; the generators' states are put
@@ -47,7 +53,8 @@ _NOT_METRICS = {"name", "alias", "sample_len", "samples", " ", "sample_count"}
 
 def check_tasks(names: Sequence[str], include_path: str | None, has_tokenizer: bool,
                 checkpoint: Path) -> Any:
-    """lm-eval is installed, the checkpoint has a tokenizer and every task is known.
+    """lm-eval is installed, the checkpoint has a tokenizer, every task is known and its
+    datasets load (from a local file, the datasets cache or, downloads allowed, the Hub).
 
     Returns:
         The ``lm_eval.tasks.TaskManager`` that knows them.
@@ -79,7 +86,59 @@ def check_tasks(names: Sequence[str], include_path: str | None, has_tokenizer: b
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise EvalError("--tasks", f"lm-eval has no task {name!r}; {hint}`lm-eval ls tasks` "
                             "lists them, or pass your own task's directory with --tasks-path")
+    for name in names:
+        _load_datasets(name, manager)
     return manager
+
+
+def _load_datasets(task: str, manager: Any) -> None:
+    """Build ``task`` (a task or a group) once, which loads its datasets into the datasets
+    cache; a failure is refused naming the dataset that failed and how to fetch it."""
+    from unittest import mock
+
+    import datasets
+
+    asked: list[tuple[Any, Any]] = []
+    real = datasets.load_dataset
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        asked.append((kwargs.get("path", args[0] if args else None), kwargs.get("name")))
+        return real(*args, **kwargs)
+
+    try:
+        with _quiet(), mock.patch.object(datasets, "load_dataset", recorded):
+            manager.load_task_or_group([task])
+    except Exception as exc:
+        raise EvalError("--tasks", _dataset_refusal(task, asked[-1] if asked else None, exc)
+                        ) from None
+
+
+def _offline() -> bool:
+    """Whether the datasets library reads its cache alone (``HF_HUB_OFFLINE`` or
+    ``HF_DATASETS_OFFLINE``, read by ``datasets.config`` when it is imported)."""
+    import datasets.config
+
+    return bool(datasets.config.HF_HUB_OFFLINE)
+
+
+def _dataset_refusal(task: str, dataset: tuple[Any, Any] | None, exc: Exception) -> str:
+    """The one-line refusal of a task whose dataset (``(path, name)``) failed to load."""
+    cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    if dataset is None:
+        return (f"task {task!r} cannot be built ({cause}); repair its YAML, or pass another "
+                "task")
+    path, name = dataset
+    shown = repr(path) + (f" (config {name!r})" if name else "")
+    fetch = ("python -c \"import datasets; datasets.load_dataset("
+             + ", ".join(repr(a) for a in (path, name) if a) + ')\"')
+    if _offline():
+        return (f"task {task!r} reads the dataset {shown}, which is not in the datasets cache, "
+                "and downloads are off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set); fetch "
+                f"it once on a machine with network: {fetch}, or unset HF_HUB_OFFLINE and "
+                "HF_DATASETS_OFFLINE to let moewire eval download it, or pass a local task "
+                "with --tasks-path")
+    return (f"task {task!r} cannot load the dataset {shown} ({cause}); check the network and "
+            f"the dataset's name, fetch it with {fetch}, or pass a local task with --tasks-path")
 
 
 class _quiet:
