@@ -165,6 +165,9 @@ _ROWS = (
     FormatFacts("mori_fp8_direct_cast_ocp", 19, "e4m3", 8, None, "none", 0,
                 combine_accumulate="fp32", unroll="up_to_k8"),
     FormatFacts("logfmt10", None, "logfmt10", 10, 128, "block_bf16_range", 32),
+    # AMD's Mega-MoE (FlyDSL, aiter) on MI355 (gfx950): the only FP8 type it compiles for.
+    FormatFacts("flydsl_fp8_blockwise_1x32", None, "e4m3", 8, 32, "block_ue8m0", 8,
+                combine_accumulate="fp32"),
 )
 
 

@@ -349,6 +349,19 @@ def _mori_direct_cast(element):
     return oracle
 
 
+def flydsl_fp8_blockwise_1x32(x: np.ndarray, amax=None) -> np.ndarray:
+    """FlyDSL fp8_blockwise_1x32 (32-column blocks): e = ceil(log2(amax * fl(1/448))), at
+    least -126 (a subnormal product); a product of 0 quantizes with 2^-127 (E8M0 byte 0)
+    and decodes with 0.0. E4M3 of x / 2^e, decoded q * 2^e."""
+    xb, a, finite = _block_amax(x, 32)
+    w = (a * recip32(448.0)).astype(F32)
+    e = np.where(w == 0, -127, np.maximum(_ceil_log2(w), -126))
+    scale = exact_pow2(e)
+    q = e4m3(xb.astype(np.float64) / scale)
+    out = np.where(finite, q * np.where(w == 0, 0.0, scale), np.nan)
+    return out.astype(F32).reshape(x.shape)
+
+
 ORACLES = {
     "bf16": bf16,
     "fp8": fp8,
@@ -371,6 +384,7 @@ ORACLES = {
     "mori_fp8_blockwise_ocp": _mori_blockwise(448.0, e4m3),
     "mori_fp8_direct_cast_fnuz": _mori_direct_cast(e4m3fnuz),
     "mori_fp8_direct_cast_ocp": _mori_direct_cast(e4m3),
+    "flydsl_fp8_blockwise_1x32": flydsl_fp8_blockwise_1x32,
 }
 
 

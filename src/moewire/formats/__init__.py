@@ -11,7 +11,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moewire.format_table import ACCUMULATE_MODES
-from moewire.formats import bf16, combine, fp8, logfmt, mori, mx, nvfp4  # noqa: F401  (registers)
+from moewire.formats import (  # noqa: F401  (registers)
+    bf16,
+    combine,
+    flydsl,
+    fp8,
+    logfmt,
+    mori,
+    mx,
+    nvfp4,
+)
 from moewire.formats.base import (
     ModelOptSpelling,
     WireFormat,
