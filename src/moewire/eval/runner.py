@@ -92,7 +92,7 @@ from moewire.eval.recipe import (
     recipe_formats,
     wire_cost,
 )
-from moewire.eval.session import Run, Session
+from moewire.eval.session import Run, Session, frames_released
 from moewire.eval.settings import BASELINE, DEFAULT_PAIRS, EvalConfig, ProgressFn, config_from
 from moewire.outputs import OutputDir, mark_interrupted, prepare_output_dir
 from moewire.study.verdict import Budget, cheapest_within
@@ -260,7 +260,8 @@ def evaluate(
     try:
         out = _claim_out(plan, log)
         try:
-            return _run_plan(plan, out, log, progress or _line_progress(log))
+            with frames_released():  # an error's traceback must not keep the model alive
+                return _run_plan(plan, out, log, progress or _line_progress(log))
         except KeyboardInterrupt:
             if out is not None:
                 marker = mark_interrupted(out.path)
@@ -372,7 +373,7 @@ def _run_plan(plan: Plan, out: OutputDir | None, log: Callable[[str], None],
         report["tasks"] = list(plan.tasks)
     loaded = time.perf_counter()
     report["seconds"] = {"load": loaded - started}
-    session = Session(model, modules, windows.inputs[0], dev)
+    session = Session(model, modules, windows.inputs[0], dev, config.cuda_graph)
     try:
         progress("calibration", 0, len(every))
         for i, run in enumerate(every):
@@ -381,7 +382,10 @@ def _run_plan(plan: Plan, out: OutputDir | None, log: Callable[[str], None],
         calibrated = time.perf_counter()
         totals = session.measure(every, windows, progress, "window")
         measured = time.perf_counter()
-        report["seconds"].update(calibrate=calibrated - loaded, measure=measured - calibrated)
+        report["seconds"].update(calibrate=calibrated - loaded, measure=measured - calibrated,
+                                 capture=session.capture_seconds)
+        report["cuda_graph"] = {"used": session.cuda_graph,
+                                "pool_bytes": session.graph_reserved_bytes}
         report["tokens_per_second"] = windows.tokens * len(every) / (measured - calibrated)
         results = [_result(run, totals.result(i), windows.tokens) for i, run in enumerate(main)]
         for r in results:

@@ -61,6 +61,9 @@ class EvalConfig:
         force: an ``out_dir`` holding an earlier run's files is refused unless this is set;
             then those files are removed first (and the log says which), so no earlier file
             stays beside this run's (:func:`moewire.outputs.prepare_output_dir`).
+        cuda_graph: on a CUDA device (one rank), capture each run's forward over a window
+            once and replay it for every window (:mod:`moewire.eval.graphs`); the metrics
+            equal the eager run's bit for bit. ``False`` runs every window eagerly.
     """
 
     pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS
@@ -81,6 +84,7 @@ class EvalConfig:
     tasks_path: str | os.PathLike | None = None
     task_limit: int | None = None
     force: bool = False
+    cuda_graph: bool = True
     text_source: str | None = None
 
 

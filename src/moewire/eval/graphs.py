@@ -1,0 +1,120 @@
+"""CUDA graphs of ``moewire eval``'s window forwards: each run's forward over a window of one
+shape is captured once and replayed for every window of that shape.
+
+What one graph holds (run ``i`` of ``n``, a window of ``T`` tokens, vocabulary ``V``):
+
+- the model's forward on the static input ids (int64 ``[T]``, :attr:`WindowGraphs.inputs`,
+  which each window's ids are copied into before the baseline's replay), with run ``i``'s
+  quantizers installed while it was captured: a run's quantizers are modules of their own
+  (their amax tensors, their format's kernels), so every run has its own graph and the swap
+  between runs is the choice of the graph to replay, never a recapture;
+- the session's forward hooks, which ran while the graph was captured: the baseline's copy of
+  each experts layer's output and the per-layer sums, added in place into
+  :attr:`moewire.eval.metrics.Totals.buffer` (one tensor for the whole evaluation, so the
+  replay adds to the same sums the eager forward would);
+- the logits: the baseline's ``[T, V]`` stay where its graph wrote them (the reference of
+  the window, read by every later run); the other runs' go to one shared ``[T, V]`` tensor
+  (the first of them writes it, every later one copies its logits into it).
+
+The metrics of the logits (:meth:`~moewire.eval.metrics.Totals.add_logits`) run eagerly on
+those tensors after each replay: their per-token KL goes to the window's own columns.
+
+All graphs allocate from one memory pool, captured and always replayed in the runs' order
+(torch's rule for graphs sharing a pool, ``torch/cuda/graphs.py``, torch 2.11): what one
+run's forward frees is what the next one's uses. What the graphs keep beyond one eager
+forward is the pool's reserve (one forward's activations, the baseline's experts outputs,
+two windows of logits), which :attr:`WindowGraphs.reserved_bytes` gives.
+
+Each run's forward runs once eagerly, its hooks off, on the capture stream before the
+graphs are captured (the warm-up torch asks for: libraries' lazy set-up, the stream's cuBLAS
+workspace).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+__all__ = ["WindowGraphs"]
+
+#: One capture stream per device, reused, so the cuBLAS workspace torch keeps per stream is
+#: made once per process, not once per evaluation.
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(device=index)
+    return _STREAMS[index]
+
+
+class WindowGraphs:
+    """Every run's forward over a window of ``example``'s shape, each captured in a graph.
+
+    Args:
+        forward: ``forward(run, inputs)`` installs run ``run``'s quantizers and returns the
+            model's logits ``[T, V]`` on ``inputs`` (int64 ``[T]``), the session's hooks on
+            (they are recorded in the graph) or off (``hooks=False``, the warm-up).
+        names: the runs' names, the baseline first (the refusal names the run).
+        example: int64 ``[T]`` on the CUDA device, the first window of the shape.
+
+    Raises:
+        RuntimeError: a run's forward cannot be captured; the message names the run and says
+            to run eagerly (``cuda_graph=False``, ``--no-cuda-graph``).
+    """
+
+    def __init__(self, forward: Callable[..., torch.Tensor], names: Sequence[str],
+                 example: torch.Tensor) -> None:
+        device = example.device
+        stream = _capture_stream(device)
+        self.inputs = example.clone()
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for run in range(len(names)):
+                forward(run, self.inputs, hooks=False)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        reserved = torch.cuda.memory_reserved(device)
+        self._graphs: list[torch.cuda.CUDAGraph] = []
+        self._logits: list[torch.Tensor] = []
+        pool = None
+        for run, name in enumerate(names):
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = forward(run, self.inputs, hooks=True)
+                    if run >= 2:
+                        self._logits[1].copy_(logits)
+                        logits = self._logits[1]
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"eval: the forward of run {name} cannot be captured in a CUDA graph "
+                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                    "pass cuda_graph=False (moewire eval --no-cuda-graph) to run every "
+                    "window eagerly") from exc
+            pool = graph.pool()
+            self._graphs.append(graph)
+            self._logits.append(logits)
+        #: What the graphs' pool holds beyond the allocator's reserve before the capture.
+        self.reserved_bytes = torch.cuda.memory_reserved(device) - reserved
+        self._held: list[torch.Tensor] = []
+
+    def hold(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Keep ``tensors`` (written by one graph, read by later ones: the baseline's experts
+        outputs the hooks copied) alive as long as the graphs, whoever else drops them."""
+        self._held.extend(tensors)
+
+    def fits(self, inputs: torch.Tensor) -> bool:
+        """Whether ``inputs`` has the captured window's shape (a shorter last window runs
+        eagerly)."""
+        return inputs.shape == self.inputs.shape
+
+    def replay(self, run: int, inputs: torch.Tensor) -> torch.Tensor:
+        """Run ``run``'s graph on ``inputs`` (the runs of a window in their order, the
+        baseline first) and return its logits ``[T, V]``, valid until the next replay of a
+        run other than the baseline."""
+        if run == 0:
+            self.inputs.copy_(inputs)
+        self._graphs[run].replay()
+        return self._logits[run]
