@@ -30,7 +30,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"moewire.megamoe"},
     {"moewire.integrations"},
     {"moewire"},
-    {"moewire.study", "moewire.eval"},
+    {"moewire.study", "moewire.eval", "moewire.checkpoints"},
     {"moewire.cli", "moewire.__main__"},
 ))
 #: ``moewire.reference`` in two layers (its ``__init__`` lists them): the experts modules and

@@ -1,5 +1,6 @@
 """The ``moewire`` command: ``moewire study`` (the main job), ``moewire eval`` (a whole model),
-``moewire formats`` and ``moewire builds``.
+``moewire checkpoint`` (a tiny random model to try it on), ``moewire formats`` and
+``moewire builds``.
 
 Exit codes: 0 on success, 2 on a bad argument (argparse's convention; one line that names
 the argument and the fix, the usage block only for ``--help``), 130 when interrupted
@@ -573,6 +574,41 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_parser(sub) -> argparse.ArgumentParser:
+    kinds = ("qwen3-moe", "deepseek-v3", "deepseek-v4-fp4", "deepseek-v4")
+    p = sub.add_parser(
+        "checkpoint",
+        help="write a tiny random MoE checkpoint to try moewire eval on (docs/eval.md)",
+        description=(
+            "Write a tiny random transformers MoE checkpoint (BF16, a fixed seed) into DIR, "
+            "which must be new or empty: qwen3-moe (docs/eval.md's example: 4 layers, 16 "
+            "experts top-4, H = I = 256), deepseek-v3 (H = I = 512, for --mma fp4xfp4), "
+            "deepseek-v4-fp4 (FP4 experts in DeepSeek-V4-Flash's layout, for transformers' "
+            "deepgemm_megamoe) or deepseek-v4 (its BF16 twin). Its numbers mean nothing "
+            "about a real model."),
+    )
+    p.add_argument("kind", choices=kinds)
+    p.add_argument("dir", type=Path)
+    p.add_argument("--tokenizer", action="store_true",
+                   help="save a byte-level tokenizer beside it (token i is byte i), which "
+                   "moewire eval --tasks needs")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    return p
+
+
+def _run_checkpoint(args: argparse.Namespace) -> int:
+    from moewire.checkpoints import make
+
+    try:
+        path = make(args.kind, args.dir, tokenizer=args.tokenizer, seed=args.seed)
+    except ValueError as exc:
+        print(f"{exc}".replace("moewire checkpoint: ", "moewire checkpoint: error: ", 1),
+              file=sys.stderr)
+        return 2
+    print(f"wrote {path} ({args.kind}{', byte-level tokenizer' if args.tokenizer else ''})")
+    return 0
+
+
 def _run_formats(args: argparse.Namespace) -> int:
     from moewire import formats
 
@@ -641,8 +677,8 @@ def _run_builds(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``moewire`` argument parser (subcommands ``study``, ``eval``, ``formats`` and
-    ``builds``; ``--version``)."""
+    """The ``moewire`` argument parser (subcommands ``study``, ``eval``, ``checkpoint``,
+    ``formats`` and ``builds``; ``--version``)."""
     parser = _Parser(
         prog="moewire",
         description="Simulate low-precision MoE dispatch/combine in fused Mega-MoE kernels.",
@@ -650,9 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
     from moewire import __version__
 
     parser.add_argument("--version", action="version", version=f"moewire {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{study,formats,eval,builds}")
+    sub = parser.add_subparsers(dest="command",
+                                metavar="{study,eval,checkpoint,formats,builds}")
     _study_parser(sub)
     _eval_parser(sub)
+    _checkpoint_parser(sub)
     fp = sub.add_parser("formats", help="print the wire-format table")
     fp.add_argument("--hidden", type=_int_at_least(1), default=4096,
                     help="hidden size for the bits-per-element column (default 4096)")
@@ -713,6 +751,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             return _run_formats(args)
         if args.command == "builds":
             return _run_builds(args)
+        if args.command == "checkpoint":
+            return _run_checkpoint(args)
         if args.command == "eval":
             from moewire.eval import EvalError
 
