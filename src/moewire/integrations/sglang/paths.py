@@ -27,9 +27,14 @@ Sources read (the sglang 0.5.23 wheel, and the libraries each path calls):
   ``SGLANG_AMD_USE_FLYDSL_MEGA_MOE=1`` (``mega_moe._use_amd_flydsl_mega_moe``) the layer's
   weights are built by its ``build_mega_moe_experts_weights`` (which sets
   ``_mega_moe_weights_built`` as the DeepGEMM path does, and ``_mega_w1``), and
-  ``forward_mega_moe`` runs aiter's ``MegaMoEV2.forward(x, topk_weights, topk_ids)``: the
-  staging, the MoRI shared-memory exchange and the sum are inside aiter, whose source moewire
-  has not read.
+  ``forward_mega_moe`` runs aiter's ``MegaMoEV2.forward(x, topk_weights, topk_ids)``. aiter
+  (ROCm/aiter main at 03447f9; SGLang pins no aiter), ``ops/flydsl/kernels/mega_moe/
+  intra_node.py``: ``forward`` casts the tokens to FP8 E4M3 with a scale per 32 columns
+  (``per_1x32_mx_quant``), stage 1 sends them over MoRI shared memory, stage 2 writes each
+  (token, top-k slot) row into the combine op's peer input, in BF16 or, when the config
+  chosen for the token count says ``p2p_quant="fp8_blockwise_1x32"``
+  (``mega_moe_config.py``), in FP8 with a scale per 32 columns, and ``combine_no_stage1``
+  sums them; EP16 runs ``inter_node.py`` (A4W4) instead.
 - ``sglang/srt/layers/muse_spark/muse_spark_megamoe.py`` (``forward_megamoe``, the Muse Spark
   model's layernorm-SP prefill): ``build_nvfp4_megamoe_weights`` / ``build_bf16_megamoe_weights``
   set ``_megamoe_metadata_prepared``; it stages with ``deep_gemm.mega_moe_pre_dispatch`` or a
@@ -127,9 +132,13 @@ OTHER_PATHS: tuple[OtherPath, ...] = (
     OtherPath(
         "flydsl-megamoe", "sglang.srt.layers.moe.mega_moe_flydsl",
         runs=_on_flydsl,
-        why=lambda: ("aiter's MegaMoEV2.forward stages the tokens, exchanges them over MoRI "
-                     "shared memory and sums the expert rows inside aiter's FlyDSL kernels, "
-                     "whose source and buffer layout moewire has not modelled"),
+        why=lambda: ("aiter's MegaMoEV2.forward casts the tokens to FP8 with a scale per 32 "
+                     "columns itself, sends them over MoRI shared memory, and its stage 2 "
+                     "writes each (token, top-k slot) row into the combine op's peer buffer, "
+                     "in BF16 or in FP8 per 32 columns as the config for the token count "
+                     "chooses (p2p_quant), before combine_no_stage1 sums them: moewire has no "
+                     "stand-in of that buffer or its sum, and cannot tell a batch's rows BF16 "
+                     "from already-quantized ones"),
         fix=("serve it with SGLANG_AMD_USE_FLYDSL_MEGA_MOE=0 on a GPU SGLang's DeepGEMM "
              "Mega-MoE runs on (SM90 / SM100), or unset MOEWIRE_RECIPE")),
     OtherPath(
