@@ -2,8 +2,10 @@
 
 For a vLLM VERSION: ``pip download vllm==VERSION --no-deps`` (or a wheel already in
 ``$MOEWIRE_VLLM_WHEEL_DIR``), then extract ``vllm/model_executor/layers/fused_moe/``
-``deep_gemm_mega_moe.py``, ``prepare_megamoe.py`` and, where the release has it,
-``eplb_triton.py`` (0.34 moved the EPLB id mapping into the staging kernel) into DEST.
+``deep_gemm_mega_moe.py``, ``prepare_megamoe.py`` and, where the release has them,
+``eplb_triton.py`` (0.34 moved the EPLB id mapping into the staging kernel) and FlashInfer's
+MoE-EP experts (0.34: ``experts/flashinfer_moe_ep.py`` and ``flashinfer_moe_ep.py``) into
+DEST, each under its path below ``fused_moe/``.
 Usage: python tests/vllm/fetch_vllm_src.py VERSION DEST
 """
 
@@ -15,9 +17,10 @@ import zipfile
 from pathlib import Path
 
 FILES = ("deep_gemm_mega_moe.py", "prepare_megamoe.py")
-OPTIONAL = ("eplb_triton.py",)
+OPTIONAL = ("eplb_triton.py", "experts/flashinfer_moe_ep.py", "flashinfer_moe_ep.py")
 INNER = "vllm/model_executor/layers/fused_moe/"
-DONE = ".complete"
+#: Written last; its name changes when the list of files does, so an older DEST is refilled.
+DONE = ".complete-2"
 
 
 def _wheel(version: str, tmp: str) -> Path:
@@ -45,6 +48,7 @@ def main(version: str, dest: Path) -> None:
             names = set(archive.namelist())
             for name in FILES + OPTIONAL:
                 if INNER + name in names:
+                    (dest / name).parent.mkdir(parents=True, exist_ok=True)
                     (dest / name).write_bytes(archive.read(INNER + name))
                 elif name in FILES:
                     raise SystemExit(f"vLLM {version}'s wheel has no {INNER + name}")

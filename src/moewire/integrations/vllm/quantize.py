@@ -38,12 +38,11 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
     found = _register_found()
     _register_subclasses(model, found)
     _refuse_sites(model, found)
-    classes = tuple(cls for cls, _ in found)
-    count = sum(isinstance(m, classes) for m in model.modules())
+    count = sum(any(_holds(m, cls, site) for cls, site in found) for m in model.modules())
     if count == 0:
         raise RuntimeError(
             f"moewire: the model has none of the Mega-MoE experts classes "
-            f"{[c.__qualname__ for c in classes]}; serve with --moe-backend "
+            f"{[cls.__qualname__ for cls, _ in found]}; serve with --moe-backend "
             "deep_gemm_mega_moe --enable-expert-parallel"
         )
     if bridge.kernel_source() is None:
@@ -58,12 +57,19 @@ def quantize_vllm_model(model: nn.Module, recipe: Any, scales_path: str | None =
     return count
 
 
+def _holds(module: nn.Module, cls: type, site: ExpertsSite) -> bool:
+    """Whether ``module`` is an experts module of ``site``: an instance of ``cls``, or for
+    an experts object that is no ``nn.Module`` (``site.holder``) the layer holding one."""
+    return isinstance(site.experts_of(module), cls)
+
+
 def _refuse_sites(model: nn.Module, found: list[tuple[type, ExpertsSite]]) -> None:
     """Refuse a model holding an experts class that moewire recognises but refuses
-    (``ExpertsSite.refusal``), before any module is converted."""
+    (``ExpertsSite.refusal``), before any module is converted: the class's instances, and
+    for a ``site.holder`` site the layers holding one."""
     for name, module in model.named_modules():
         for cls, site in found:
-            if site.refusal is not None and isinstance(module, cls):
+            if site.refusal is not None and _holds(module, cls, site):
                 raise RuntimeError(
                     f"moewire: {name or type(module).__name__} is a {site.path}, which "
                     f"moewire does not quantize: {site.refusal}"

@@ -77,6 +77,15 @@ Sources read (vLLM repository ``vllm-project/vllm``; the commits are the stored 
   (``--moe-backend flydsl_mega_moe``); the first class is named ``DeepseekV4MegaMoEExperts``
   like the NVIDIA one and is told apart by its module (it imports aiter, stages nothing for
   DeepGEMM): recognised and refused (:data:`AITER_REFUSAL`).
+- ``vllm/model_executor/layers/fused_moe/experts/flashinfer_moe_ep.py`` (vLLM 0.34.0 wheel;
+  main 33f1263): ``FlashInferMoeEpExperts``, a modular experts object (no ``nn.Module``,
+  held by the MoE layer like gpt-oss's) for NVFP4 or MXFP4 weights with
+  ``--moe-backend flashinfer_moe_ep_cutedsl`` or ``flashinfer_moe_ep_mega_deep_gemm``.
+  ``process_weights_after_loading`` builds ``FlashInferMoeEp`` of
+  ``fused_moe/flashinfer_moe_ep.py`` (0.34.0; main 2525892), which imports
+  ``flashinfer.moe_ep`` inside a method (``from ... import``) and runs ``MoEEpMegaLayer``
+  with ``MegaConfig(quantize_input=True)``; ``apply`` hands it the BF16 ``hidden_states``:
+  recognised and refused (:data:`FLASHINFER_EP_EXPERTS_REFUSAL`).
 - ``vllm/foundation/utilities/deep_gemm.py`` (055e47c): main's new home of
   ``_import_deep_gemm`` (:data:`ACCESS_MODULES`); ``fi_moe.py`` imports
   ``vllm.foundation...`` and ``vllm.runtime...``: a class is looked up at every path of its
@@ -106,6 +115,7 @@ __all__ = [
     "AITER_ACCESS",
     "AITER_REFUSAL",
     "FLASHINFER_ACCESS",
+    "FLASHINFER_EP_EXPERTS_REFUSAL",
     "FLASHINFER_REFUSAL",
     "IMPORT_ACCESS",
     "KERNEL_ACCESS",
@@ -156,6 +166,23 @@ FLASHINFER_REFUSAL = (
     "which moewire quantizes), or use FlashInfer's own quantized combine wire "
     "(combine_dtype='mxfp8' or 'nvfp4' of its nvfp4 cutedsl megakernel) unquantized by "
     "moewire"
+)
+
+#: Why moewire refuses vLLM's FlashInfer MoE-EP modular experts, and what to switch to.
+FLASHINFER_EP_EXPERTS_REFUSAL = (
+    "it runs FlashInfer's moe_ep megakernel through vLLM's modular experts "
+    "FlashInferMoeEpExperts (--moe-backend flashinfer_moe_ep_cutedsl or "
+    "flashinfer_moe_ep_mega_deep_gemm; vllm/model_executor/layers/fused_moe/experts/"
+    "flashinfer_moe_ep.py and fused_moe/flashinfer_moe_ep.py, vLLM 0.34.0 and main 33f1263): "
+    "apply() hands the BF16 tokens to MoEEpMegaLayer with MegaConfig(quantize_input=True), "
+    "so FlashInfer quantizes them in its own staging kernel (fused_quant_stage, "
+    "flashinfer-python 0.7.2.post1: moe_ep/backends/mega/kernel/sm100/*/staging.py), no "
+    "staging call moewire hooks, and the megakernel returns the output already reduced "
+    "over the top-k slots (combine_dtype='bf16', the in-kernel FC2 reduce off: TopkReduce "
+    "in the kernel), so no per-(token, slot) combine rows are left to read. "
+    "Serve with --moe-backend deep_gemm_mega_moe (ModelOptNvFp4MegaMoE for NVFP4 "
+    "checkpoints, DeepGemmMegaExperts for MXFP4 ones, which moewire quantizes), or leave "
+    "these layers unquantized (disable both quantizers)"
 )
 
 #: Why moewire refuses aiter's ``MegaMoEV2`` (ROCm), and what to switch to.
@@ -376,6 +403,15 @@ SITES: tuple[ExpertsSite, ...] = (
     ExpertsSite("vllm.models.kimi_k3.nvidia.fi_moe", "KimiK3FlashInferMegaMoEExperts",
                 stage_fn=None, read_from="main (a48554, 4cfcde0)", calls=("MoEEpTensors(",),
                 kernel_access=FLASHINFER_ACCESS, refusal=FLASHINFER_REFUSAL),
+    # vLLM 0.34 and main: FlashInfer's MoE-EP megakernel as modular experts, held by the
+    # MoE layer (NVFP4 or MXFP4 weights); the kernel is reached through the adapter module.
+    ExpertsSite("vllm.model_executor.layers.fused_moe.experts.flashinfer_moe_ep",
+                "FlashInferMoeEpExperts", stage_fn=None, read_from="0.34, main (33f1263)",
+                calls=("FlashInferMoeEp(",), kernel_access=FLASHINFER_ACCESS,
+                access_modules=("vllm.model_executor.layers.fused_moe.flashinfer_moe_ep",),
+                holder="quant_method.moe_kernel.fused_experts",
+                holder_class="vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts",
+                refusal=FLASHINFER_EP_EXPERTS_REFUSAL),
     # vLLM main on ROCm (--moe-backend flydsl_mega_moe): aiter's MegaMoEV2, refused. The
     # first class has the NVIDIA class's name; it is told apart by its module.
     ExpertsSite("vllm.models.deepseek_v4.amd.mega_moe_experts", "DeepseekV4MegaMoEExperts",
