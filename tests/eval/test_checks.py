@@ -201,3 +201,122 @@ def test_calibrate_refuses_a_model_that_was_never_quantized(checkpoint):
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"moewire {moewire.__version__}\n"
+
+
+SHAPES = {
+    "default-build-hidden": ({"hidden_size": 192},
+                             "checkpoint: the BF16 x BF16 kernel (--kernel stand-in's default "
+                             "--mma bf16xbf16) needs sizes that are multiples of 128, but the "
+                             "model's hidden_size is 192; no build of --kernel stand-in takes "
+                             "this model"),
+    "default-build-intermediate": ({"moe_intermediate_size": 96},
+                                   "checkpoint: the BF16 x BF16 kernel (--kernel stand-in's "
+                                   "default --mma bf16xbf16) needs sizes that are multiples of "
+                                   "128, but the model's moe_intermediate_size is 96"),
+    "top-k-beyond-experts": ({"num_experts_per_tok": 9},
+                             "checkpoint: {tmp}/ckpt: config.json routes each token to "
+                             "num_experts_per_tok=9 of 8 routed experts"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPES), ids=list(SHAPES))
+def test_a_shape_the_build_cannot_take_is_refused_from_the_config(case, tmp_path, no_model,
+                                                                  capsys):
+    """The build's shape rules come from config.json alone: the fake checkpoint's weights
+    file is empty, so nothing could be loaded."""
+    config, message = SHAPES[case]
+    path = _fake_checkpoint(tmp_path, **config)
+    code = main(["eval", str(path), "--device", "cpu", "--pairs", "nvfp4:nvfp4"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("moewire eval: error: " + message.format(tmp=tmp_path)), err
+
+
+def test_the_build_refusal_names_the_builds_that_fit(tmp_path, no_model):
+    """H 512 and I 128: the FP8 x FP4 build (512) refuses I, the BF16 one (128) fits."""
+    path = _fake_checkpoint(tmp_path, hidden_size=512, moe_intermediate_size=128)
+    with pytest.raises(EvalError, match=r"^--mma fp8xfp4: the FP8 x FP4 kernel needs sizes that "
+                       r"are multiples of 512, but the model's moe_intermediate_size is 128; "
+                       r"use --mma bf16xbf16 for this model$"):
+        evaluate(path, [("fp8", "fp8")], mma_type="fp8xfp4", device="cpu", text=TEXT,
+                 log=lambda s: None)
+
+
+@pytest.mark.parametrize("pattern", ["*combine_quantiser", "*layers.*.moe.combine_quantizer"],
+                         ids=["misspelt-quantizer", "no-module-matches"])
+def test_a_recipe_that_matches_no_quantizer_is_refused_before_loading(pattern, checkpoint,
+                                                                     tmp_path, no_model, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f'quant_cfg:\n  - quantizer_name: "{pattern}"\n    cfg:\n'
+                      "      format: nvfp4\n")
+    path = checkpoint("mixtral")
+    capsys.readouterr()
+    code = main(["eval", str(path), "--device", "cpu", "--recipe", str(recipe),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"moewire eval: error: --recipe: {recipe}: no entry ('{pattern}') "
+                          "matches any wire quantizer of the model"), err
+    assert "model.layers.0.mlp.experts.dispatch_quantizer" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_recipe_entry_for_no_quantizer_beside_a_good_one_is_refused(checkpoint, tmp_path,
+                                                                      no_model):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text('quant_cfg:\n  - quantizer_name: "*dispatch_quantizer"\n    cfg:\n'
+                      '      format: fp8\n  - quantizer_name: "*combine_quantiser"\n    cfg:\n'
+                      "      format: nvfp4\n")
+    with pytest.raises(EvalError, match=r"^--recipe: .*recipe.yaml: the recipe entry "
+                       r"'\*combine_quantiser' .* matches no wire quantizer of the model"):
+        evaluate(checkpoint("mixtral"), recipes=[str(recipe)], pairs=[], device="cpu",
+                 text=TEXT, log=lambda s: None)
+
+
+def _without(monkeypatch, package: str) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == package else real(name, *a))
+
+
+DEPENDENCIES = {
+    "matplotlib-for-the-plot": ("matplotlib", {}, ["--out", "{tmp}/out"],
+                                "--out: the plot kl.png needs matplotlib, which this Python "
+                                "lacks; run: "),
+    "accelerate-for-a-quantized-checkpoint": (
+        "accelerate", {"quantization_config": {"quant_method": "fp8"}}, [],
+        "checkpoint: {tmp}/ckpt is pre-quantized (quant_method 'fp8'), and transformers' "
+        "loading of it needs accelerate, which this Python lacks; run: "),
+    "accelerate-for-tasks": ("accelerate", {}, ["--tasks", "arc_easy"],
+                             "--tasks: lm-eval's transformers model (lm_eval.models.huggingface "
+                             "imports it) needs accelerate"),
+    "transformers": ("transformers", {}, [], "checkpoint: moewire eval needs transformers"),
+}
+
+
+@pytest.mark.parametrize("case", list(DEPENDENCIES), ids=list(DEPENDENCIES))
+def test_a_missing_dependency_is_one_line_before_loading(case, tmp_path, no_model, monkeypatch,
+                                                         capsys):
+    package, config, argv, message = DEPENDENCIES[case]
+    path = _fake_checkpoint(tmp_path, **config)
+    if case == "accelerate-for-tasks":
+        (path / "tokenizer.json").write_text("{}")
+    _without(monkeypatch, package)
+    code = main(["eval", str(path), "--device", "cpu", "--pairs", "fp8:fp8",
+                 *[a.format(tmp=tmp_path) for a in argv]])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("moewire eval: error: " + message.format(tmp=tmp_path)), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_several_ranks_need_accelerate(tmp_path, monkeypatch):
+    from moewire.eval.checks import Ranks, _check_dependencies
+
+    _without(monkeypatch, "accelerate")
+    with pytest.raises(EvalError, match=r"^torchrun: transformers' distributed loading "
+                       r"\(DistributedConfig\) needs accelerate"):
+        _check_dependencies({}, tmp_path, Ranks(world=2, local_world=2))
+    _check_dependencies({}, tmp_path, Ranks())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,11 @@ class Checked:
         """An integer of the config (``vocab_size``, ``hidden_size``), 0 when absent."""
         return int(self.config.get(key) or self.text_config.get(key) or 0)
 
+    @property
+    def experts(self) -> int:
+        """The number of routed experts (DeepSeek's, Qwen3-MoE's or Mixtral's key)."""
+        return next((self.number(k) for k in _EXPERTS_KEYS if self.number(k)), 0)
+
 
 def parse_pair(text: str, argument: str = "--pairs") -> tuple[str, str]:
     """``"fp8:nvfp4"`` -> ``("fp8", "nvfp4")`` (dispatch, combine), formats checked."""
@@ -165,11 +171,14 @@ def read_text(path: str | os.PathLike) -> str:
 
 
 def check_out_dir(out: str | os.PathLike) -> Path:
-    """Create ``--out`` (with parents) and write a probe file there, before any work.
+    """Check that the plot can be drawn (matplotlib), then create ``--out`` (with parents)
+    and write a probe file there, before any work.
 
     Raises:
-        EvalError: ``--out`` is an existing file, or cannot be created or written.
+        EvalError: matplotlib is missing; ``--out`` is an existing file, or cannot be
+            created or written.
     """
+    _require("matplotlib", "--out", "the plot kl.png", "matplotlib")
     return writable_dir(out, EvalError, "moewire-eval")
 
 
@@ -304,21 +313,130 @@ def _check_formats(pairs: Sequence[tuple[str, str]], argument: str, hidden: int)
                                 f"divide the model's hidden size {hidden}; drop it")
 
 
-def _check_kernel_shape(checked: Checked, mma_type: str | None) -> None:
-    """The NVFP4 x NVFP4 kernel's sizes: ``H`` and the experts' ``I`` multiples of 512
-    (DeepGEMM 2.8.0's ``csrc/apis/mega_moe.hpp``; the stand-in's ``SIZE_MULTIPLE``)."""
-    if mma_type != "fp4xfp4":
-        return
-    from moewire.reference.fp4_fp4.buffer import SIZE_MULTIPLE
+#: The builds' names in messages (``bf16xbf16`` -> ``BF16 x BF16``), where they differ.
+_BUILD_NAMES = {"fp4xfp4": "NVFP4 x NVFP4"}
 
+
+def _fits(build: Any, hidden: int, intermediate: int) -> bool:
+    return not ((build.hidden_multiple and hidden % build.hidden_multiple)
+                or (build.intermediate_multiple and intermediate % build.intermediate_multiple))
+
+
+def _check_kernel_shape(checked: Checked, kernel: str, mma_type: str | None) -> None:
+    """Every build's shape rules, from the config alone: ``H`` a multiple of the build's
+    ``hidden_multiple`` and the experts' ``I`` of its ``intermediate_multiple``
+    (``moewire.reference.catalogue``: the stand-in's buffer checks, DeepGEMM 2.8.0's
+    ``csrc/apis/mega_moe.hpp`` for NVFP4 x NVFP4, DeepGEMM PR #323's TMA rows for the SM90
+    kernel); ``top-k <= E`` (``moewire.reference._alloc.check_split``) where config.json
+    gives both (else transformers' defaults apply). The default build (``mma_type`` ``None``) is
+    the kernel's first."""
+    from moewire.integrations.transformers import KERNELS
+    from moewire.reference import catalogue
+
+    experts = checked.experts
+    top_k = checked.number("num_experts_per_tok")
+    if top_k and experts and top_k > experts:
+        raise EvalError("checkpoint", f"{checked.path}: config.json routes each token to "
+                        f"num_experts_per_tok={top_k} of {experts} routed experts; a Mega-MoE "
+                        "kernel needs top-k <= experts; repair config.json")
+    mma = mma_type or next(iter(KERNELS[kernel]))
+    build = catalogue.build(kernel, mma)
     sizes = {"hidden_size": checked.number("hidden_size"),
              "moe_intermediate_size": (checked.number("moe_intermediate_size")
                                        or checked.number("intermediate_size"))}
-    for key, size in sizes.items():
-        if size % SIZE_MULTIPLE:
-            raise EvalError("--mma fp4xfp4", f"the NVFP4 x NVFP4 kernel needs sizes that are "
-                            f"multiples of {SIZE_MULTIPLE}, but the model's {key} is {size}; "
-                            "use --mma fp8xfp4 or bf16xbf16 for this model")
+    if _fits(build, *sizes.values()):
+        return
+    key, size, multiple = next(
+        (k, v, m) for (k, v), m in zip(sizes.items(), (build.hidden_multiple,
+                                                       build.intermediate_multiple), strict=True)
+        if m and v % m)
+    others = [b.mma_type for b in catalogue.builds(kernel, "transformers")
+              if b.mma_type != mma and _fits(b, *sizes.values())]
+    fix = (f"use --mma {' or '.join(others)} for this model" if others
+           else f"no build of --kernel {kernel} takes this model"
+           + ("; use --kernel stand-in" if kernel != catalogue.STAND_IN else ""))
+    name = _BUILD_NAMES.get(mma, mma.upper().replace("X", " x "))
+    argument = f"--mma {mma}" if mma_type else "checkpoint"
+    default = "" if mma_type else f" (--kernel {kernel}'s default --mma {mma})"
+    raise EvalError(argument, f"the {name} kernel{default} needs sizes that are multiples of "
+                    f"{multiple}, but the model's {key} is {size}; {fix}")
+
+
+def _quantizer_names(checked: Checked) -> list[str]:
+    """The wire quantizers' qualified names of the model, from its experts modules on the
+    meta device (built from config.json, no weights read): ``<module>.dispatch_quantizer``
+    and ``<module>.combine_quantizer`` (``moewire.megamoe.quant_experts.QUANTIZER_NAMES``)."""
+    import transformers
+
+    import moewire.integrations.transformers as mt
+    from moewire.megamoe.quant_experts import QUANTIZER_NAMES
+
+    mt.register()
+    try:
+        config = transformers.AutoConfig.from_pretrained(checked.path, local_files_only=True)
+        with torch.device("meta"):
+            skeleton = transformers.AutoModelForCausalLM.from_config(
+                config, experts_implementation=mt.IMPLEMENTATION)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise EvalError("checkpoint", f"transformers cannot build the model of {checked.path} "
+                        f"from its config.json ({type(exc).__name__}: {exc}); repair config.json "
+                        "or write it again with save_pretrained") from None
+    return [f"{name}.{attr}" for name, _ in mt.experts_modules(skeleton)
+            for attr in QUANTIZER_NAMES]
+
+
+def _check_recipe_names(recipes: Sequence[str], names: list[str]) -> None:
+    """Each recipe configures some of the model's wire quantizers ``names``, and none of its
+    entries aims at a quantizer the model lacks: what ``moewire.quantize`` refuses once the
+    model is loaded (``moewire.megamoe.api``), refused before."""
+    from moewire import recipes as recipe_registry
+    from moewire.megamoe.api import _refuse_unmatched_entries
+
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+    for recipe in recipes:
+        rec = recipe_registry.load(recipe)
+        try:
+            matched = [n for n in names if rec.match(n) is not None]
+            if not matched:
+                patterns = ", ".join(repr(e.quantizer_name) for e in rec.entries[:4])
+                raise ValueError(f"no entry ({patterns}) matches any wire quantizer of the "
+                                 f"model, so nothing would be quantized; its quantizers are "
+                                 f"{shown}; match them with '*dispatch_quantizer' and "
+                                 "'*combine_quantizer' (names are case-sensitive)")
+            _refuse_unmatched_entries(rec, names, "the model", modelopt_form=False)
+        except ValueError as exc:
+            raise EvalError("--recipe", f"{recipe}: {str(exc).removeprefix('quantize: ')}"
+                            ) from None
+
+
+def _require(package: str, argument: str, needed_by: str, install: str) -> None:
+    """Refuse when ``package`` cannot be imported (``importlib.util.find_spec``; a module set
+    to ``None`` in ``sys.modules`` counts as missing, as ``import`` treats it)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise EvalError(argument, f"{needed_by} needs {package}, which this Python lacks; run: "
+                        f"{sys.executable} -m pip install {install}")
+
+
+def _check_dependencies(config: dict[str, Any], path: Path, ranks: Ranks) -> None:
+    """The packages the load needs: accelerate for several ranks (transformers'
+    ``DistributedConfig`` loading) and for a pre-quantized checkpoint (transformers 5.23's
+    quantizers, e.g. ``quantizers/quantizer_finegrained_fp8.py``, ``validate_environment``,
+    refuse to load one without it)."""
+    if ranks.world > 1:
+        _require("accelerate", "torchrun", "transformers' distributed loading "
+                 "(DistributedConfig)", "accelerate")
+    quantized = config.get("quantization_config") or (config.get("text_config") or {}).get(
+        "quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        _require("accelerate", "checkpoint", f"{path} is pre-quantized (quant_method "
+                 f"{method!r}), and transformers' loading of it", "accelerate")
 
 
 def _check_recipes(recipes: Sequence[str]) -> None:
@@ -352,8 +470,10 @@ def preflight(
 ) -> Checked:
     """Check every argument and file of :func:`moewire.eval.evaluate`; load nothing.
 
-    Order: the numbers, the pairs and recipes, the kernel, the device, the checkpoint's
-    files, the ranks (under torchrun). The caller checks the output directory last
+    Order: the numbers, the pairs and recipes, the kernel, the device, the packages the
+    load needs, the checkpoint's files, the ranks (under torchrun), the formats' blocks,
+    the build's shape rules, the recipes against the model's quantizer names (its experts
+    modules built on the meta device). The caller checks the output directory last
     (:func:`check_out_dir` creates it), so that a refused run leaves no directory behind.
 
     Raises:
@@ -377,16 +497,20 @@ def preflight(
     _check_kernel(kernel, mma_type)
     dev = _check_device(device, ranks)
     path = Path(checkpoint)
+    _require("transformers", "checkpoint", "moewire eval", "'moewire[transformers]'")
     config = _check_config(path)
+    _check_dependencies(config, path, ranks)
     if ranks.world > 1:
         _check_ranks(config, ranks)
     checked = Checked(path, config, dev, pairs, per_layer, tuple(map(str, recipes)),
                       any((path / f).is_file() for f in _TOKENIZER_FILES))
-    _check_kernel_shape(checked, mma_type)
     hidden = checked.number("hidden_size")
     _check_formats(pairs, "--pairs", hidden)
     if per_layer is not None:
         _check_formats([per_layer], "--per-layer", hidden)
+    _check_kernel_shape(checked, kernel, mma_type)
+    if recipes:
+        _check_recipe_names(recipes, _quantizer_names(checked))
     positions = checked.number("max_position_embeddings")
     if positions and seq_len > positions:
         raise EvalError("--seq-len", f"{seq_len} tokens per window is more than the model's "

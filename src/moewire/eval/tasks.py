@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moewire.eval.checks import EvalError
+from moewire.eval.checks import EvalError, _require
 
 __all__ = ["check_tasks", "run_tasks", "scores"]
 
@@ -68,6 +68,8 @@ def check_tasks(names: Sequence[str], include_path: str | None, has_tokenizer: b
     if importlib.util.find_spec("lm_eval") is None:
         raise EvalError("--tasks", "needs lm-evaluation-harness, which this Python lacks; run: "
                         f"{sys.executable} -m pip install 'moewire[eval]'")
+    _require("accelerate", "--tasks", "lm-eval's transformers model "
+             "(lm_eval.models.huggingface imports it)", "'moewire[eval]'")
     if include_path is not None and not Path(include_path).is_dir():
         raise EvalError("--tasks-path", f"{include_path} is not a directory; pass the "
                         "directory of your task YAML files")
