@@ -151,7 +151,8 @@ def test_muse_spark_layer_refused_at_load(sglang_other, stage):
         muse.bind_megamoe_shared_weights(layer, "bf16xbf16")
         assert layer._megamoe_weights_built
     _refused(Model(layer), "muse-spark-megamoe", re.escape(MUSE_SPARK_MEGAMOE),
-             "post_expert_norm", "RMS-normalises each expert row", "before the route-weighted",
+             "post_expert_norm, applied before the route-weighted sum: the combine "
+             "RMS-normalises each expert row before summing",
              "--enable-megamoe-for-layernorm-sp")
 
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from moewire.integrations.sglang.refusals import POST_EXPERT_NORM
 from moewire.integrations.sglang.sites import MEGA_MOE
 
 __all__ = ["OTHER_PATHS", "OtherPath", "refuse_other_paths", "runs_other_path"]
@@ -147,9 +148,8 @@ OTHER_PATHS: tuple[OtherPath, ...] = (
                             or getattr(m, "_megamoe_weights_built", False)),
         why=lambda: ("forward_megamoe stages into its own buffer cache and calls "
                      "deep_gemm.nvfp4_mega_moe / bf16_mega_moe (weight_layout='trtllm'), "
-                     "kernels no moewire build models, with post_expert_norm: the kernel "
-                     "RMS-normalises each expert row at combine time, before the "
-                     "route-weighted sum, so the rows in the buffer are not what it adds"),
+                     "kernels no moewire build models, with post_expert_norm, applied before "
+                     f"the route-weighted sum: {POST_EXPERT_NORM}"),
         fix=("serve Muse Spark without --enable-megamoe-for-layernorm-sp, or unset "
              "MOEWIRE_RECIPE")),
 )

@@ -14,12 +14,19 @@ from torch import nn
 
 from moewire.integrations.sglang.sites import MEGA_MOE, SglangSite
 
-__all__ = ["ENV_FP8_COMBINE", "ENV_MEGA_GATE"]
+__all__ = ["ENV_FP8_COMBINE", "ENV_MEGA_GATE", "POST_EXPERT_NORM"]
 
 #: sgl-deep-gemm's switch to FP8 combine rows (impls/sm100_fp8_fp4_mega_moe.cuh).
 ENV_FP8_COMBINE = "DG_USE_FP8_COMBINE"
 #: SGLang's Mega-Gate switch (``sglang/srt/layers/moe/mega_gate.py``).
 ENV_MEGA_GATE = "SGLANG_OPT_DEEPGEMM_MEGA_GATE"
+#: Why a kernel run with ``post_expert_norm`` is refused, on every SGLang path that passes
+#: it (``fp8_fp4_mega_moe`` on the ``mega`` site, Muse Spark's ``nvfp4_mega_moe`` /
+#: ``bf16_mega_moe``): the rows moewire would quantize are not the rows the kernel adds.
+POST_EXPERT_NORM = (
+    "the combine RMS-normalises each expert row before summing, so the rows in the buffer "
+    "are not what it adds"
+)
 
 
 def _enabled(experts: nn.Module) -> list[str]:
@@ -88,8 +95,7 @@ def _refuse_post_norm(fn: Callable[..., Any]) -> Callable[..., Any]:
         if module is not None and kwargs.get("post_expert_norm") and _enabled(module):
             raise RuntimeError(
                 f"{module._moewire_name}: fp8_fp4_mega_moe was called with "
-                "post_expert_norm=True: the combine RMS-normalises each expert row before "
-                "summing, so the rows in the buffer are not what it adds; call it without "
+                f"post_expert_norm=True: {POST_EXPERT_NORM}; call it without "
                 "post_expert_norm, or disable the quantizers of this layer"
             )
         return fn(*args, **kwargs)
