@@ -166,8 +166,8 @@ _ROWS = (
                 combine_accumulate="fp32", unroll="up_to_k8"),
     FormatFacts("logfmt10", None, "logfmt10", 10, 128, "block_bf16_range", 32),
     # AMD's Mega-MoE (FlyDSL, aiter) on MI355 (gfx950): the only FP8 type it compiles for.
-    FormatFacts("flydsl_fp8_blockwise_1x32", None, "e4m3", 8, 32, "block_ue8m0", 8,
-                combine_accumulate="fp32"),
+    FormatFacts("flydsl_fp8_blockwise_1x32", 20, "e4m3", 8, 32, "block_ue8m0", 8,
+                combine_accumulate="fp32", unroll="up_to_k8"),
 )
 
 

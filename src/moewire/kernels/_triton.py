@@ -455,7 +455,9 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
             ref = tl.reduce(tl.abs(x), None, _max_nan)
             out = _nvfp4_blocks(x, _nvfp4_consts(tl.where(ref != 0, ref * _INV_2688, 1e-12)),
                                 ZERO_SIGN, HW_CAST)
-    elif FMT <= 11:
+    elif FMT <= 11 or FMT == 20:
+        # deepgemm_fp8_combine (9), trtllm_32e4m3xe8m0 (10), te_mxfp8 (11) and
+        # flydsl_fp8_blockwise_1x32 (20, DeepGEMM's rule on 32 columns).
         BS2: tl.constexpr = 128 if FMT == 9 else 32
         xb = tl.reshape(x, (BLOCK_H // BS2, BS2))
         bmax = tl.reduce(tl.abs(xb), 1, _max_nan, keep_dims=True)
@@ -467,8 +469,9 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
         bits = v.to(tl.int32, bitcast=True)
         biased = (bits >> 23) & 0xFF
         inexact = ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        if FMT == 9:
-            # fast_log2_ceil; a zero block (-127) dequantizes with fast_pow2(-127) = 0.0.
+        if FMT == 9 or FMT == 20:
+            # fast_log2_ceil (FlyDSL: the byte E + (M != 0)); a zero block (-127)
+            # dequantizes with 0.0 (fast_pow2(-127); FlyDSL's float of byte 0).
             e = biased - 127 + inexact
             recip = _pow2(-e)
             scale = tl.where(e == -127, 0.0, _pow2(e))
