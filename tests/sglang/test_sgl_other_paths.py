@@ -11,6 +11,7 @@ layer, the path, the cause and the fix, before any forward.
 from __future__ import annotations
 
 import re
+import sys
 import types
 
 import pytest
@@ -176,3 +177,67 @@ def test_path_flags_are_not_marks(sglang_other):
     assert paths._unknown(layer) == []
     with pytest.raises(RuntimeError, match="has no Mega-MoE experts"):
         sg.quantize_sglang_model(Model(layer), MX)
+
+
+#: What moewire does on each platform ``mega_moe_hook.check_mega_moe_compat`` lets
+#: ``--moe-a2a-backend megamoe`` run on: a site (``sites.SITES``) or a refused path
+#: (``paths.OTHER_PATHS``).
+HOOK_PLATFORMS = {"sm90": "mega-sm90", "sm100": "mega", "hip": "flydsl-megamoe"}
+
+
+def _load_hook(monkeypatch, root, platform):
+    """The released ``mega_moe_hook.py`` over the names it reads of the argument framework
+    (``resolving_view`` returns the arguments, ``declare_resolution`` sets them)."""
+    from _released import _load
+
+    def declare(args, name, **values):
+        args.__dict__.update(values)
+
+    stubs = {
+        "sglang.srt.arg_groups": {"__path__": [str(root / "sglang/srt/arg_groups")]},
+        "sglang.srt.arg_groups.overrides": {
+            "declare_resolution": declare, "resolving_view": lambda args: args,
+            "model_config_of": lambda args: None},
+        "sglang.srt.connector": {"ConnectorType": types.SimpleNamespace(INSTANCE="instance")},
+        "sglang.srt.utils.common": {"ceil_align": lambda x, y: -(-x // y) * y,
+                                    "parse_connector_type": lambda path: None},
+    }
+    for name, attrs in stubs.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    runtime = sys.modules["sglang.srt.runtime_context"]
+    monkeypatch.setattr(runtime, "attn_dp_enabled_of", lambda cfg: False, raising=False)
+    monkeypatch.setattr(runtime, "get_platform", lambda: platform, raising=False)
+    name = "sglang.srt.arg_groups.mega_moe_hook"
+    monkeypatch.setitem(sys.modules, name, None)  # removed again after the test
+    return _load(root, name)
+
+
+@pytest.mark.parametrize("platform", ["sm90", "sm100", "hip", "sm120", "cpu"])
+def test_hook_runs_megamoe_only_where_moewire_has_an_answer(sglang_other, monkeypatch,
+                                                             platform):
+    """``--moe-runner-backend megamoe`` becomes ``--moe-a2a-backend megamoe``; every
+    platform the released hook accepts for it has a site or a refused path in moewire, and
+    the others are refused by SGLang itself."""
+    from pathlib import Path
+
+    from moewire.integrations.sglang.sites import SITES
+
+    root = Path(sglang_other[MEGA_MOE].__file__).parents[4]  # the loaded wheel's root
+    flags = dict.fromkeys(("is_cuda", "is_sm90", "is_sm100", "is_hip"), False)
+    flags.update({"sm90": {"is_cuda": True, "is_sm90": True},
+                  "sm100": {"is_cuda": True, "is_sm100": True},
+                  "hip": {"is_hip": True}, "sm120": {"is_cuda": True}}.get(platform, {}))
+    hook = _load_hook(monkeypatch, root, types.SimpleNamespace(**flags))
+    args = types.SimpleNamespace(moe_runner_backend="megamoe", moe_a2a_backend="none",
+                                 enable_two_batch_overlap=False,
+                                 enable_single_batch_overlap=False)
+    known = {s.name for s in SITES} | {p.name for p in paths.OTHER_PATHS}
+    if platform in HOOK_PLATFORMS:
+        hook.handle_mega_moe(args)
+        assert (args.moe_a2a_backend, args.moe_runner_backend) == ("megamoe", "auto")
+        assert HOOK_PLATFORMS[platform] in known
+    else:
+        with pytest.raises(ValueError, match="needs a CUDA SM90 GPU"):
+            hook.handle_mega_moe(args)
