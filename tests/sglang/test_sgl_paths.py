@@ -72,3 +72,16 @@ def test_flags_are_no_marks():
                    _megamoe_weights_built=False)
     with pytest.raises(RuntimeError, match="has no Mega-MoE experts"):
         sg.quantize_sglang_model(model, "moe_combine_mxfp8")
+
+
+def test_engine_combines_named_by_their_formats(monkeypatch):
+    """Where the engine quantizes its own combine, the refusal names moewire's format of
+    that cast, and the format exists."""
+    from moewire import formats
+
+    monkeypatch.setenv(paths.ENV_FLASHINFER_COMBINE, "mxfp8")
+    for marks, fmt in (({"_flashinfer_megamoe_layer": None}, "flashinfer_mxfp8"),
+                       ({"_mega_moe_weights_built": True, "_mega_w1": 1}, paths.FLYDSL_COMBINE)):
+        assert formats.get(fmt).name == fmt
+        with pytest.raises(RuntimeError, match=f"moewire's {fmt} format is that cast"):
+            sg.quantize_sglang_model(_model(**marks), "moe_combine_mxfp8")

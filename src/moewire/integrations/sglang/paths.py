@@ -69,6 +69,8 @@ from moewire.integrations.sglang.sites import MEGA_MOE
 
 __all__ = ["OTHER_PATHS", "OtherPath", "refuse_other_paths", "runs_other_path"]
 
+#: moewire's format of aiter's ``p2p_quant="fp8_blockwise_1x32"`` combine rows.
+FLYDSL_COMBINE = "flydsl_fp8_blockwise_1x32"
 #: SGLang's FlashInfer Mega-MoE combine dtype (``sglang/srt/environ.py``).
 ENV_FLASHINFER_COMBINE = "SGLANG_FLASHINFER_MEGAMOE_COMBINE_DTYPE"
 _FIX_DEEPGEMM = (
@@ -137,7 +139,8 @@ OTHER_PATHS: tuple[OtherPath, ...] = (
                      "columns itself, sends them over MoRI shared memory, and its stage 2 "
                      "writes each (token, top-k slot) row into the combine op's peer buffer, "
                      "in BF16 or in FP8 per 32 columns as the config for the token count "
-                     "chooses (p2p_quant), before combine_no_stage1 sums them: moewire has no "
+                     f"chooses (p2p_quant; moewire's {FLYDSL_COMBINE} format is that cast), "
+                     "before combine_no_stage1 sums them: moewire has no "
                      "stand-in of that buffer or its sum, and cannot tell a batch's rows BF16 "
                      "from already-quantized ones"),
         fix=("serve it with SGLANG_AMD_USE_FLYDSL_MEGA_MOE=0 on a GPU SGLang's DeepGEMM "
