@@ -76,12 +76,12 @@ def _experts(config, checkpoint: Path) -> nn.Module:
         prefix=f"scales_e2e.{next(_prefixes)}.ffn.experts")
     tensors = load_file(checkpoint / "model.safetensors")
     for e in range(E):
-        get = lambda w, part: tensors[f"model.layers.0.ffn.experts.{e}.{w}.{part}"].view(  # noqa: E731
-            torch.uint8)
-        experts.w13_weight.data[e] = torch.cat([get("w1", "weight"), get("w3", "weight")])
-        experts.w13_weight_scale.data[e] = torch.cat([get("w1", "scale"), get("w3", "scale")])
-        experts.w2_weight.data[e] = get("w2", "weight")
-        experts.w2_weight_scale.data[e] = get("w2", "scale")
+        w1, w3, w2 = ({part: tensors[f"model.layers.0.ffn.experts.{e}.{w}.{part}"].view(
+            torch.uint8) for part in ("weight", "scale")} for w in ("w1", "w3", "w2"))
+        experts.w13_weight.data[e] = torch.cat([w1["weight"], w3["weight"]])
+        experts.w13_weight_scale.data[e] = torch.cat([w1["scale"], w3["scale"]])
+        experts.w2_weight.data[e] = w2["weight"]
+        experts.w2_weight_scale.data[e] = w2["scale"]
     layer = nn.Module()
     layer.ffn = nn.Module()
     layer.ffn.experts = experts
