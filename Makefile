@@ -5,8 +5,10 @@ BIN     := $(VENV)/bin
 # `make demo` gets its own venv with the package and its runtime dependencies only (no
 # test extras: no Triton, no ModelOpt).
 DEMO_VENV ?= .venv-demo
-# The CPU build of torch lies on disk on the project machines; pinning it keeps pip
-# from pulling a multi-GB CUDA build.
+# torch's version; which build pip installs is set by pip's index: on Linux x86_64 pip's
+# default index gives the CUDA build (several GB), so for a CPU-only machine give
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (or PIP_INDEX_URL) before `make`
+# (README.md, "Set up").
 TORCH   ?= torch==2.13.0
 
 .PHONY: test test-fast demo lint test-vllm test-sglang test-triton-next mutants clean
@@ -36,11 +38,12 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -p randomly --randomly-seed=$(SEED)
 
 # The edit-test loop (under 2 minutes on 2 cores): the CPU suites of the formats, the
-# quantizer, recipes, the megamoe API, the robustness suite and the study's fast checks;
+# quantizer, recipes, the megamoe API, the robustness suite, the study's fast checks and
+# the command's messages;
 # `make test` (about 10 minutes on 2 cores) runs everything.
 FAST := tests/formats tests/test_quantizer.py tests/test_quantizer_package.py \
 	tests/test_recipes.py tests/megamoe/test_megamoe_api.py tests/robustness \
-	tests/study/test_first_hour.py
+	tests/study/test_first_hour.py tests/test_cli_first_hour.py
 
 test-fast: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks scripts
@@ -96,8 +99,8 @@ test-sglang:
 	MOEWIRE_SGL_DEEP_GEMM_WHEELS=.venv-sglang/sgl-deep-gemm .venv-sglang/bin/python -m pytest -q \
 		-o addopts= -p no:cacheprovider tests/sglang
 
-# The kernel tests under the newest Triton 3.x as well as the pinned 3.6 of the H200
-# (a small venv of their own); .ci/run calls it.
+# The kernel tests under the newest Triton 3.x as well as the pinned 3.6, the Triton of
+# the GPU measurements in docs/ (a small venv of their own); .ci/run calls it.
 TRITON_NEXT ?= triton==3.9.0
 test-triton-next:
 	test -x .venv-triton-next/bin/python || $(PY) -m venv .venv-triton-next

@@ -6,7 +6,7 @@ shapes, H 2048, I 768, top-8, vocabulary 151936, with 8 layers and 64 experts), 
 ``moewire eval`` on it and prints the table; ``--out`` gets ``results.json``, ``kl.png``
 and the mixed recipe.
 
-    python benchmarks/eval_random_moe.py --out OUT            # the H200 run
+    python benchmarks/eval_random_moe.py --out OUT            # the GPU run (docs/eval.md: H200)
     python benchmarks/eval_random_moe.py --kernel deepgemm-sm90 --per-layer "" --out OUT
                                               # DeepGEMM's real SM90 fp8_mega_moe (Hopper)
     python benchmarks/eval_random_moe.py --layers 2 --experts 8 --hidden 256 --intermediate 256 \

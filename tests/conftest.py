@@ -49,7 +49,7 @@ from moewire.reference import experts as reference_experts
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA (run `pytest -m gpu` on the H200)")
+    skip = pytest.mark.skip(reason="needs CUDA (run `pytest -m gpu` on a machine with a CUDA GPU)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

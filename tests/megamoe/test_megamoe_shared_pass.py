@@ -301,7 +301,7 @@ def test_the_shared_pass_replays_in_a_cuda_graph_like_eager(monkeypatch):
     forwards bit for bit, and an eager forward after the check makes no host sync; the
     shared part of the output is that of the original tokens."""
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (run `pytest -m gpu` on the H200)")
+        pytest.skip("needs CUDA (run `pytest -m gpu` on a machine with a CUDA GPU)")
     monkeypatch.setattr(deep_gemm, "bf16_mega_moe", _capturable_fused_kernel)
     with deep_gemm.use_flavour("vllm-0.33"):
         experts = convert(make_experts(fused=1, device="cuda"), "layers.0.experts")

@@ -414,3 +414,30 @@ def test_the_heatmap_colour_scale_is_fixed_and_shows_the_cost(tiny_sweep, tmp_pa
     assert "time" in what
     assert report.SQNR_SCALE_DB == (0.0, 60.0)
     assert report.plot_heatmap(doc, tmp_path / "h.png").stat().st_size > 1000
+
+
+def _priced(dispatch: str, combine: str, rel_l2: float, bytes_per_token: float) -> dict:
+    return {"dispatch": dispatch, "combine": combine, "rel_l2": rel_l2,
+            "bytes_per_token": bytes_per_token, "ratio_to_bf16": bytes_per_token / 1000}
+
+
+@pytest.mark.parametrize(("cost", "tied"), [(995.0, True), (980.0, False)],
+                         ids=["within-1%", "2%-apart"])
+def test_the_verdict_says_when_the_tie_rule_chose(cost, tied):
+    """fp8 x nvfp4 costs ``cost`` bytes, mxfp8 x fp8 1000 with a lower error: within 1% the
+    lower error is named and the line under it names the cheaper pair it tied with."""
+    from moewire.study.verdict import verdict, verdict_lines
+
+    doc = {"results": [_priced("bf16", "bf16", 0.0, 2000.0), _priced("fp8", "nvfp4", 0.04, cost),
+                       _priced("mxfp8", "fp8", 0.01, 1000.0), _priced("nvfp4", "nvfp4", 0.2, 1.0)]}
+    doc["verdict"] = verdict(doc, Budget("rel_l2", 0.05))
+    best = doc["verdict"]["bytes_per_token"]
+    assert (best["dispatch"], best["combine"]) == (("mxfp8", "fp8") if tied else ("fp8", "nvfp4"))
+    lines = [line for line in verdict_lines(doc) if "tied within 1% by bytes" in line]
+    if tied:
+        assert best["tied"] == [{"dispatch": "fp8", "combine": "nvfp4", "rel_l2": 0.04,
+                                 "bytes_per_token": cost}]
+        assert lines == ["    tied within 1% by bytes with dispatch fp8 x combine nvfp4 (also "
+                         "within budget, rel L2 4.00e-02); the lower rel L2 chose"]
+    else:
+        assert best["tied"] == [] and lines == []

@@ -157,6 +157,12 @@ def verdict(doc: dict, budget: Budget) -> dict:
         out[key] = None if best is None else {
             "dispatch": best["dispatch"], "combine": best["combine"],
             "rel_l2": best["rel_l2"], key: best[key], _RATIO[key]: best[_RATIO[key]],
+            # The other pairs within the budget whose cost ties the cheapest's (COST_RTOL):
+            # the tie rule, not the cost, chose between them and ``best``.
+            "tied": [{"dispatch": r["dispatch"], "combine": r["combine"],
+                      "rel_l2": r["rel_l2"], key: r[key]}
+                     for r in doc["results"] if r is not best and budget.admits(r)
+                     and _tied(float(r[key]), float(best[key]), COST_RTOL)],
         }
     return out
 
@@ -202,4 +208,9 @@ def verdict_lines(doc: dict) -> list[str]:
                          "the budget)")
         else:
             lines.append(f"  cheapest by {name}: {_pair_text(key, best)}")
+            for other in best.get("tied", ()):
+                lines.append(
+                    f"    tied within {100 * COST_RTOL:g}% by {name} with dispatch "
+                    f"{other['dispatch']} x combine {other['combine']} (also within budget, "
+                    f"rel L2 {float(other['rel_l2']):.2e}); the lower rel L2 chose")
     return lines
