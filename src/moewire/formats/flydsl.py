@@ -86,10 +86,14 @@ class FlyDSLFP8Blockwise1x32(BlockCombineFormat):
     FP32 accumulator that starts at +0.0, and rounds the sum to BF16 once (``truncf``,
     RNE): ``combine_accumulate = "fp32"`` with router-weighted rows.
 
-    Not modelled: FP32 subnormal flushing (the source sets no denormal mode; IEEE is
-    assumed). NaN and ±inf: the source's amax propagates NaN (``maximumf``), the byte is
-    255 and the receiver's scale +inf, so every element decodes to NaN (``0 * inf``,
-    ``inf / inf``): the whole block NaN, moewire's rule for every block combine.
+    Assumed, not read (the CDNA4 ISA pages of the converts were not at hand): the scaled
+    convert rounds to nearest even, as the default round mode does, and FP32 subnormals are
+    kept (the source sets no denormal mode). Saturation would not matter: no finite block
+    reaches it under this scale.
+
+    NaN and ±inf: the source's amax propagates NaN (``maximumf``), the byte is 255 and the
+    receiver's scale +inf, so every element decodes to NaN (``0 * inf``, ``inf / inf``):
+    the whole block NaN, moewire's rule for every block combine.
     """
 
     name = "flydsl_fp8_blockwise_1x32"
