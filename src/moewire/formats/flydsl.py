@@ -57,9 +57,10 @@ class FlyDSLFP8Blockwise1x32(BlockCombineFormat):
                                                     # and +0.0 for byte 0
         out  = q * sf                               # exact (a power of two, or zero)
 
-    ``byte`` is ``127 + ceil(log2 w)`` for a normal ``w``: the block maximum lands at or just
-    below 448 (``fl(1/448)`` rounds up), so the convert's saturation never fires on finite
-    input. The source clamps ``byte`` at 255, which only a NaN or infinite amax reaches.
+    ``byte`` is ``127 + ceil(log2 w)`` for a normal ``w``: ``amax / 2^(byte - 127)`` is at
+    most 448 (``fl(1/448)`` rounds up; every FP32 amax of a binade checked), so the
+    convert's saturation never fires on finite input. The source clamps ``byte`` at 255,
+    which only a NaN or infinite amax reaches.
 
     Byte 0 (``amax`` 0, or below ``448 * 2^-150`` where ``w`` underflows): the receiver
     multiplies by +0.0, so the block comes back as zeros with the signs of ``x_b``. The
