@@ -193,7 +193,7 @@ def test_a_failing_task_leaves_the_metrics_on_disk_and_ends_in_one_line(tokenize
         "Couldn't reach 'x' on the Hub (OfflineModeIsEnabled)); the perplexity, KL and top-1 "
         f"results are in {out / 'results.json'}")
     report = json.loads((out / "results.json").read_text())
-    assert report["complete"] is False
+    assert report["complete"] is False and f"moewire eval: error: {report['error']}" == err[-1]
     assert [r["name"] for r in report["pairs"]] == ["bf16:bf16", "fp8:nvfp4"]
     assert report["pairs"][1]["kl_mean"] > 0 and math.isfinite(report["pairs"][1]["perplexity"])
     assert (out / "kl.png").stat().st_size > 0

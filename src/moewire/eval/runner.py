@@ -37,9 +37,9 @@ Nothing finished is lost: ``out_dir`` is claimed before the model loads
 with ``force``), and ``results.json`` is written atomically as soon as the metrics are
 measured, again after the mixed recipe, after each run's tasks, and at the end
 (``"complete": true``). A task that fails ends the run with one line
-(:class:`TasksFailed`) after the metrics are on disk; a ``KeyboardInterrupt`` leaves the
-complete files and the ``INTERRUPTED`` marker (:func:`moewire.outputs.mark_interrupted`),
-then propagates.
+(:class:`TasksFailed`, also ``results.json``'s ``"error"``) after the metrics are on disk;
+a ``KeyboardInterrupt`` leaves the complete files and the ``INTERRUPTED`` marker
+(:func:`moewire.outputs.mark_interrupted`), then propagates.
 
 ``results.json`` (schema :data:`SCHEMA`, as the study's): ``schema``, ``versions``
 (moewire, torch, transformers, python), ``checkpoint`` (absolute path), ``config_sha256``
@@ -416,8 +416,13 @@ def _run_plan(plan: Plan, out: OutputDir | None, log: Callable[[str], None],
                         log(f"eval: mixed recipe -> {recipe_path}")
         _save(out, report, results, dev, plot=True)
         if plan.tasks:
-            _tasks(session, plan, main, results, progress,
-                   lambda: _save(out, report, results, dev))
+            try:
+                _tasks(session, plan, main, results, progress,
+                       lambda: _save(out, report, results, dev))
+            except TasksFailed as exc:
+                report["error"] = str(exc)
+                _save(out, report, results, dev)
+                raise
     finally:
         session.close()
     report["seconds"]["total"] = time.perf_counter() - started
