@@ -59,6 +59,20 @@ def test_an_amax_at_448_times_a_power_of_two_keeps_that_scale():
     assert _qdq(NAME, _row([above, 3 * 2.0**-9]))[1] == 2.0**-7
 
 
+def test_no_finite_amax_of_a_binade_needs_the_saturation():
+    # Every FP32 amax in [448, 896) (one binade stands for all: the rule scales by powers of
+    # two): amax / 2^(byte - 127) is at most 448, with the byte from the bits of
+    # fl(amax * fl(1/448)); the reference keeps the sampled ones at the oracle's bits.
+    a = np.arange(0x43E00000, 0x44600000, dtype=np.uint32).view(F32)
+    bits = (a * fmt_oracle.recip32(448.0)).astype(F32).view(np.uint32)
+    byte = (bits >> 23).astype(np.int64) + ((bits & 0x7FFFFF) != 0)
+    assert (a.astype(np.float64) / np.ldexp(1.0, byte - 127)).max() == 448.0
+    sample = torch.from_numpy(np.concatenate([a[:512], a[::4099], a[-512:]]))
+    x = torch.zeros(sample.numel(), 32)
+    x[:, 0] = sample
+    fmt_oracle.assert_bits_equal(formats.get(NAME).qdq(x), fmt_oracle.expected(NAME, x), NAME)
+
+
 def test_a_subnormal_scale_product_keeps_the_block_where_te_mxfp8_flushes_it():
     # amax 2^-120: w = 2^-120 * fl(1/448) is an FP32 subnormal (<= 2^-127): the source's byte
     # is its exponent field 0 plus one (mantissa non-zero): 1, scale 2^-126, and the block
