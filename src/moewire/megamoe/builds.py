@@ -267,9 +267,17 @@ SM90_FORK_FUNCTIONS = (
 
 # vLLM 0.33/0.34's bundled fp4_fp4_mega_moe (2.8.1) is another kernel under the same name:
 # refused on that build alone (a Build's `refused`), never by the name.
+#: Why a combine that normalises each expert row before the route-weighted sum is refused on
+#: every host (vLLM 0.33/0.34's fp4_fp4_mega_moe, SGLang's ``post_expert_norm`` paths): the
+#: rows moewire would quantize are not the rows the kernel adds.
+POST_EXPERT_NORM = (
+    "the combine RMS-normalises each expert row before summing, so the rows in the buffer "
+    "are not what it adds"
+)
+
 _FP4_FP4_REFUSED = (
-    "the NVFP4 x NVFP4 kernel of vLLM 0.33/0.34's DeepGEMM can RMS-normalise each "
-    "expert row at combine time from FP32 squared-norm partials kept in its "
+    f"{POST_EXPERT_NORM}: the NVFP4 x NVFP4 kernel of vLLM 0.33/0.34's DeepGEMM can "
+    "RMS-normalise each expert row at combine time from FP32 squared-norm partials kept in its "
     "combine_norm_buffer (post_expert_norm_gamma; impls/sm100_fp4_fp4_mega_moe.cuh), so "
     "the rows in the buffer are not what it sums (vLLM 0.34.0; only Muse Spark's own runner "
     "calls it); DeepGEMM 2.8.0's kernel of that name (the deepgemm-2.8 build, vLLM main's "

@@ -14,19 +14,17 @@ from torch import nn
 
 from moewire.integrations.sglang.sites import MEGA_MOE, SglangSite
 
+# Every SGLang path that passes post_expert_norm (fp8_fp4_mega_moe on the mega site, Muse
+# Spark's nvfp4_mega_moe / bf16_mega_moe) is refused for the reason vLLM's normalising NVFP4
+# kernel is: one sentence, kept with the builds.
+from moewire.megamoe.builds import POST_EXPERT_NORM
+
 __all__ = ["ENV_FP8_COMBINE", "ENV_MEGA_GATE", "POST_EXPERT_NORM"]
 
 #: sgl-deep-gemm's switch to FP8 combine rows (impls/sm100_fp8_fp4_mega_moe.cuh).
 ENV_FP8_COMBINE = "DG_USE_FP8_COMBINE"
 #: SGLang's Mega-Gate switch (``sglang/srt/layers/moe/mega_gate.py``).
 ENV_MEGA_GATE = "SGLANG_OPT_DEEPGEMM_MEGA_GATE"
-#: Why a kernel run with ``post_expert_norm`` is refused, on every SGLang path that passes
-#: it (``fp8_fp4_mega_moe`` on the ``mega`` site, Muse Spark's ``nvfp4_mega_moe`` /
-#: ``bf16_mega_moe``): the rows moewire would quantize are not the rows the kernel adds.
-POST_EXPERT_NORM = (
-    "the combine RMS-normalises each expert row before summing, so the rows in the buffer "
-    "are not what it adds"
-)
 
 
 def _enabled(experts: nn.Module) -> list[str]:
