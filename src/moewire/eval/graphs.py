@@ -23,7 +23,8 @@ All graphs allocate from one memory pool, captured and always replayed in the ru
 (torch's rule for graphs sharing a pool, ``torch/cuda/graphs.py``, torch 2.11): what one
 run's forward frees is what the next one's uses. What the graphs keep beyond one eager
 forward is the pool's reserve (one forward's activations, the baseline's experts outputs,
-two windows of logits), which :attr:`WindowGraphs.reserved_bytes` gives.
+two windows of logits), which :attr:`WindowGraphs.reserved_bytes` gives: device memory
+the eager forward would have shared with the metrics' float64 chunks.
 
 Each run's forward runs once eagerly, its hooks off, on the capture stream before the
 graphs are captured (the warm-up torch asks for: libraries' lazy set-up, the stream's cuBLAS
@@ -48,6 +49,12 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     if index not in _STREAMS:
         _STREAMS[index] = torch.cuda.Stream(device=index)
     return _STREAMS[index]
+
+
+def _pool_bytes(pool: tuple[int, int] | None) -> int:
+    """Bytes of the segments the allocator holds for memory pool ``pool``."""
+    return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+               if tuple(segment.get("segment_pool_id", ())) == tuple(pool or ()))
 
 
 class WindowGraphs:
@@ -75,7 +82,6 @@ class WindowGraphs:
             for run in range(len(names)):
                 forward(run, self.inputs, hooks=False)
         torch.cuda.current_stream(device).wait_stream(stream)
-        reserved = torch.cuda.memory_reserved(device)
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self._logits: list[torch.Tensor] = []
         pool = None
@@ -96,8 +102,9 @@ class WindowGraphs:
             pool = graph.pool()
             self._graphs.append(graph)
             self._logits.append(logits)
-        #: What the graphs' pool holds beyond the allocator's reserve before the capture.
-        self.reserved_bytes = torch.cuda.memory_reserved(device) - reserved
+        #: The device memory the graphs' pool holds (its segments, ``torch.cuda.memory_snapshot``):
+        #: what the graphs cost beyond one eager forward's transient memory.
+        self.reserved_bytes = _pool_bytes(pool)
         self._held: list[torch.Tensor] = []
 
     def hold(self, tensors: Iterable[torch.Tensor]) -> None:

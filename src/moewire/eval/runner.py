@@ -252,6 +252,14 @@ def evaluate(
         TasksFailed: lm-eval failed after the metrics were measured and written.
         KeyboardInterrupt: after the complete files are left and marked (module docstring).
     """
+    # An error's traceback must not keep the model, or the windows on its device, alive.
+    with frames_released():
+        return _evaluate(checkpoint, config, log, progress, fields)
+
+
+def _evaluate(checkpoint: str | os.PathLike, config: EvalConfig | Sequence[tuple[str, str]] | None,
+              log: Callable[[str], None], progress: ProgressFn | None,
+              fields: dict[str, Any]) -> dict[str, Any]:
     config = config_from(config, fields)
     ranks = Ranks.from_env()
     if ranks.rank != 0:
@@ -260,8 +268,7 @@ def evaluate(
     try:
         out = _claim_out(plan, log)
         try:
-            with frames_released():  # an error's traceback must not keep the model alive
-                return _run_plan(plan, out, log, progress or _line_progress(log))
+            return _run_plan(plan, out, log, progress or _line_progress(log))
         except KeyboardInterrupt:
             if out is not None:
                 marker = mark_interrupted(out.path)
