@@ -19,11 +19,12 @@ SITES` (transformers 5.23.0, ``integrations/deepgemm.py``; the sources are in th
   call's ``process_group``. Outside a converted module it calls the forward unchanged.
 - **One rank** (:func:`one_rank_group`): the forward needs a ``process_group`` (its buffers
   rendezvous over it, ``_SYMM_BUFFERS[group.group_name]``), which only ``MegaMoeEP`` passes,
-  and transformers 5.23 applies no EP plan for ``ep_size=1`` (``modeling_utils``'s
-  distribution runs for ``ep_size > 1`` only). For a module that runs on one process without
-  an EP plan, ``prepare`` records a process group of one rank (:data:`ONE_RANK`) and the
-  trampoline passes it when the call has none: what ``MegaMoeEP`` does on one rank (the slice
-  is the whole batch and the all-gather a copy), without the DTensor sharding.
+  and transformers 5.23 applies no EP plan for ``ep_size=1`` (``distributed/mixin.py``,
+  ``_resolve_parallel_plans``: the EP plan is empty unless ``ep_size > 1``). For a module
+  that runs on one process without an EP plan, ``prepare`` records a process group of one
+  rank (:data:`ONE_RANK`) and the trampoline passes it when the call has none: what
+  ``MegaMoeEP`` does on one rank (the slice is the whole batch and the all-gather a copy),
+  without the DTensor sharding.
 - **The stand-in as transformers' kernel** (:func:`install_stand_in`, the explicit opt-in
   ``prepare(model, kernel="stand-in")``): ``_DEEPGEMM`` becomes a ``DeepGEMM`` bundle whose
   five Mega-MoE entry points are :mod:`moewire.reference.hub_deep_gemm` (the stand-in of
