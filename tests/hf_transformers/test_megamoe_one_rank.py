@@ -129,3 +129,21 @@ def test_several_ranks_without_an_ep_plan_are_refused_with_the_config(
     with pytest.raises(RuntimeError, match=r"^model\.layers\.0\.mlp\.experts: .* runs on 2 ranks "
                        r"without expert parallelism.*DistributedConfig\(tp_size=2, ep_size=2\)"):
         moewire_registered.prepare(model, kernel="stand-in")
+
+
+def test_the_distributed_config_of_one_rank_runs_as_a_plain_load(v4_checkpoints,
+                                                                  moewire_registered, own_world):
+    """``DistributedConfig(tp_size=1, ep_size=1)``, the multi-rank recipe at N = 1, applies no
+    plan; after prepare it runs, with the logits of a plain load."""
+    import transformers as tf
+    from transformers.distributed import DistributedConfig
+
+    with megamoe.keep_fp8_on_cpu():
+        configured = tf.AutoModelForCausalLM.from_pretrained(
+            v4_checkpoints[0], experts_implementation="deepgemm_megamoe",
+            distributed_config=DistributedConfig(tp_size=1, ep_size=1))
+    plain = _load(v4_checkpoints[0])
+    for model in (configured, plain):
+        moewire_registered.prepare(model, kernel="stand-in")
+    with torch.no_grad():
+        assert torch.equal(configured(_ids()).logits, plain(_ids()).logits)
