@@ -56,7 +56,7 @@ $(DEMO_VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(DEMO_VENV)/.installed
-	$(DEMO_VENV)/bin/moewire study --budget 0.05
+	$(DEMO_VENV)/bin/moewire study --budget 0.05 --force
 
 # ruff, then mypy over src/moewire ([tool.mypy] in pyproject.toml says what is strict).
 lint: $(VENV)/.installed

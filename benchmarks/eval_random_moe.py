@@ -4,7 +4,8 @@ memory.
 Builds a random Qwen3-MoE checkpoint with ``save_pretrained`` (default: Qwen3-30B-A3B's
 shapes, H 2048, I 768, top-8, vocabulary 151936, with 8 layers and 64 experts), then runs
 ``moewire eval`` on it and prints the table; ``--out`` gets ``results.json``, ``kl.png``
-and the mixed recipe.
+and the mixed recipe; ``--keep DIR`` keeps the checkpoint (the docs' tiny checkpoints come
+from ``moewire checkpoint``, docs/eval.md).
 
     python benchmarks/eval_random_moe.py --out OUT            # the GPU run (docs/eval.md: H200)
     python benchmarks/eval_random_moe.py --kernel deepgemm-sm90 --per-layer "" --out OUT
@@ -71,11 +72,16 @@ def main() -> int:
     p.add_argument("--kernel", default="stand-in", help="stand-in or deepgemm-sm90")
     p.add_argument("--device", default=None)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="write the checkpoint into DIR and keep it (default: a temporary "
+                   "directory, deleted at the end); the docs' small checkpoints come from "
+                   "`moewire checkpoint`")
     args = p.parse_args()
 
     from moewire.eval import evaluate, parse_pair, table
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = str(args.keep) if args.keep is not None else scratch
         params = build(Path(tmp), args)
         report = evaluate(
             tmp, [parse_pair(x) for x in args.pairs], max_tokens=args.max_tokens,

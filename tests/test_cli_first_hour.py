@@ -51,10 +51,14 @@ def test_help_still_prints_the_usage(capsys):
 
 
 def _interrupt_after(path: Path, write: bool):
+    """A run that claims ``path`` (``moewire.outputs``), writes one file or none, and is
+    interrupted."""
+    from moewire.outputs import prepare_output_dir
+
     def run(*args, **kwargs):
-        path.mkdir(parents=True, exist_ok=True)
+        out = prepare_output_dir(path, "eval", ("results.json",), False, print)
         if write:
-            (path / "results.json").write_text("{}")
+            out.write("results.json", "{}")
         raise KeyboardInterrupt
 
     return run
@@ -82,8 +86,10 @@ def test_ctrl_c_names_the_directory_that_holds_finished_files(tmp_path, monkeypa
     monkeypatch.setattr("moewire.eval.evaluate", _interrupt_after(out, write=True))
     assert cli.main(["eval", str(tmp_path), "--out", str(out)]) == 130
     err = capsys.readouterr().err
-    assert f"{out} holds only the files finished before it" in err
-    assert (out / "results.json").exists()
+    assert err.count("\n") == 1, err
+    assert f"{out} holds only complete files (INTERRUPTED lists them)" in err
+    assert (out / "results.json").read_text() == "{}"
+    assert "results.json" in (out / "INTERRUPTED").read_text()
 
 
 def test_ctrl_c_keeps_a_directory_that_was_there_before(tmp_path, monkeypatch, capsys):
@@ -91,7 +97,46 @@ def test_ctrl_c_keeps_a_directory_that_was_there_before(tmp_path, monkeypatch, c
     out.mkdir()
     monkeypatch.setattr(cli, "_sweep", _interrupt_after(out, write=False))
     assert cli.main(["study", "--model", "tiny", "--out", str(out)]) == 130
-    assert out.is_dir()
+    assert out.is_dir() and list(out.iterdir()) == []
+    assert f"nothing was written into {out}" in capsys.readouterr().err
+
+
+TINY = ["study", "--model", "tiny", "--tokens", "16", "--calib-batches", "1",
+        "--eval-batches", "1", "--dispatch", "fp8", "--combine", "nvfp4"]
+
+
+@pytest.mark.slow
+def test_a_study_refuses_an_earlier_runs_files_before_work_and_force_replaces_them(
+        tmp_path, monkeypatch, capsys, patches_undone):
+    import json
+
+    from moewire.outputs import MANIFEST
+
+    out = tmp_path / "out"
+    assert cli.main([*TINY, "--out", str(out)]) == 0
+    first = (out / "results.json").read_text()
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["complete"] and manifest["files"] == [
+        "results.json", "error_heatmap.png", "frontier.png"]
+    capsys.readouterr()
+    built = []
+    monkeypatch.setattr("moewire.study.runner.check_resources", lambda *a: built.append(1))
+    assert cli.main([*TINY, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out: {out} holds the files of an earlier run" in err and "--force" in err
+    assert not built and (out / "results.json").read_text() == first
+    monkeypatch.undo()
+    (out / "notes.txt").write_text("mine")
+    assert cli.main([*TINY, "--seed", "1", "--out", str(out), "--force"]) == 0
+    assert "moewire study: --force: removed the earlier run's" in capsys.readouterr().err
+    assert (out / "results.json").read_text() != first
+    assert (out / "notes.txt").read_text() == "mine"  # not a moewire file: kept
+
+
+def test_eval_passes_force_on(tmp_path, monkeypatch):
+    seen = _captured_eval_config(monkeypatch)
+    cli.main(["eval", str(tmp_path), "--force", "--out", str(tmp_path / "o")])
+    assert seen["config"].force is True
 
 
 # -- one vocabulary ---------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def qwen3_moe(path: Path, seed: int = 0) -> Path:
     vocabulary of 4096."""
     import transformers as tf
 
-    return _save(tf.Qwen3MoeConfig(
+    return _save(tf.Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
         intermediate_size=512, moe_intermediate_size=256, num_experts=16,

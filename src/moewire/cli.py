@@ -209,7 +209,10 @@ def _study_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
     p.add_argument("--out", default=None, metavar="DIR",
                    help=f"output directory (default ./{d.out}/; with --from, a new one beside "
-                   "the file's)")
+                   "the file's); one that holds an earlier run's files is refused")
+    p.add_argument("--force", action="store_true",
+                   help="remove an earlier run's files from --out first (only the files a "
+                   "moewire run wrote)")
     p.set_defaults(_sweep_defaults={dest: p.get_default(dest) for dest in _SWEEP_FLAGS})
     return p
 
@@ -341,15 +344,27 @@ def _budget(args: argparse.Namespace):
     return None
 
 
-def _sweep(args: argparse.Namespace, tty: bool) -> tuple[dict, Path]:
-    """Run the error sweep; returns the document and the output directory."""
+def _claim(out: Path, force: bool):
+    """The study's ``moewire.outputs.OutputDir`` of ``out``, before any work: an earlier
+    run's files are refused, or with ``--force`` removed (said on stderr)."""
+    from moewire.outputs import prepare_output_dir
+    from moewire.study.errors import StudyArgumentError
+    from moewire.study.report import FILES
+
+    return prepare_output_dir(out, "study", FILES, force,
+                              lambda line: print(f"moewire {line}", file=sys.stderr),
+                              StudyArgumentError)
+
+
+def _sweep(args: argparse.Namespace, tty: bool):
+    """Run the error sweep; returns the document and the claimed output directory."""
     import warnings
 
     from moewire.study.runner import preflight, run_study
     from moewire.study.settings import check_out_dir
 
     cfg = preflight(_config_from_args(args))
-    out = check_out_dir(cfg.out)
+    out = _claim(check_out_dir(cfg.out), args.force)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         if not tty:
@@ -361,7 +376,7 @@ def _sweep(args: argparse.Namespace, tty: bool) -> tuple[dict, Path]:
             return run_study(cfg, _rich_hooks(bar)), out
 
 
-def _retimed(args: argparse.Namespace) -> tuple[dict, Path]:
+def _retimed(args: argparse.Namespace):
     """``--from``: the finished sweep with the time estimate re-applied."""
     from moewire.study.errors import StudyArgumentError
     from moewire.study.retime import read_results, retime
@@ -398,7 +413,7 @@ def _retimed(args: argparse.Namespace) -> tuple[dict, Path]:
             "whose results and plots it would overwrite; pass another directory, or leave "
             "--out out (a new directory beside it)"
         )
-    return doc, check_out_dir(out)
+    return doc, _claim(check_out_dir(out), args.force)
 
 
 def _run_study(args: argparse.Namespace) -> int:
@@ -413,7 +428,7 @@ def _run_study(args: argparse.Namespace) -> int:
     tty = sys.stdout.isatty()
     doc, out = _retimed(args) if args.from_json is not None else _sweep(args, tty)
     judge(doc, _budget(args))
-    paths = report.write_all(doc, out)
+    paths = report.write_all(doc, out.path, out)
     width = 100
     if tty:
         from rich.console import Console
@@ -483,7 +498,7 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
                    help="quantize one layer at a time with this pair; with --budget, measure "
                         "and write mixed_recipe.yaml")
     t = p.add_argument_group("task accuracy", "lm-evaluation-harness's tasks on each run "
-                             "(pip install 'moewire[eval]'; docs/eval.md)")
+                             "(from the clone: pip install -e '.[eval]'; docs/eval.md)")
     t.add_argument("--tasks", default=None, metavar="NAME[,NAME]",
                    help="comma-separated lm-eval task names (e.g. gsm8k,arc_easy)")
     t.add_argument("--tasks-path", type=Path, default=None, metavar="DIR",
@@ -491,7 +506,11 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--task-limit", type=_int_at_least(1), default=None, metavar="N",
                    help="at most N documents per task (lm-eval's --limit)")
     p.add_argument("--out", type=Path, default=Path("moewire-eval"),
-                   help="output directory (default ./moewire-eval)")
+                   help="output directory (default ./moewire-eval); one that holds an earlier "
+                   "run's files is refused")
+    p.add_argument("--force", action="store_true",
+                   help="remove an earlier run's files from --out first (only the files a "
+                   "moewire run wrote)")
     p.add_argument("--no-tensor-parallel", action="store_true",
                    help="under torchrun: keep the dense layers (attention, embeddings, shared "
                         "experts) whole on every rank instead of the model's tensor-parallel "
@@ -543,7 +562,7 @@ def _run_eval(args: argparse.Namespace) -> int:
                         kernel=args.kernel, device=args.device, budget=args.budget,
                         per_layer=per_layer, out_dir=args.out, tasks=tasks,
                         tasks_path=args.tasks_path, task_limit=args.task_limit,
-                        tensor_parallel=not args.no_tensor_parallel)
+                        tensor_parallel=not args.no_tensor_parallel, force=args.force)
     if sys.stderr.isatty() and first:
         from rich.console import Console
 
@@ -732,14 +751,21 @@ def _out_dir(args: argparse.Namespace) -> Path | None:
 
 
 def _left_behind(out: Path | None, existed: bool) -> str:
-    """What an interrupted run leaves, in words; an output directory that the run created
-    and left empty is removed (a later run then starts clean, with no ``--force``)."""
+    """What an interrupted run leaves, in words. Its output directory is marked
+    (``moewire.outputs.mark_interrupted``: the marker ``INTERRUPTED`` beside the complete
+    files it wrote); one that the run created and left empty is removed, so that a later
+    run starts clean."""
     if out is None or not out.is_dir():
         return "nothing was written"
+    from moewire.outputs import mark_interrupted
+
+    marker = mark_interrupted(out)
+    if marker is not None:
+        return f"{out} holds only complete files ({marker.name} lists them)"
     if not existed and not any(out.iterdir()):
         out.rmdir()
         return f"nothing was written (the empty {out} is removed)"
-    return f"{out} holds only the files finished before it"
+    return f"nothing was written into {out}"
 
 
 def _dispatch(args: argparse.Namespace) -> int:

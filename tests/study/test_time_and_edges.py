@@ -285,7 +285,7 @@ def test_the_one_builder_never_stands_in_for_the_real_kernel_silently():
     cfg = StudyConfig(model="tiny", kernel="deepgemm-sm90", device="cuda")
     with pytest.raises(ValueError, match="deepgemm-sm90 needs its own experts"):
         study_layer.build_layer(cfg, torch.Generator())
-    with pytest.raises(ValueError, match="the reference kernel takes neither"):
+    with pytest.raises(ValueError, match="the stand-in kernel takes neither"):
         study_layer.build_layer(StudyConfig(model="tiny"), torch.Generator(),
                                 experts=lambda *a: {}, layer_cls=study_layer.StudyLayer)
 

@@ -20,9 +20,12 @@ import json
 import math
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from moewire.study.verdict import front_marks, pareto
+
+if TYPE_CHECKING:
+    from moewire.outputs import OutputDir
 
 JSON_NAME = "results.json"
 HEATMAP_NAME = "error_heatmap.png"
@@ -59,9 +62,10 @@ def to_json(doc: dict) -> str:
 
 
 def write_json(doc: dict, out: Path) -> Path:
-    path = out / JSON_NAME
-    path.write_text(to_json(doc))
-    return path
+    """Write ``results.json`` into ``out`` atomically (``moewire.outputs.write_atomic``)."""
+    from moewire.outputs import write_atomic
+
+    return write_atomic(out / JSON_NAME, to_json(doc))
 
 
 #: The table's short form of :func:`moewire.study.verdict.front_marks`.
@@ -253,7 +257,7 @@ def heatmap_costs(doc: dict):
     return np.array([[float(by_pair[d, c][key]) for c in combine] for d in dispatch]), what
 
 
-def plot_heatmap(doc: dict, path: Path) -> Path:
+def plot_heatmap(doc: dict, path: Path | IO[bytes]) -> Path | IO[bytes]:
     """Two panels over dispatch x combine: the SQNR on a fixed scale
     (:data:`SQNR_SCALE_DB`; an exact cell is grey and says so) and, beside it, what the
     pair costs over BF16 (time, else bytes) on a fixed 0-1 scale."""
@@ -308,7 +312,7 @@ def plot_heatmap(doc: dict, path: Path) -> Path:
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=_DPI)
+    fig.savefig(path, dpi=_DPI, format="png")
     plt.close(fig)
     return path
 
@@ -565,21 +569,38 @@ def frontier_figure(doc: dict):
     return fig
 
 
-def plot_frontier(doc: dict, path: Path) -> Path:
+def plot_frontier(doc: dict, path: Path | IO[bytes]) -> Path | IO[bytes]:
     """Write :func:`frontier_figure` to ``path``."""
     import matplotlib.pyplot as plt
 
     fig = frontier_figure(doc)
-    fig.savefig(path, dpi=_DPI)
+    fig.savefig(path, dpi=_DPI, format="png")
     plt.close(fig)
     return path
 
 
-def write_all(doc: dict, out: Path) -> dict[str, Path]:
-    """Write ``results.json`` and both plots into ``out`` (created); returns the paths."""
+#: Every file a study writes into ``--out`` (``moewire.outputs.prepare_output_dir``'s
+#: ``files``: what counts as an earlier run's in a directory without a manifest).
+FILES = (JSON_NAME, HEATMAP_NAME, FRONTIER_NAME)
+
+
+def write_all(doc: dict, out: Path, run: OutputDir | None = None) -> dict[str, Path]:
+    """Write ``results.json`` and both plots into ``out`` (created), each atomically (a
+    reader or an interrupted run never sees part of a file), through ``run`` when given (the
+    ``moewire.outputs.OutputDir`` of ``out``: its manifest lists each file before it is
+    written and is flagged complete after the last); returns the paths."""
+    import io
+
+    from moewire.outputs import write_atomic
+
     out.mkdir(parents=True, exist_ok=True)
-    return {
-        "json": write_json(doc, out),
-        "heatmap": plot_heatmap(doc, out / HEATMAP_NAME),
-        "frontier": plot_frontier(doc, out / FRONTIER_NAME),
-    }
+    write = run.write if run is not None else (lambda name, data: write_atomic(out / name, data))
+    paths = {"json": write(JSON_NAME, to_json(doc))}
+    for key, name, plot in (("heatmap", HEATMAP_NAME, plot_heatmap),
+                            ("frontier", FRONTIER_NAME, plot_frontier)):
+        png = io.BytesIO()
+        plot(doc, png)
+        paths[key] = write(name, png.getvalue())
+    if run is not None:
+        run.complete()
+    return paths
