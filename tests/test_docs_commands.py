@@ -129,3 +129,21 @@ def test_skip_reasons_name_hardware_not_a_machine():
     found = [(str(p.relative_to(ROOT)), m[1]) for p in (ROOT / "tests").rglob("*.py")
              for m in reason.finditer(p.read_text()) if MACHINE_WORDS.search(m[1])]
     assert found == []
+
+
+def test_the_readme_sets_up_what_the_commands_need():
+    """The set-up steps a fresh clone needs: moewire from the clone (not the package index),
+    the demo venv activated, torch's CPU wheel named, one time for `make test-fast`."""
+    readme, makefile = (ROOT / "README.md").read_text(), (ROOT / "Makefile").read_text()
+    assert "source .venv-demo/bin/activate" in readme
+    assert "download.pytorch.org/whl/cpu" in readme
+    assert re.search(r"pip install [\"']?moewire\[", readme + (ROOT / "docs/eval.md").read_text()) \
+        is None
+    fast = re.search(r"test-fast .*?\n.*?(under \d+ min)", readme)
+    assert fast is not None and f"({fast[1]}utes on 2 cores)" in makefile
+
+
+def test_the_eval_docs_say_what_layer_rel_l2_includes():
+    row = next(line for line in (ROOT / "docs/eval.md").read_text().splitlines()
+               if line.startswith("| `layer_rel_l2`"))
+    assert "carried in" in row and "--per-layer" in row
