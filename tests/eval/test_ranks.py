@@ -68,7 +68,10 @@ def _one_rank(checkpoint: Path, device: str = "cpu") -> dict:
 def _check_files(written: list[list[str]], stdout: str, tmp: Path) -> None:
     """Rank 0 wrote the results and the plot, rank 1 nothing; the table is printed once."""
     assert written[1] == [], written[1]
-    assert {Path(p).name for p in written[0]} >= {"results.json", "kl.png"}
+    # Each file is written to a temporary ".<name>.<random>.tmp" and renamed into place.
+    names = {Path(p).name for p in written[0]}
+    assert {n[1:].rsplit(".", 2)[0] if n.endswith(".tmp") else n
+            for n in names} >= {"results.json", "kl.png"}
     assert sorted(p.name for p in (tmp / "out").iterdir()) == [MANIFEST, "kl.png",
                                                               "results.json"]
     assert stdout.count("run ") == 1 and stdout.count("wrote ") == 1, stdout
