@@ -205,8 +205,11 @@ def test_the_bar_shows_no_markup_and_log_lines_are_not_wrapped():
         progress = cli._eval_progress(bar)
         progress("baseline [1/2]", 1, 4)
         cli._bar_log(bar)(line)
-        progress("fp8:nvfp4", 2, 4)
+        progress("mixed [b]recipe", 2, 4)
+        # Any plain-text print above the bar (as the eval's log once was) redraws it alike.
+        bar.console.print("a plain line", markup=False)
+        progress("mixed [b]recipe", 3, 4)
     text = buffer.getvalue()
     assert "[progress.description]" not in text
-    assert "baseline [1/2]" in text
+    assert "baseline [1/2]" in text and "mixed [b]recipe" in text  # labels as written
     assert line + "\n" in text  # one line, as printed
