@@ -72,6 +72,9 @@ def test_a_reused_directory_is_refused_then_replaced_whole_with_force(checkpoint
     assert report["text"] == {"source": "t.txt", "chars": len(TEXT),
                               "sha256": hashlib.sha256(TEXT.encode()).hexdigest()}
     assert [r["name"] for r in report["pairs"]] == ["bf16:bf16", "fp8:nvfp4"]
+    assert report["settings"]["pairs"] == [["fp8", "nvfp4"]]
+    assert report["settings"]["out_dir"] == str(out) and report["settings"]["force"] is True
+    assert "text" not in report["settings"]
 
 
 def test_the_embedded_text_is_named_as_the_source(checkpoint):

@@ -44,7 +44,8 @@ a ``KeyboardInterrupt`` leaves the complete files and the ``INTERRUPTED`` marker
 ``results.json`` (schema :data:`SCHEMA`, as the study's): ``schema``, ``versions``
 (moewire, torch, transformers, python), ``checkpoint`` (absolute path), ``config_sha256``
 (of its ``config.json`` bytes), ``text`` (``source``, ``sha256`` of its UTF-8 bytes,
-``chars``), the settings and, per run, the metrics.
+``chars``), ``settings`` (the :class:`~moewire.eval.settings.EvalConfig`, without the text)
+and, per run, the metrics.
 
 The Hub is never forced offline: the checkpoint is read from its directory alone, and a
 task's dataset is fetched when the environment allows it (``HF_HUB_OFFLINE`` /
@@ -307,6 +308,13 @@ def _versions() -> dict[str, str]:
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
+def _settings(config: EvalConfig) -> dict[str, Any]:
+    """The config as JSON values (paths as strings, pairs as lists), without the text
+    itself (``text`` records its source and hash)."""
+    fields = {k: v for k, v in asdict(config).items() if k not in ("text", "text_source")}
+    return json.loads(json.dumps(fields, default=str))
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -368,6 +376,7 @@ def _run_plan(plan: Plan, out: OutputDir | None, log: Callable[[str], None],
         "schema": SCHEMA, "complete": False, "versions": _versions(),
         "checkpoint": str(path), "config_sha256": _sha256((path / "config.json").read_bytes()),
         "model_type": plan.checked.config.get("model_type"), "text": _text_record(config),
+        "settings": _settings(config),
         "tokens": windows.tokens, "windows": len(windows.inputs), "seq_len": config.seq_len,
         "kernel": config.kernel,
         "mma_type": config.mma_type or next(iter(mt.KERNELS[config.kernel])),
