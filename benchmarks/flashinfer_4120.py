@@ -54,13 +54,19 @@ The split, which FlashInfer's table cannot make (each row is one megakernel):
 - ``wire``: exact weights and an FP32 SwiGLU output, the tokens in the kernel's dispatch
   format, the per-slot rows in its combine format, the sum rounded to BF16.
 
-Memory: only the routed experts are generated, one at a time, each from its own seeded
-generator (``seed``, expert id), so 256 full experts never exist at once. The per-slot
-rows (``[T, k, H]`` FP32 per variant) are the only state kept across experts. Unlike
-FlashInfer's run the data are drawn by torch's CPU generator, not CUDA's: the same
-distributions, not the same numbers; medians over several seeds.
+Memory and time: only the routed experts are generated, one at a time, each from a
+generator of its own (the model seed, the expert id): one model for every batch, as
+FlashInfer's benchmark has one; the seeds vary the tokens and the routing. Each expert is
+drawn and quantized once for all batches, and the per-slot rows (``[T, k, H]`` FP32 per
+batch and variant) are the only state kept across experts. ``--shard i/n`` runs the experts
+``e % n == i`` only (n processes on a CPU of several cores), ``--merge`` adds the shards'
+rows up. Unlike FlashInfer's run the data are drawn by torch's CPU generator, not CUDA's:
+the same distributions, not the same numbers; medians over the batches.
 
-    python benchmarks/flashinfer_4120.py --seeds 5 --out benchmarks/results/flashinfer-4120
+    for i in 0 1 2 3 4 5; do
+        python benchmarks/flashinfer_4120.py --seeds 3 --shard $i/6 --out DIR &
+    done; wait
+    python benchmarks/flashinfer_4120.py --merge --out DIR
 """
 
 from __future__ import annotations
@@ -89,6 +95,9 @@ GATE_UP_CLAMP = 10.0
 #: The amax at which moewire's ``nvfp4`` has global scale 1 (FlashInfer's norm_const 1).
 NVFP4_UNIT_AMAX = 2688.0
 VARIANTS = ("all", "compute", "wire")
+#: One model for every batch, as FlashInfer's benchmark has one (its weights are seeded by
+#: rank alone); the seeds vary the tokens and the routing.
+MODEL_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -155,8 +164,8 @@ def fast_qdq(name: str | None, x: torch.Tensor) -> torch.Tensor:
         blocks = x.reshape(*x.shape[:-1], -1, 16)
         bs = blocks.abs().amax(-1, keepdim=True).div_(6.0).clamp_(max=448.0)
         bs = bs.to(torch.float8_e4m3fn).float()
-        idx = torch.bucketize(blocks.abs().div_(bs), _E2M1_BOUNDS)
-        q = _E2M1_GRID[idx].mul_(bs).mul_(torch.sign(blocks))
+        idx = torch.bucketize(blocks.abs().div_(bs), _E2M1_BOUNDS, out_int32=True)
+        q = _E2M1_GRID[idx].mul_(bs).copysign_(blocks)
         return q.reshape(x.shape)
     return qdq(name, x)
 
@@ -208,45 +217,89 @@ def _expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, inter_fmt
     return act @ w2.t()
 
 
-def run_seed(seed: int, *, tokens: int, experts: int, top_k: int, hidden: int, inter: int,
-             configs: tuple[Config, ...] = CONFIGS, clamp: float = GATE_UP_CLAMP,
-             ) -> dict[str, dict[str, float]]:
-    """Relative L2 (%) of each configuration and variant against the FP32 dense MoE.
+Rows = dict[tuple[str, str | None], torch.Tensor]
 
-    Returns:
-        ``{config name: {"all" | "compute" | "wire": percent}}``.
+
+def seed_rows(seeds: list[int], *, tokens: int, experts: int, top_k: int, hidden: int,
+              inter: int, configs: tuple[Config, ...] = CONFIGS,
+              clamp: float = GATE_UP_CLAMP, model_seed: int | None = None,
+              shard: tuple[int, int] = (0, 1)) -> dict[int, Rows]:
+    """The per-(token, slot) rows of every seed's batch, FP32 ``[T, k, H]`` per
+    ``("ref", None)`` and per ``(config, variant)``, for the routed experts of this shard
+    (``expert % n == i`` for ``shard = (i, n)``; rows of other experts stay zero, so the
+    shards' rows add up). Each expert is drawn once per model seed (``model_seed``, else the
+    batch's own seed) and quantized once per weight format.
     """
-    x_bf16, topk_w, topk_ids = make_batch(seed, tokens, experts, top_k, hidden)
-    x = x_bf16.float()
+    index, count = shard
+    batches = {s: make_batch(s, tokens, experts, top_k, hidden) for s in seeds}
     keys = [("ref", None)] + [(c.name, v) for c in configs for v in VARIANTS]
-    rows = {key: torch.zeros(tokens, top_k, hidden) for key in keys}
-    staged = {c.name: qdq(c.dispatch, x) for c in configs}
-    for expert in torch.unique(topk_ids).tolist():
-        tok, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        w13, w2 = (w.float() for w in make_expert(seed, expert, hidden, inter))
-        scale = topk_w[tok, slot].unsqueeze(-1)
-        rows["ref", None][tok, slot] = _expert_rows(x[tok], w13, w2, None, clamp) * scale
-        quantized: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {None: (w13, w2)}
-        for c in configs:
-            if c.weights not in quantized:
-                quantized[c.weights] = (fast_qdq(c.weights, w13), fast_qdq(c.weights, w2))
-            q13, q2 = quantized[c.weights]
-            full = _expert_rows(staged[c.name][tok], q13, q2, c.inter, clamp) * scale
-            rows[c.name, "all"][tok, slot] = combine_row(c.combine, full)
-            rows[c.name, "compute"][tok, slot] = _expert_rows(x[tok], q13, q2, c.inter,
-                                                              clamp) * scale
-            wire = _expert_rows(staged[c.name][tok], w13, w2, None, clamp) * scale
-            rows[c.name, "wire"][tok, slot] = combine_row(c.combine, wire)
-        del w13, w2, quantized
+    rows = {s: {key: torch.zeros(tokens, top_k, hidden) for key in keys} for s in seeds}
+    staged = {s: {c.dispatch: qdq(c.dispatch, batches[s][0].float()) for c in configs}
+              | {None: batches[s][0].float()} for s in seeds}
+    routed = sorted(set().union(*(torch.unique(b[2]).tolist() for b in batches.values())))
+    for expert in (e for e in routed if e % count == index):
+        drawn: dict[int, dict[str | None, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for s in seeds:
+            topk_w, topk_ids = batches[s][1], batches[s][2]
+            tok, slot = (topk_ids == expert).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            weights = drawn.setdefault(s if model_seed is None else model_seed, {})
+            if not weights:
+                w13, w2 = make_expert(s if model_seed is None else model_seed, expert, hidden,
+                                      inter)
+                weights[None] = (w13.float(), w2.float())
+            for c in configs:
+                if c.weights not in weights:
+                    weights[c.weights] = tuple(fast_qdq(c.weights, w) for w in weights[None])
+            scale = topk_w[tok, slot].unsqueeze(-1)
+            memo: dict[tuple[str | None, str | None, str | None], torch.Tensor] = {}
+
+            def fc2(w_fmt, x_fmt, inter_fmt, tok=tok, weights=weights, s=s, memo=memo,
+                    scale=scale):
+                key = (w_fmt, x_fmt, inter_fmt)
+                if key not in memo:
+                    memo[key] = _expert_rows(staged[s][x_fmt][tok], *weights[w_fmt], inter_fmt,
+                                             clamp)
+                return memo[key] * scale
+
+            out = rows[s]
+            out["ref", None][tok, slot] = fc2(None, None, None)
+            for c in configs:
+                out[c.name, "all"][tok, slot] = combine_row(c.combine,
+                                                            fc2(c.weights, c.dispatch, c.inter))
+                out[c.name, "compute"][tok, slot] = fc2(c.weights, None, c.inter)
+                out[c.name, "wire"][tok, slot] = combine_row(c.combine,
+                                                             fc2(None, c.dispatch, None))
+        del drawn
+    return rows
+
+
+def errors(rows: Rows, configs: tuple[Config, ...] = CONFIGS) -> dict[str, dict[str, float]]:
+    """Relative L2 (%) of each configuration and variant against the FP32 dense MoE: the
+    slots summed in FP32 in top-k order, then BF16 (``compute``: kept FP32)."""
     ref = rows["ref", None].sum(1)
     result: dict[str, dict[str, float]] = {}
     for c in configs:
         out = {}
         for v in VARIANTS:
-            summed = rows[c.name, v].sum(1)  # FP32, slots in top-k order
+            summed = rows[c.name, v].sum(1)
             out[v] = relative_l2(summed if v == "compute" else summed.bfloat16(), ref)
         result[c.name] = out
     return result
+
+
+def run_seed(seed: int, *, tokens: int, experts: int, top_k: int, hidden: int, inter: int,
+             configs: tuple[Config, ...] = CONFIGS, clamp: float = GATE_UP_CLAMP,
+             model_seed: int | None = None) -> dict[str, dict[str, float]]:
+    """Relative L2 (%) of each configuration and variant against the FP32 dense MoE.
+
+    Returns:
+        ``{config name: {"all" | "compute" | "wire": percent}}``.
+    """
+    rows = seed_rows([seed], tokens=tokens, experts=experts, top_k=top_k, hidden=hidden,
+                     inter=inter, configs=configs, clamp=clamp, model_seed=model_seed)
+    return errors(rows[seed], configs)
 
 
 def medians(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -267,32 +320,62 @@ def table(med: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _record(shape: dict, seeds: list[int], runs: list[dict]) -> dict:
+    return {"shape": shape, "seeds": seeds, "model_seed": MODEL_SEED, "published": PUBLISHED,
+            "configs": [c.__dict__ for c in CONFIGS], "runs": runs, "median": medians(runs)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--seeds", type=int, default=5, help="batches (tokens and routing)")
     p.add_argument("--ranks", type=int, default=2, help="EP ranks (FlashInfer's run: 2)")
     p.add_argument("--tokens-per-rank", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--shard", default="0/1",
+                   help="i/n: only experts e with e %% n == i; writes shard-i-of-n.pt to --out "
+                        "for --merge (run the n shards as n processes)")
+    p.add_argument("--merge", action="store_true",
+                   help="add up the shard files in --out and write flashinfer_4120.json")
     p.add_argument("--out", type=Path, default=None, help="directory for flashinfer_4120.json")
     a = p.parse_args(argv)
     shape = dict(tokens=a.ranks * a.tokens_per_rank, experts=a.experts, top_k=a.top_k,
                  hidden=a.hidden, inter=a.intermediate)
-    runs = []
-    for seed in range(a.seeds):
+    seeds = list(range(a.seeds))
+    index, count = (int(v) for v in a.shard.split("/"))
+    if a.merge or count > 1:
+        if a.out is None:
+            p.error("--shard i/n with n > 1 and --merge need --out")
+        a.out.mkdir(parents=True, exist_ok=True)
+    if a.merge:
+        parts = [torch.load(f) for f in sorted(a.out.glob("shard-*-of-*.pt"))]
+        wanted = {int(f.split("-")[1]) for f in (str(x.name) for x in a.out.glob("shard-*"))}
+        total = parts[0]["count"] if parts else 0
+        if not parts or wanted != set(range(total)) or any(
+                q["shape"] != parts[0]["shape"] or q["seeds"] != parts[0]["seeds"]
+                for q in parts):
+            p.error(f"--merge: {a.out} needs the shard files of one run, all n of them")
+        shape, seeds = parts[0]["shape"], parts[0]["seeds"]
+        rows = {s: {k: sum(q["rows"][s][k] for q in parts) for k in parts[0]["rows"][s]}
+                for s in seeds}
+    else:
         start = time.perf_counter()
-        runs.append(run_seed(seed, **shape))
-        print(f"seed {seed}: {time.perf_counter() - start:.0f} s "
-              + ", ".join(f"{n} {r['all']:.3f}" for n, r in runs[-1].items()), flush=True)
-        if a.out is not None:  # after every seed: a long run leaves what it has
-            a.out.mkdir(parents=True, exist_ok=True)
-            record = {"shape": shape, "seeds": len(runs), "published": PUBLISHED,
-                      "configs": [c.__dict__ for c in CONFIGS], "runs": runs,
-                      "median": medians(runs)}
-            (a.out / "flashinfer_4120.json").write_text(json.dumps(record, indent=1) + "\n")
+        rows = seed_rows(seeds, **shape, model_seed=MODEL_SEED, shard=(index, count))
+        print(f"shard {index}/{count}: {time.perf_counter() - start:.0f} s", flush=True)
+        if count > 1:
+            torch.save({"shape": shape, "seeds": seeds, "count": count, "rows": rows},
+                       a.out / f"shard-{index}-of-{count}.pt")
+            return 0
+    runs = [errors(rows[s]) for s in seeds]
+    for s, r in zip(seeds, runs, strict=True):
+        print(f"seed {s}: " + ", ".join(f"{n} {v['all']:.3f}" for n, v in r.items()))
     print(table(medians(runs)))
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        record = _record(shape, seeds, runs)
+        (a.out / "flashinfer_4120.json").write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

@@ -33,7 +33,8 @@ def _weights_like() -> torch.Tensor:
     """Rows like the benchmark's weights (N(0, 1/15^2) in BF16), rows far smaller (E4M3
     block scales in the subnormals), and rows on the rounding edges: NVFP4 blocks of amax 6
     (block scale 1) holding every E2M1 midpoint, and an MXFP8 block whose scale
-    ``fl(amax * fl(1/448))`` is a power of two (the UE8M0 ceiling must not round it up)."""
+    ``fl(amax * fl(1/448))`` is a power of two (the UE8M0 ceiling must not round it up), with
+    elements small enough to land in E4M3's subnormals, where a doubled scale changes them."""
     g = torch.Generator().manual_seed(11)
     rows = torch.randn(64, 256, generator=g).bfloat16().float() / 15
     rows[8:16] *= 1e-2
@@ -42,6 +43,7 @@ def _weights_like() -> torch.Tensor:
     amax = torch.tensor(448.0 * 2.0 ** -7)
     assert float(amax * torch.tensor(1 / 448, dtype=torch.float32)) == 2.0 ** -7
     rows[17, :32] = torch.linspace(-1, 1, 32) * amax
+    rows[17, 1:9] = torch.arange(1, 9) * 1.1e-5  # E4M3 subnormals: the scale shows there
     return rows
 
 
@@ -134,14 +136,28 @@ def test_exact_steps_leave_only_the_output_rounding(bench):
 
 
 def test_a_run_writes_medians_and_the_published_numbers(bench, tmp_path, capsys):
-    code = bench.main(["--seeds", "2", "--ranks", "2", "--tokens-per-rank", "2",
-                       "--experts", "16", "--top-k", "4", "--hidden", "128",
-                       "--intermediate", "64", "--out", str(tmp_path)])
-    assert code == 0
-    record = json.loads((tmp_path / "flashinfer_4120.json").read_text())
-    assert record["seeds"] == 2 and record["published"] == bench.PUBLISHED
+    """One process, and the same run as two expert shards added up by ``--merge``: the same
+    numbers. Break: a shard keeping rows of another shard's experts."""
+    args = ["--seeds", "2", "--ranks", "2", "--tokens-per-rank", "2", "--experts", "16",
+            "--top-k", "4", "--hidden", "128", "--intermediate", "64"]
+    assert bench.main([*args, "--out", str(tmp_path / "one")]) == 0
+    for shard in ("0/2", "1/2"):
+        assert bench.main([*args, "--shard", shard, "--out", str(tmp_path / "sharded")]) == 0
+    assert bench.main(["--merge", "--out", str(tmp_path / "sharded")]) == 0
+    record = json.loads((tmp_path / "one" / "flashinfer_4120.json").read_text())
+    merged = json.loads((tmp_path / "sharded" / "flashinfer_4120.json").read_text())
+    assert merged["runs"] == record["runs"]
+    assert record["seeds"] == [0, 1] and record["published"] == bench.PUBLISHED
     for name, med in record["median"].items():
         runs = [r[name]["all"] for r in record["runs"]]
         assert med["all"] == pytest.approx(sum(runs) / 2)
         assert med["compute"] < med["all"] and med["wire"] < med["all"]
     assert "| nvfp4 | 23.324 |" in capsys.readouterr().out
+
+
+def test_merge_refuses_a_missing_shard(bench, tmp_path):
+    args = ["--seeds", "1", "--experts", "8", "--top-k", "2", "--hidden", "64",
+            "--intermediate", "32", "--out", str(tmp_path)]
+    assert bench.main([*args, "--shard", "0/2"]) == 0
+    with pytest.raises(SystemExit):
+        bench.main(["--merge", "--out", str(tmp_path)])
