@@ -92,6 +92,27 @@ def test_ctrl_c_names_the_directory_that_holds_finished_files(tmp_path, monkeypa
     assert "results.json" in (out / "INTERRUPTED").read_text()
 
 
+def test_ctrl_c_in_eval_is_said_once_though_the_runner_logs_it(tmp_path, monkeypatch,
+                                                                capsys):
+    out = tmp_path / "out"
+    claim = _interrupt_after(out, write=True)
+
+    def evaluate(checkpoint, config, log, **kwargs):
+        log("eval: window 1/2: 0.1 s so far")
+        try:
+            claim()
+        except KeyboardInterrupt:
+            log(f"eval: interrupted; {out} holds only complete files")
+            raise
+
+    monkeypatch.setattr("moewire.eval.evaluate", evaluate)
+    assert cli.main(["eval", str(tmp_path), "--out", str(out)]) == 130
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "eval: window 1/2: 0.1 s so far"
+    assert [line for line in lines if "interrupted" in line] == [
+        f"moewire eval: interrupted; {out} holds only complete files (INTERRUPTED lists them)"]
+
+
 def test_ctrl_c_keeps_a_directory_that_was_there_before(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()

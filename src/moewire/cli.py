@@ -533,6 +533,17 @@ def _eval_progress(bar):
     return progress
 
 
+def _eval_log(write):
+    """The eval's log lines through ``write``, less the runner's own line on Ctrl-C
+    (``eval: interrupted; ...``): the command says that once, as it exits with 130."""
+
+    def log(line: str) -> None:
+        if not line.startswith("eval: interrupted;"):
+            write(line)
+
+    return log
+
+
 def _run_eval(args: argparse.Namespace) -> int:
     from moewire.eval import EvalConfig, EvalError, evaluate, parse_pair, table
     from moewire.eval.checks import Ranks, read_text
@@ -568,11 +579,11 @@ def _run_eval(args: argparse.Namespace) -> int:
 
         bar = _rich_bar(Console(stderr=True))
         with bar:
-            report = evaluate(args.checkpoint, config,
-                              log=_bar_log(bar),
+            report = evaluate(args.checkpoint, config, log=_eval_log(_bar_log(bar)),
                               progress=_eval_progress(bar))
     else:
-        report = evaluate(args.checkpoint, config)
+        report = evaluate(args.checkpoint, config, log=_eval_log(
+            lambda line: print(line, file=sys.stderr, flush=True)))
     if not first:  # rank 0 prints and writes; every rank computed the same numbers
         return 0
     print(table(report))
