@@ -62,8 +62,9 @@ class EvalConfig:
             then those files are removed first (and the log says which), so no earlier file
             stays beside this run's (:func:`moewire.outputs.prepare_output_dir`).
         cuda_graph: on a CUDA device (one rank), capture each run's forward over a window
-            once and replay it for every window (:mod:`moewire.eval.graphs`); the metrics
-            equal the eager run's bit for bit. ``False`` runs every window eagerly.
+            once and replay it for every window (:mod:`moewire.eval.graphs`), the same
+            kernels on the same data as the eager forward. ``False`` runs every window
+            eagerly.
     """
 
     pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS
