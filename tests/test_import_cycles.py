@@ -22,7 +22,8 @@ from import_graph import find_cycle, src_graph
 #: ``moewire`` is the package's public API.
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"moewire.format_table"},
-    {"moewire.patches", "moewire.reference", "moewire._moved", "moewire.outputs"},
+    {"moewire.patches", "moewire.reference", "moewire._moved", "moewire.outputs",
+     "moewire.extras"},
     {"moewire.kernels"},
     {"moewire.formats"},
     {"moewire.quantizer", "moewire.config", "moewire.calibration"},

@@ -568,12 +568,14 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise EvalError("--tasks", f"{args.tasks!r} names no task; pass lm-eval task names, "
                         "e.g. --tasks gsm8k,arc_easy")
     text = read_text(args.text) if args.text is not None else None
+    text_source = str(args.text.resolve()) if args.text is not None else None
     config = EvalConfig(pairs=pairs, recipes=args.recipe, text=text,
                         max_tokens=args.max_tokens, seq_len=args.seq_len, mma_type=args.mma,
                         kernel=args.kernel, device=args.device, budget=args.budget,
                         per_layer=per_layer, out_dir=args.out, tasks=tasks,
                         tasks_path=args.tasks_path, task_limit=args.task_limit,
-                        tensor_parallel=not args.no_tensor_parallel, force=args.force)
+                        tensor_parallel=not args.no_tensor_parallel, force=args.force,
+                        text_source=text_source)
     if sys.stderr.isatty() and first:
         from rich.console import Console
 

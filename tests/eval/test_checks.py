@@ -181,7 +181,7 @@ def test_tasks_need_lm_eval(checkpoint, tmp_path, no_model, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "lm_eval" else real(name, *a))
     with pytest.raises(EvalError, match=r"--tasks: needs lm-evaluation-harness, which this "
-                       r"Python lacks; run: .* -m pip install 'moewire\[eval\]'"):
+                       r"Python lacks; run: .* -m pip install -e '.*\[eval\]'"):
         evaluate(path, tasks=["gsm8k"], device="cpu", log=lambda s: None)
 
 

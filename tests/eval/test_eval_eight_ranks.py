@@ -96,23 +96,10 @@ def _check(eight: dict, one: dict, written: list[list[str]], stdout: str,
 
 
 @pytest.mark.slow
-def test_eight_ranks_with_whole_dense_layers_equal_one_rank_bit_for_bit(deepseek_v4,
-                                                                         tmp_path):
-    eight, written, stdout = _torchrun(deepseek_v4, tmp_path)
-    one = evaluate(deepseek_v4, [("fp8", "nvfp4")], text=TEXT, max_tokens=32, seq_len=16,
-                   device="cpu", log=lambda s: None)
-    _check(eight, one, written, stdout, tmp_path / "out")
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "moewire eval refuses --tasks under torchrun (eval/plan.py), and lm-eval 0.4.13's "
-    "simple_evaluate returns results on LOCAL_RANK 0 only (eval/tasks.py must broadcast "
-    "rank 0's scores)"))
 def test_eight_ranks_task_accuracy_equals_one_rank(deepseek_v4, tmp_path, offline):
-    """The same with ``--tasks`` on a local multiple-choice task: every rank runs lm-eval's
-    requests in step (the model's EP collectives), and the accuracy and its stderr are the
-    one-rank run's."""
+    """Eight ranks with ``--tasks`` on a local multiple-choice task: the metrics equal one
+    rank's bit for bit, every rank runs lm-eval's requests in step (the model's EP
+    collectives), and the accuracy and its stderr are the one-rank run's."""
     task = write_task(tmp_path / "tasks")
     eight, written, stdout = _torchrun(deepseek_v4, tmp_path, "--tasks", task, "--tasks-path",
                                        str(tmp_path / "tasks"))

@@ -163,8 +163,6 @@ REFUSALS = {
     "fewer-gpus-than-local-ranks": (
         _launch(4, local_world=4), ["--device", "cuda"], _gpus(2),
         "--device: torchrun starts 4 ranks on this node and torch sees 2 CUDA device(s)"),
-    "tasks": (_launch(), ["--tasks", "gsm8k"], None,
-              "--tasks: lm-eval's tasks run on one rank, not under torchrun's 2 ranks"),
     "ep-size-flag": ({}, ["--ep-size", "4"], None,
                      "--ep-size: moewire eval runs the model on the ranks torchrun starts"),
     "no-tensor-parallel-on-one-rank": ({}, ["--no-tensor-parallel"], None,

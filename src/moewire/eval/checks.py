@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from moewire.extras import PACKAGES, install_command
 from moewire.study.paths import writable_dir
 
 __all__ = ["EvalError", "Checked", "Ranks", "check_out_dir", "parse_pair", "preflight",
@@ -411,7 +412,9 @@ def _check_recipe_names(recipes: Sequence[str], names: list[str]) -> None:
 
 def _require(package: str, argument: str, needed_by: str, install: str) -> None:
     """Refuse when ``package`` cannot be imported (``importlib.util.find_spec``; a module set
-    to ``None`` in ``sys.modules`` counts as missing, as ``import`` treats it)."""
+    to ``None`` in ``sys.modules`` counts as missing, as ``import`` treats it). ``install`` is
+    a moewire extra ("transformers", "eval": :func:`moewire.extras.install_command`) or the
+    pip arguments that install the package."""
     import importlib.util
 
     try:
@@ -419,8 +422,10 @@ def _require(package: str, argument: str, needed_by: str, install: str) -> None:
     except (ImportError, ValueError):
         found = False
     if not found:
+        command = (install_command(install) if install in PACKAGES
+                   else f"{sys.executable} -m pip install {install}")
         raise EvalError(argument, f"{needed_by} needs {package}, which this Python lacks; run: "
-                        f"{sys.executable} -m pip install {install}")
+                        f"{command}")
 
 
 def _check_dependencies(config: dict[str, Any], path: Path, ranks: Ranks) -> None:
@@ -497,7 +502,7 @@ def preflight(
     _check_kernel(kernel, mma_type)
     dev = _check_device(device, ranks)
     path = Path(checkpoint)
-    _require("transformers", "checkpoint", "moewire eval", "'moewire[transformers]'")
+    _require("transformers", "checkpoint", "moewire eval", "transformers")
     config = _check_config(path)
     _check_dependencies(config, path, ranks)
     if ranks.world > 1:

@@ -158,10 +158,6 @@ def make_plan(checkpoint: str | os.PathLike, config: EvalConfig, log: Callable[[
         raise EvalError("--no-tensor-parallel", "one rank has no tensor parallelism to turn "
                         "off; drop the flag, or launch several ranks with torchrun "
                         "--nproc-per-node N -m moewire eval ...")
-    if config.tasks and ranks.world > 1:
-        raise EvalError("--tasks", f"lm-eval's tasks run on one rank, not under torchrun's "
-                        f"{ranks.world} ranks; measure the tasks in a one-rank run (python -m "
-                        "moewire eval ... --tasks ...), or drop --tasks here")
     if config.interconnect not in INTERCONNECTS:
         raise EvalError("interconnect", f"{config.interconnect!r} is not one of "
                         f"{', '.join(INTERCONNECTS)}")
@@ -213,10 +209,16 @@ def make_plan(checkpoint: str | os.PathLike, config: EvalConfig, log: Callable[[
     elif refused is not None:
         raise refused
     on = f"{dev}" if ranks.world == 1 else f"{dev} per rank, {ranks.world} ranks"
-    log(f"eval: {checked.path.name}: {windows.tokens} tokens in {len(windows.inputs)} windows, "
-        f"{runs} runs (+{'one per layer and the mixed recipe' if config.per_layer else 'none'}), "
+    extra = " plus one per layer and the mixed recipe" if config.per_layer else ""
+    log(f"eval: {checked.path.name}: {windows.tokens} tokens in "
+        f"{_count(len(windows.inputs), 'window')}, {_count(runs, 'run')}{extra}, "
         f"memory needed about {need / 2**30:.2f} GiB of {have / 2**30:.2f} GiB free on {on}")
     if windows.tokens < config.max_tokens:
         log(f"eval: the text gives {windows.tokens} tokens, fewer than --max-tokens "
             f"{config.max_tokens}")
     return Plan(config, checked, tokenizer, windows, out, tasks, manager, ranks, joined)
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 window``, ``2 windows``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -1,5 +1,5 @@
-"""Task accuracy through lm-evaluation-harness (``lm-eval`` 0.4.13, ``pip install
-"moewire[eval]"``).
+"""Task accuracy through lm-evaluation-harness (``lm-eval`` 0.4.13, moewire's ``eval`` extra:
+``pip install -e '.[eval]'`` in the clone).
 
 Each run's quantizers are installed on the one model, which is handed to lm-eval's own
 transformers class (``lm_eval.models.huggingface.HFLM(pretrained=model, tokenizer=...)``,
@@ -35,15 +35,16 @@ import difflib
 import importlib.util
 import logging
 import random
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moewire.eval.checks import EvalError, _require
+from moewire.extras import install_command
 
 __all__ = ["check_tasks", "run_tasks", "scores"]
 
@@ -67,9 +68,9 @@ def check_tasks(names: Sequence[str], include_path: str | None, has_tokenizer: b
                         "tokenizer (tokenizer.json); save the model's tokenizer into it")
     if importlib.util.find_spec("lm_eval") is None:
         raise EvalError("--tasks", "needs lm-evaluation-harness, which this Python lacks; run: "
-                        f"{sys.executable} -m pip install 'moewire[eval]'")
+                        f"{install_command('eval')}")
     _require("accelerate", "--tasks", "lm-eval's transformers model "
-             "(lm_eval.models.huggingface imports it)", "'moewire[eval]'")
+             "(lm_eval.models.huggingface imports it)", "eval")
     if include_path is not None and not Path(include_path).is_dir():
         raise EvalError("--tasks-path", f"{include_path} is not a directory; pass the "
                         "directory of your task YAML files")
@@ -232,4 +233,16 @@ def run_tasks(model: nn.Module, tokenizer: Any, manager: Any, names: Sequence[st
                   device=str(device), softmax_dtype=torch.float32)
         out = simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit,
                               log_samples=False)
-    return scores(out["results"])
+    # Under torchrun every rank runs lm-eval's requests in step (the model's expert-parallel
+    # collectives need each rank), but lm-eval 0.4.13's simple_evaluate returns the results
+    # on its rank 0 only (lm_eval/evaluator.py: ``if lm.rank == 0``, else None): rank 0's
+    # scores reach every rank, so the ranks' results agree.
+    mine = None if out is None else scores(out["results"])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        held = [mine]
+        dist.broadcast_object_list(held, src=0)
+        mine = held[0]
+    if mine is None:
+        raise RuntimeError("run_tasks: lm-eval returned no results on this rank and no rank "
+                           "0 scores arrived; run the tasks under torchrun's rank 0")
+    return mine

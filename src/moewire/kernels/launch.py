@@ -14,6 +14,7 @@ from types import ModuleType
 
 import torch
 
+from moewire.extras import install_command
 from moewire.format_table import ACCUMULATE_MODES, FORMATS, SHARED_POSITIONS, FormatFacts, find
 
 __all__ = ["ACCUMULATE_MODES", "SHARED_POSITIONS", "SUPPORTED_FORMATS", "available", "supports"]
@@ -55,7 +56,7 @@ def _impl() -> ModuleType:
     except ImportError as exc:
         raise RuntimeError(
             "moewire.kernels: Triton is not importable here; install the GPU extra "
-            "(pip install 'moewire[gpu]') or use the torch reference (formats.get(name).reference)"
+            f"({install_command('gpu')}) or use the torch reference (formats.get(name).reference)"
         ) from exc
     return _triton
 
