@@ -511,6 +511,10 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="remove an earlier run's files from --out first (only the files a "
                    "moewire run wrote)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="on a CUDA device (one rank): capture each run's window forward once in "
+                        "a CUDA graph and replay it for every window (faster; opt-in until "
+                        "the GPU tests show it equal to the eager run bit for bit)")
     p.add_argument("--no-tensor-parallel", action="store_true",
                    help="under torchrun: keep the dense layers (attention, embeddings, shared "
                         "experts) whole on every rank instead of the model's tensor-parallel "
@@ -575,7 +579,7 @@ def _run_eval(args: argparse.Namespace) -> int:
                         per_layer=per_layer, out_dir=args.out, tasks=tasks,
                         tasks_path=args.tasks_path, task_limit=args.task_limit,
                         tensor_parallel=not args.no_tensor_parallel, force=args.force,
-                        text_source=text_source)
+                        text_source=text_source, cuda_graph=args.cuda_graph)
     if sys.stderr.isatty() and first:
         from rich.console import Console
 

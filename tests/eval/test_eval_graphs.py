@@ -98,10 +98,32 @@ def test_a_forward_that_cannot_be_captured_is_refused_with_the_fix(checkpoint, m
 
     monkeypatch.setattr(metrics.Totals, "add_layer", syncing_add_layer)
     with pytest.raises(RuntimeError, match=r"the forward of run fp8:nvfp4 cannot be captured "
-                       r"in a CUDA graph .*--no-cuda-graph"):
+                       r"in a CUDA graph .*without --cuda-graph"):
         evaluate(checkpoint("qwen3_moe"), [("fp8", "nvfp4")], text=TEXT, max_tokens=64,
-                 seq_len=32, device="cuda", log=lambda s: None)
+                 seq_len=32, device="cuda", cuda_graph=True, log=lambda s: None)
     # Eagerly the same forward runs.
     report = evaluate(checkpoint("qwen3_moe"), [("fp8", "nvfp4")], text=TEXT, max_tokens=64,
                       seq_len=32, device="cuda", cuda_graph=False, log=lambda s: None)
     assert report["pairs"][1]["kl_mean"] > 0.0
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], False), (["--cuda-graph"], True)],
+                         ids=["default-eager", "opt-in"])
+def test_the_cli_runs_eagerly_unless_asked_for_graphs(checkpoint, tmp_path, monkeypatch, argv,
+                                                      want):
+    """Graphs are opt-in (``--cuda-graph``) until the GPU tier shows them equal to the eager
+    run: the CLI passes the flag, and the API's default is eager."""
+    import moewire.eval as eval_pkg
+    from moewire.cli import main
+
+    seen: list[EvalConfig] = []
+
+    def fake(path, config, **kwargs):
+        seen.append(config)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_pkg, "evaluate", fake)
+    assert main(["eval", str(checkpoint("qwen3_moe")), "--out", str(tmp_path / "o"),
+                 *argv]) == 130
+    assert [c.cuda_graph for c in seen] == [want]
+    assert EvalConfig().cuda_graph is False

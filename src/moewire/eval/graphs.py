@@ -69,7 +69,7 @@ class WindowGraphs:
 
     Raises:
         RuntimeError: a run's forward cannot be captured; the message names the run and says
-            to run eagerly (``cuda_graph=False``, ``--no-cuda-graph``).
+            to run eagerly (``cuda_graph=False``, no ``--cuda-graph``).
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], names: Sequence[str],
@@ -97,7 +97,7 @@ class WindowGraphs:
                 raise RuntimeError(
                     f"eval: the forward of run {name} cannot be captured in a CUDA graph "
                     f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                    "pass cuda_graph=False (moewire eval --no-cuda-graph) to run every "
+                    "pass cuda_graph=False (moewire eval without --cuda-graph) to run every "
                     "window eagerly") from exc
             pool = graph.pool()
             self._graphs.append(graph)

@@ -50,8 +50,8 @@ class Session:
     calibration, whose eager forwards ran the layout check) and replays it for every window
     of that shape; a shorter last window runs eagerly. The replay runs the same kernels on
     the same data as the eager forward and adds to the same sums; the GPU tests compare
-    every run's metrics with the eager run's, bit for bit. Under several ranks every window runs eagerly (the collectives
-    of expert parallelism are not captured).
+    every run's metrics with the eager run's, bit for bit. Under several ranks every window
+    runs eagerly (the collectives of expert parallelism are not captured).
     """
 
     def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]],

@@ -63,8 +63,11 @@ class EvalConfig:
             stays beside this run's (:func:`moewire.outputs.prepare_output_dir`).
         cuda_graph: on a CUDA device (one rank), capture each run's forward over a window
             once and replay it for every window (:mod:`moewire.eval.graphs`), the same
-            kernels on the same data as the eager forward. ``False`` runs every window
-            eagerly.
+            kernels on the same data as the eager forward. Opt-in (``--cuda-graph``): on an
+            H100 the last run of each measurement still differs from the eager run in the
+            7th-8th significant digit of its perplexity and KL mean, so eager stays the
+            default until the GPU tier (``tests/eval/test_eval_graphs.py``) shows the two
+            equal bit for bit.
     """
 
     pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS
@@ -85,7 +88,7 @@ class EvalConfig:
     tasks_path: str | os.PathLike | None = None
     task_limit: int | None = None
     force: bool = False
-    cuda_graph: bool = True
+    cuda_graph: bool = False
     text_source: str | None = None
 
 
