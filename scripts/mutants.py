@@ -11,9 +11,9 @@ Usage (from the repository root; ``make mutants`` runs it with the project's ven
 The repository's files (tracked and untracked, not ignored: ``git ls-files -co
 --exclude-standard``) are copied once into a scratch folder; the working tree is never
 touched. The named tests first run there unmutated (they must pass; the suites that name only
-tests run together, in one process). Then, one mutant at a
-time, its edits are applied to the scratch copy, its tests run with ``-x`` (the scratch
-``src`` first on ``PYTHONPATH``), and the file is restored. A mutant whose tests fail is
+tests run together, in one process). Then each mutant (``--jobs`` at once, each worker with a
+scratch copy of its own) has its edits applied to its copy, its tests run with ``-x`` (the
+scratch ``src`` first on ``PYTHONPATH``), and the file is restored. A mutant whose tests fail is
 *caught*; one whose tests pass *survived*; a run that cannot collect or errors otherwise is
 an *error*; a run past the time limit counts as caught (the mutant broke the tests, by
 hanging them) and is marked so.
@@ -26,12 +26,15 @@ the unmutated tests fail.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per test run")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="mutants judged at once, each worker in its own scratch copy "
+                             "(default: 2, or 1 on one CPU)")
     args = parser.parse_args(argv)
 
     mutants = load()
@@ -189,14 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(mutants)} mutants match the code")
         return 0
 
-    scratch = Path(tempfile.mkdtemp(prefix="moewire-mutants-"))
-    results = []
+    jobs = max(1, min(args.jobs, len(mutants)))
+    scratches = [Path(tempfile.mkdtemp(prefix="moewire-mutants-")) for _ in range(jobs)]
+    results: list[dict | None] = [None] * len(mutants)
     try:
-        scratch_copy(scratch)
-        check_import_path(scratch)
+        for scratch in scratches:
+            scratch_copy(scratch)
+            check_import_path(scratch)
         suites = sorted({m.tests for m in mutants})
         for tests in unmutated_runs(suites):
-            code, tail = run_tests(scratch, tests, args.timeout * len(tests))
+            code, tail = run_tests(scratches[0], tests, args.timeout * len(tests))
             if code != 0:
                 print(tail, file=sys.stderr)
                 print(
@@ -205,45 +213,68 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
-        print(f"{len(mutants)} mutants; unmutated tests pass ({len(suites)} suites)", flush=True)
-        for m in mutants:
-            path = scratch / m.file
-            original = path.read_text()
-            path.write_text(m.apply(original))
-            start = time.monotonic()
-            try:
-                code, tail = run_tests(scratch, m.tests, args.timeout)
-            finally:
-                path.write_text(original)
-            seconds = time.monotonic() - start
-            if code is None:
-                verdict = "caught (timeout)"
-            elif code == 1:
-                verdict = "caught"
-            elif code == 0:
-                verdict = "SURVIVED"
-            else:
-                verdict = f"ERROR (pytest exit {code})"
-                print(tail, file=sys.stderr)
-            why = _first_failure(tail) if code == 1 else ""
-            results.append(
-                {"name": m.name, "spot": m.spot, "file": m.file, "tests": list(m.tests),
-                 "result": verdict, "seconds": round(seconds, 1), "failed": why}
-            )
-            print(f"{m.name:40s} {m.spot:26s} {verdict:18s} {seconds:6.1f}s", flush=True)
-            if why:
-                print(f"    {why}", flush=True)
-    finally:
-        if args.keep:
-            print(f"scratch copy kept in {scratch}")
-        else:
-            shutil.rmtree(scratch, ignore_errors=True)
+        print(f"{len(mutants)} mutants; unmutated tests pass ({len(suites)} suites); "
+              f"{jobs} at once", flush=True)
+        free: queue.Queue[Path] = queue.Queue()
+        for scratch in scratches:
+            free.put(scratch)
+        printing = threading.Lock()
 
-    caught = sum(r["result"].startswith("caught") for r in results)
-    print(f"{caught} of {len(results)} mutants caught")
+        def judge(index: int) -> None:
+            m = mutants[index]
+            scratch = free.get()
+            try:
+                results[index] = _judge(m, scratch, args.timeout, printing)
+            finally:
+                free.put(scratch)
+
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            for future in [pool.submit(judge, i) for i in range(len(mutants))]:
+                future.result()
+    finally:
+        for scratch in scratches:
+            if args.keep:
+                print(f"scratch copy kept in {scratch}")
+            else:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    done = [r for r in results if r is not None]
+    caught = sum(r["result"].startswith("caught") for r in done)
+    print(f"{caught} of {len(done)} mutants caught")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0 if caught == len(results) else 1
+        args.json.write_text(json.dumps(done, indent=2) + "\n")
+    return 0 if caught == len(done) == len(mutants) else 1
+
+
+def _judge(m: Mutant, scratch: Path, timeout: float, printing: threading.Lock) -> dict:
+    """Apply ``m`` in ``scratch`` (which this worker alone uses), run its tests, restore the
+    file; its result row, printed as it ends."""
+    path = scratch / m.file
+    original = path.read_text()
+    path.write_text(m.apply(original))
+    start = time.monotonic()
+    try:
+        code, tail = run_tests(scratch, m.tests, timeout)
+    finally:
+        path.write_text(original)
+    seconds = time.monotonic() - start
+    if code is None:
+        verdict = "caught (timeout)"
+    elif code == 1:
+        verdict = "caught"
+    elif code == 0:
+        verdict = "SURVIVED"
+    else:
+        verdict = f"ERROR (pytest exit {code})"
+    why = _first_failure(tail) if code == 1 else ""
+    with printing:
+        if verdict.startswith("ERROR"):
+            print(tail, file=sys.stderr)
+        print(f"{m.name:40s} {m.spot:26s} {verdict:18s} {seconds:6.1f}s", flush=True)
+        if why:
+            print(f"    {why}", flush=True)
+    return {"name": m.name, "spot": m.spot, "file": m.file, "tests": list(m.tests),
+            "result": verdict, "seconds": round(seconds, 1), "failed": why}
 
 
 if __name__ == "__main__":
