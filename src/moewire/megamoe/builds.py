@@ -275,6 +275,20 @@ POST_EXPERT_NORM = (
     "are not what it adds"
 )
 
+#: What aiter's ``MegaMoEV2`` (FlyDSL, ROCm), behind vLLM's ``--moe-backend flydsl_mega_moe``
+#: and SGLang's ``SGLANG_AMD_USE_FLYDSL_MEGA_MOE=1``, does with the wire, read in ROCm/aiter
+#: main at 03447f9 (``aiter/ops/flydsl/kernels/mega_moe/intra_node.py``,
+#: ``mega_moe_config.py``; neither engine pins an aiter version): why both hosts refuse it.
+AITER_MEGAMOE_V2 = (
+    "aiter's MegaMoEV2.forward (ROCm/aiter 03447f9, ops/flydsl/kernels/mega_moe/intra_node.py) "
+    "casts the tokens to FP8 with a scale per 32 columns itself, sends them over MoRI shared "
+    "memory, and its stage 2 writes each (token, top-k slot) row into the combine op's peer "
+    "buffer, in BF16 or in FP8 per 32 columns as the config for the token count chooses "
+    "(p2p_quant in mega_moe_config.py; moewire's flydsl_fp8_blockwise_1x32 format is that "
+    "cast), before combine_no_stage1 sums them: moewire has no stand-in of that buffer or its "
+    "sum, and cannot tell a batch's rows BF16 from already-quantized ones"
+)
+
 _FP4_FP4_REFUSED = (
     f"{POST_EXPERT_NORM}: the NVFP4 x NVFP4 kernel of vLLM 0.33/0.34's DeepGEMM can "
     "RMS-normalise each expert row at combine time from FP32 squared-norm partials kept in its "

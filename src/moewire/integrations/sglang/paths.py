@@ -66,6 +66,7 @@ from torch import nn
 
 from moewire.integrations.sglang.refusals import POST_EXPERT_NORM
 from moewire.integrations.sglang.sites import MEGA_MOE
+from moewire.megamoe.builds import AITER_MEGAMOE_V2
 
 __all__ = ["OTHER_PATHS", "OtherPath", "refuse_other_paths", "runs_other_path"]
 
@@ -135,14 +136,7 @@ OTHER_PATHS: tuple[OtherPath, ...] = (
     OtherPath(
         "flydsl-megamoe", "sglang.srt.layers.moe.mega_moe_flydsl",
         runs=_on_flydsl,
-        why=lambda: ("aiter's MegaMoEV2.forward casts the tokens to FP8 with a scale per 32 "
-                     "columns itself, sends them over MoRI shared memory, and its stage 2 "
-                     "writes each (token, top-k slot) row into the combine op's peer buffer, "
-                     "in BF16 or in FP8 per 32 columns as the config for the token count "
-                     f"chooses (p2p_quant; moewire's {FLYDSL_COMBINE} format is that cast), "
-                     "before combine_no_stage1 sums them: moewire has no "
-                     "stand-in of that buffer or its sum, and cannot tell a batch's rows BF16 "
-                     "from already-quantized ones"),
+        why=lambda: AITER_MEGAMOE_V2,
         fix=("serve it with SGLANG_AMD_USE_FLYDSL_MEGA_MOE=0 on a GPU SGLang's DeepGEMM "
              "Mega-MoE runs on (SM90 / SM100), or unset MOEWIRE_RECIPE")),
     OtherPath(

@@ -108,6 +108,7 @@ from typing import Any
 from torch import nn
 
 from moewire.integrations._host import SourceReach, source_reach
+from moewire.megamoe.builds import AITER_MEGAMOE_V2
 from moewire.megamoe.registry import ExpertsAdapter
 
 __all__ = [
@@ -187,12 +188,8 @@ FLASHINFER_EP_EXPERTS_REFUSAL = (
 
 #: Why moewire refuses aiter's ``MegaMoEV2`` (ROCm), and what to switch to.
 AITER_REFUSAL = (
-    "it runs aiter's MegaMoEV2 (FlyDSL, ROCm; --moe-backend flydsl_mega_moe, vLLM PR #51918), "
-    "which quantizes the tokens to FP8 with per-1x32 E8M0 scales inside its own launch chain "
-    "(no staging call moewire could hook) and combines the rows there too, returning a view "
-    "of its symmetric combine buffer on a MoRI heap; aiter's kernel source "
-    "(aiter/ops/flydsl/kernels/mega_moe.py) is not read here, so neither where its "
-    "per-(token, slot) rows lie nor the order it adds them is known. Serve with "
+    "it runs aiter's MegaMoEV2 (FlyDSL, ROCm; --moe-backend flydsl_mega_moe, vLLM PR #51918): "
+    f"{AITER_MEGAMOE_V2}. Serve with "
     "--moe-backend deep_gemm_mega_moe on an NVIDIA SM100 GPU (DeepseekV4MegaMoEExperts of "
     "vllm/models/deepseek_v4/nvidia/model.py, which moewire quantizes), or leave these "
     "layers unquantized (disable both quantizers)"
