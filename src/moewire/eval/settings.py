@@ -64,10 +64,10 @@ class EvalConfig:
         cuda_graph: on a CUDA device (one rank), capture each run's forward over a window
             once and replay it for every window (:mod:`moewire.eval.graphs`), the same
             kernels on the same data as the eager forward. Opt-in (``--cuda-graph``): on an
-            H100 the last run of each measurement still differs from the eager run in the
-            7th-8th significant digit of its perplexity and KL mean, so eager stays the
-            default until the GPU tier (``tests/eval/test_eval_graphs.py``) shows the two
-            equal bit for bit.
+            H100 the ``nvfp4:nvfp4`` run still differs from the eager run in the 7th-8th
+            significant digit of its perplexity and KL mean (every other run is equal), so
+            eager stays the default until the GPU tier (``tests/eval/test_eval_graphs.py``)
+            shows the two equal bit for bit.
     """
 
     pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS
