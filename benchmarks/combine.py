@@ -2,7 +2,7 @@
 
 Minimal bytes of one combine: ``k*T*H*2`` (rows read once) + ``T*H*2`` (``y`` written)
 + ``T*k*8`` (``topk_idx``). The copy peer moves the same number of bytes (reads half,
-writes half). Run on the H200 (``python benchmarks/combine.py --out results.json``); the
+writes half). Run on an H200 (``python benchmarks/combine.py --out results.json``); the
 CPU smoke run (``--device cpu``) checks the peers on one small shape, without the fused
 kernel, in seconds.
 

@@ -10,7 +10,7 @@ batch of each buffer (and on every replay of a CUDA graph captured before that b
 proven buffer's combine runs without it. Before timing, each case's output is compared bit for
 bit with ``megamoe.resum`` in the same mode on the benchmark rows.
 
-Run on the H200: ``python benchmarks/combine_formats.py --out results.json``; ``--device
+Run on an H200: ``python benchmarks/combine_formats.py --out results.json``; ``--device
 cpu`` is a smoke run (one small shape, torch definition only; its times mean nothing).
 
 JSON (``--out``): a list, one object per (shape, case), with ``model``, ``T``, ``k``, ``H``,

@@ -15,7 +15,7 @@ Timed per (shape, case, format): ``fused_us`` (``megamoe.resum`` with the CUDA k
 captured in a CUDA graph), ``torch_us`` (the same with ``MOEWIRE_DISABLE_KERNELS=1``, the
 definition), ``copy_us`` (a copy of the same minimal bytes: ``k*T*H*2`` rows read, plus
 ``T*H*2`` for the shared row, ``T*H*2`` written, ``T*k*8`` ids), and ``exact`` (the fused
-result equals the torch one bit for bit). Run on the H200::
+result equals the torch one bit for bit). Run on an H200::
 
     python benchmarks/combine_fp4_fp4.py --out benchmarks/results/combine_fp4_fp4.json
 

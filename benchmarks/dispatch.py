@@ -1,7 +1,7 @@
 """Dispatch benchmark: fused Triton QDQ of [T, H] tokens vs torch eager, compile, ModelOpt.
 
 Minimal bytes: ``T*H*2`` read + ``T*H*2`` written (BF16 in, BF16 out). The copy peer
-moves the same bytes. Run on the H200 (``python benchmarks/dispatch.py --out r.json``); the
+moves the same bytes. Run on an H200 (``python benchmarks/dispatch.py --out r.json``); the
 CPU smoke run (``--device cpu``) checks the peers on one small shape, without the fused
 kernel, in seconds.
 

@@ -1,6 +1,6 @@
 """One device call: kernel tests, a launch-config sweep, the combine and dispatch tables.
 
-Usage on the H200 (what ``benchmarks/results/README.md`` records)::
+Usage on an H200 (what ``benchmarks/results/README.md`` records)::
 
     PYTHONPATH=src:. python3 benchmarks/gpu_check.py --out "$OUT"
 

@@ -1,4 +1,4 @@
-"""Combine kernel revisions and tunings side by side, in one process, on the H200.
+"""Combine kernel revisions and tunings side by side, in one process, on an H200.
 
 Each revision is a file holding ``moewire.kernels._triton`` as it was at some commit
 (``git show REV:src/moewire/kernels/_triton.py > /tmp/REV.py``) or the current one
@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernel_variants.py times CUDA kernels: run it on the H200")
+        raise SystemExit("benchmarks/kernel_variants.py times CUDA kernels: run it on an H200")
     revisions = [load_revision(s) for s in (args.rev or ["current"])]
     doc = run(revisions, args.formats, args.k, args.tokens, args.hidden, args.grid_all,
               not args.no_check)

@@ -9,7 +9,7 @@ correctly rounded) to see whether the division alone would change any value.
 
     PYTHONPATH=src python3 benchmarks/modelopt_nvfp4_parity.py --out DIR
 
-Measured on the H200 (benchmarks/results/modelopt-nvfp4/): no value differs; every bit
+Measured on an H200 (benchmarks/results/modelopt-nvfp4/): no value differs; every bit
 difference is a negative input that rounds to zero, -0.0 in moewire, +0.0 in ModelOpt.
 """
 

@@ -124,6 +124,21 @@ def test_the_docs_name_hardware_not_a_machine(path):
     assert found == [], f"{path.name}: say what hardware the claim needs: {found}"
 
 
+def test_no_file_of_the_repository_names_a_machine():
+    """Every text file git tracks (code, tests, benchmarks, docs, set-up), this rule's own
+    file and the changelog's history aside."""
+    listed = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.toml", "*.sh", "*.yaml",
+                             "Makefile"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    skip = {"CHANGELOG.md", "tests/test_docs_commands.py"}
+    found = [(name, n, line.strip()[:100]) for name in listed.stdout.split()
+             if name not in skip and (ROOT / name).is_file()
+             for n, line in enumerate((ROOT / name).read_text().splitlines(), 1)
+             if MACHINE_WORDS.search(line)]
+    assert found == [], f"say what hardware the claim needs: {found}"
+
+
 def test_skip_reasons_name_hardware_not_a_machine():
     reason = re.compile(r"(?:skip\(|reason=)\s*[\"'f](.*?)[\"']\s*[,)]", re.S)
     found = [(str(p.relative_to(ROOT)), m[1]) for p in (ROOT / "tests").rglob("*.py")

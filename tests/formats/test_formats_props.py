@@ -281,7 +281,7 @@ def test_cpu_never_calls_the_kernel(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16in", "fp32in"])
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_reference_and_kernel_equal_cpu(name, dtype):
-    """On the H200: the CUDA reference and the dispatched kernel equal the CPU reference.
+    """on an H200: the CUDA reference and the dispatched kernel equal the CPU reference.
 
     The references divide by constants as ``t * fl(1/c)`` on both devices (torch's own CUDA
     division by a Python scalar; its CPU one is a true division), so this holds bit for bit.

@@ -3,7 +3,7 @@
 The interpreter tests run the ``HW_CAST=False`` paths; the GPU-only code (inline PTX for the
 packed BF16 conversions, ``tl.fma``, the saturating E4M3 convert) is only compiled on a GPU.
 Here Triton compiles each kernel ahead of time for sm_90 with the ``ptxas`` its wheel ships,
-so a kernel that would not build on the H200 fails in CI, under the pinned Triton and the
+so a kernel that would not build on an H200 fails in CI, under the pinned Triton and the
 newest one (``make test-triton-next``). What the compiled code computes is checked on the
 H200 (``pytest -m gpu``).
 """

@@ -378,7 +378,7 @@ def test_default_program_size_pads_the_row_least(hidden, fmt, want):
 )
 def test_dispatch_program_size_is_1024_columns(hidden, fmt, want):
     """The dispatch QDQ keeps 1024-column programs where the combine pads least (512 at
-    H = 3584 was 18% slower for the one-pass QDQ on the H200)."""
+    H = 3584 was 18% slower for the one-pass QDQ on an H200)."""
     bh = kernels.tuning.block_h(fmt, hidden, None, pad_least=False)
     assert (bh, kernels.tuning.num_warps(fmt, bh, None)) == want
 

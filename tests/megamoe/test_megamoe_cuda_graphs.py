@@ -1,4 +1,4 @@
-"""CUDA graphs on the H200: capture after an all-padding warm-up, replay, device-side check."""
+"""CUDA graphs on a CUDA GPU: capture after an all-padding warm-up, replay, device-side check."""
 
 from __future__ import annotations
 

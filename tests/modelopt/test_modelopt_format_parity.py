@@ -149,7 +149,7 @@ def _parity_tools():
 def test_nvfp4_matches_tensor_quantizer_on_cuda(dist, dtype):
     """ModelOpt's NVFP4 fake quant runs only on CUDA (Triton kernel on SM >= 8.9).
 
-    Two differences, both pinned here (measured on the H200, docs/modelopt.md):
+    Two differences, both pinned here (measured on an H200, docs/modelopt.md):
     - signed zeros: a negative input that rounds to zero is -0.0 in moewire's
       ``sign(x) * q * bs`` (moewire) and +0.0 from ModelOpt 0.47's Triton kernel;
     - rare values at a rounding boundary: ModelOpt's kernel divides with Triton's

@@ -1,7 +1,8 @@
 """An experts module written to vLLM main's ``DeepseekV4MegaMoESM90Experts`` contract.
 
 vLLM main's Hopper experts (``vllm/models/deepseek_v4/nvidia/sm90_mega_moe.py``, stored
-commit 6cd8b6b) need vLLM and a DeepGEMM fork, neither of which runs here or on the H200.
+commit 6cd8b6b) need vLLM and a DeepGEMM fork, neither of which runs on a CPU or a Hopper
+GPU (H100, H200).
 This module (moewire's own code) keeps the parts of that contract moewire depends on:
 
 - the buffer comes from ``deep_gemm.get_symm_buffer_for_sm90_mega_moe(group, E, T, k, H,

@@ -1,5 +1,5 @@
 """vLLM main's Hopper experts contract on CPU: ``sm90_vllm_main.VllmMainSM90Experts`` (the
-module the real-kernel tier runs on the H200) against ``moewire.reference.sm90_fork``, the
+module the real-kernel tier runs on an H200) against ``moewire.reference.sm90_fork``, the
 stand-in of the fork's three names, with padding tokens and EPLB-remapped ids."""
 
 from __future__ import annotations

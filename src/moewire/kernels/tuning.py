@@ -1,7 +1,7 @@
 """How the Triton launches are shaped: columns and warps per program, and whether the
 combine's slot loop is unrolled. Tuning only: every choice gives the same bits.
 
-The defaults come from the tuning grids on the H200 (``benchmarks/kernel_variants.py``,
+The defaults come from the tuning grids on an H200 (``benchmarks/kernel_variants.py``,
 ``benchmarks/results/h200-v5/``).
 """
 
@@ -19,7 +19,7 @@ _BLOCK_H = 1024
 def unroll(fmt: FormatFacts | str, k: int, check: bool) -> bool:
     """Whether the combine kernel's slot loop is unrolled by default: the format row's
     ``unroll`` rule (``moewire.format_table.UNROLL_RULES``), from the tuning grid of
-    ``benchmarks/kernel_variants.py`` on the H200 (T = 8192, each shape at its default
+    ``benchmarks/kernel_variants.py`` on an H200 (T = 8192, each shape at its default
     program size; benchmarks/results/h200-v5/: ``variants_*`` with the check, ``nochk_*``
     without). Unrolling overlaps more rows, rolling needs fewer registers:
 
@@ -70,7 +70,7 @@ def block_h(fmt: FormatFacts | str, hidden: int, block_h: int | None, *,
     The combine takes ``pad_least``: at H = 3584 (Kimi-K3) seven full 512-column programs
     beat four 1024-column ones whose last is half empty but still runs the slot loop. The
     dispatch QDQ (one pass, no loop) does not: there 512-column programs are 18% slower
-    than 1024 at H = 3584 on the H200 (36.2 vs 30.5 us for FP8 at T = 8192, every format
+    than 1024 at H = 3584 on an H200 (36.2 vs 30.5 us for FP8 at T = 8192, every format
     alike; ``benchmarks/results/h200-v5/qdq_block_grid.log``)."""
     whole_row = triton_next_pow2(hidden)
     if facts(fmt).whole_row:
