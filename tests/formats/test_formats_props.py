@@ -154,6 +154,7 @@ def test_attributes_match_the_issue():
         "mori_fp8_blockwise_ocp": (8, 128, 32, 0, False),
         "mori_fp8_direct_cast_fnuz": (8, None, 0, 0, False),
         "mori_fp8_direct_cast_ocp": (8, None, 0, 0, False),
+        "flydsl_fp8_blockwise_1x32": (8, 32, 8, 0, False),
     }
     got = {
         n: (f.element_bits, f.block_size, f.scale_bits, f.row_scale_bits, f.needs_amax)
