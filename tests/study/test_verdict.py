@@ -437,7 +437,21 @@ def test_the_verdict_says_when_the_tie_rule_chose(cost, tied):
     if tied:
         assert best["tied"] == [{"dispatch": "fp8", "combine": "nvfp4", "rel_l2": 0.04,
                                  "bytes_per_token": cost}]
-        assert lines == ["    tied within 1% by bytes with dispatch fp8 x combine nvfp4 (also "
-                         "within budget, rel L2 4.00e-02); the lower rel L2 chose"]
+        assert lines == ["    tied within 1% by bytes with fp8 x nvfp4 (rel L2 4.00e-02), "
+                         "also within budget; the lowest rel L2 decided"]
     else:
         assert best["tied"] == [] and lines == []
+
+
+def test_many_tied_pairs_make_one_line():
+    """Ten pairs within 1% of the cheapest: one line names three and counts the rest."""
+    from moewire.study.verdict import verdict, verdict_lines
+
+    doc = {"results": [_priced("bf16", "bf16", 0.0, 2000.0)]
+           + [_priced("fp8", f"c{i}", 0.02 + i * 1e-3, 1000.0 + i) for i in range(11)]}
+    doc["verdict"] = verdict(doc, Budget("rel_l2", 0.05))
+    lines = [line for line in verdict_lines(doc) if "tied within 1% by bytes" in line]
+    assert len(lines) == 1
+    assert "fp8 x c1 (rel L2 2.10e-02), fp8 x c2" in lines[0]
+    assert lines[0].endswith("and 7 more, also within budget; the lowest rel L2 decided")
+

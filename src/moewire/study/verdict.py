@@ -208,9 +208,12 @@ def verdict_lines(doc: dict) -> list[str]:
                          "the budget)")
         else:
             lines.append(f"  cheapest by {name}: {_pair_text(key, best)}")
-            for other in best.get("tied", ()):
+            tied = list(best.get("tied", ()))
+            if tied:
+                shown = ", ".join(f"{o['dispatch']} x {o['combine']} (rel L2 "
+                                  f"{float(o['rel_l2']):.2e})" for o in tied[:3])
+                more = f" and {len(tied) - 3} more" if len(tied) > 3 else ""
                 lines.append(
-                    f"    tied within {100 * COST_RTOL:g}% by {name} with dispatch "
-                    f"{other['dispatch']} x combine {other['combine']} (also within budget, "
-                    f"rel L2 {float(other['rel_l2']):.2e}); the lower rel L2 chose")
+                    f"    tied within {100 * COST_RTOL:g}% by {name} with {shown}{more}, "
+                    "also within budget; the lowest rel L2 decided")
     return lines
