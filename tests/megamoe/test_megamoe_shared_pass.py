@@ -287,7 +287,12 @@ def _capturable_fused_kernel(y, l1, l2, buf, shared_l1_weights=None, shared_l2_w
     rows[:k, :t] = torch.where(valid, (x.unsqueeze(0) * gain.T.unsqueeze(-1)).bfloat16(),
                                rows[:k, :t])
     rows[k, :t] = (x * 0.5 + 1.0).bfloat16()
-    rows[:, 0, 0] = _ORDER_ROWS.setdefault(y.device, ORDER_ROWS.to(y.device))
+    # Copied to the device once, by the eager forward before capture: a host-to-device copy
+    # is not allowed while a CUDA graph is being captured.
+    order = _ORDER_ROWS.get(y.device)
+    if order is None:
+        order = _ORDER_ROWS[y.device] = ORDER_ROWS.to(y.device)
+    rows[:, 0, 0] = order
     acc = torch.zeros((t, y.shape[1]), dtype=torch.float32, device=y.device)
     acc = acc + rows[k, :t].float()
     for s in range(k):
