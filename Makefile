@@ -40,7 +40,7 @@ test: $(VENV)/.installed
 # The edit-test loop (under 2 minutes on 2 cores): the CPU suites of the formats, the
 # quantizer, recipes, the megamoe API, the robustness suite, the study's fast checks and
 # the command's messages;
-# `make test` (about 10 minutes on 2 cores) runs everything.
+# `make test` (about 15 minutes on 2 cores, plus the first venv install) runs everything.
 FAST := tests/formats tests/test_quantizer.py tests/test_quantizer_package.py \
 	tests/test_recipes.py tests/megamoe/test_megamoe_api.py tests/robustness \
 	tests/study/test_first_hour.py tests/test_cli_first_hour.py
