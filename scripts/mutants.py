@@ -203,8 +203,20 @@ def main(argv: list[str] | None = None) -> int:
             scratch_copy(scratch)
             check_import_path(scratch)
         suites = sorted({m.tests for m in mutants})
-        for tests in unmutated_runs(suites):
-            code, tail = run_tests(scratches[0], tests, args.timeout * len(tests))
+        free: queue.Queue[Path] = queue.Queue()
+        for scratch in scratches:
+            free.put(scratch)
+
+        def unmutated(tests: tuple[str, ...]) -> tuple[tuple[str, ...], int | None, str]:
+            scratch = free.get()
+            try:
+                return (tests, *run_tests(scratch, tests, args.timeout * len(tests)))
+            finally:
+                free.put(scratch)
+
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            runs = list(pool.map(unmutated, unmutated_runs(suites)))
+        for tests, code, tail in runs:
             if code != 0:
                 print(tail, file=sys.stderr)
                 print(
@@ -215,9 +227,6 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         print(f"{len(mutants)} mutants; unmutated tests pass ({len(suites)} suites); "
               f"{jobs} at once", flush=True)
-        free: queue.Queue[Path] = queue.Queue()
-        for scratch in scratches:
-            free.put(scratch)
         printing = threading.Lock()
 
         def judge(index: int) -> None:
