@@ -29,6 +29,9 @@ def _prefix() -> str:
 
 
 def test_sites_of_installed_vllm_are_the_real_classes():
+    from vllm.model_executor.layers.fused_moe.experts.flashinfer_moe_ep import (
+        FlashInferMoeEpExperts,
+    )
     from vllm.models.deepseek_v4.amd.mega_moe import DeepseekV4AiterMegaMoEExperts
     from vllm.models.deepseek_v4.nvidia.model import DeepseekV4MegaMoEExperts
     from vllm.models.kimi_k3.nvidia.model import KimiK3MegaMoEExperts
@@ -36,10 +39,11 @@ def test_sites_of_installed_vllm_are_the_real_classes():
     assert vllm_mod.vllm_version().startswith("0.32")
     found = vllm_mod.experts_sites()
     # 0.33/0.34's path does not exist in 0.32: recognised by structure, not by version.
-    # 0.32 ships the ROCm aiter Mega-MoE too: recognised by its module, to be refused.
+    # 0.32 ships the ROCm aiter Mega-MoE and FlashInfer's MoE-EP modular experts too: each
+    # recognised by its module, to be refused.
     assert [cls for cls, _ in found] == [DeepseekV4MegaMoEExperts, KimiK3MegaMoEExperts,
-                                         DeepseekV4AiterMegaMoEExperts]
-    assert [site.refusal is not None for _, site in found] == [False, False, True]
+                                         FlashInferMoeEpExperts, DeepseekV4AiterMegaMoEExperts]
+    assert [site.refusal is not None for _, site in found] == [False, False, True, True]
     assert issubclass(KimiK3MegaMoEExperts, DeepseekV4MegaMoEExperts)
 
 
