@@ -121,11 +121,24 @@ def run_tests(scratch: Path, tests: tuple[str, ...], timeout: float) -> tuple[in
 def unmutated_runs(suites: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
     """The pytest runs that show every suite passes on the unmutated code: the suites that
     name only tests (paths or node ids) together in one run, since the suite passes in any
-    order and together (``make test``), and each suite with options (``-k``) alone. One
-    process instead of one per suite: a process start imports torch and transformers."""
+    order and together (``make test``), the ``-k`` suites of the same paths together, and
+    any other suite with options alone. Few processes instead of one per suite: a process
+    start imports torch and transformers."""
     plain = sorted({t for tests in suites if not _has_options(tests) for t in tests})
-    with_options = [tests for tests in suites if _has_options(tests)]
-    return ([tuple(plain)] if plain else []) + with_options
+    # Suites whose one option is ``-k EXPR`` on the same paths run as one process with the
+    # expressions or-ed (the tests each selects, together); any other option runs alone.
+    by_paths: dict[tuple[str, ...], list[str]] = {}
+    alone = []
+    for tests in suites:
+        if not _has_options(tests):
+            continue
+        if len(tests) >= 3 and tests[-2] == "-k" and not _has_options(tests[:-2]):
+            by_paths.setdefault(tests[:-2], []).append(tests[-1])
+        else:
+            alone.append(tests)
+    merged = [(*paths, "-k", " or ".join(f"({e})" for e in sorted(set(exprs))))
+              for paths, exprs in sorted(by_paths.items())]
+    return ([tuple(plain)] if plain else []) + merged + alone
 
 
 def _has_options(tests: tuple[str, ...]) -> bool:

@@ -63,14 +63,23 @@ def test_a_stale_mutant_is_refused_with_its_name():
 
 
 def test_the_unmutated_runs_cover_every_suite_once():
-    """The suites that name only tests run together in one process, each suite with options
-    (``-k``) alone, and every suite's tests are in some run. Break: drop the suites with
-    options, or merge a ``-k`` into the shared run (it would deselect other suites' tests)."""
+    """The suites that name only tests run together in one process, the ``-k`` suites of the
+    same paths together with their expressions or-ed, any other suite with options alone,
+    and every suite's tests are in some run. Break: drop the suites with options, merge a
+    ``-k`` into the shared run (it would deselect other suites' tests), or merge ``-k``
+    suites of different paths."""
     suites = sorted({m.tests for m in LIST})
     runs = mutants.unmutated_runs(suites)
-    shared, *alone = runs
+    shared, *rest = runs
     assert not any(arg.startswith("-") for arg in shared)
-    assert sorted(alone) == sorted(s for s in suites if any(a.startswith("-") for a in s))
     for suite in suites:
-        assert suite in alone or set(suite) <= set(shared)
+        if not any(a.startswith("-") for a in suite):
+            assert set(suite) <= set(shared)
+        elif suite[-2] == "-k" and not any(a.startswith("-") for a in suite[:-2]):
+            [run] = [r for r in rest if r[:-2] == suite[:-2] and r[-2] == "-k"]
+            assert f"({suite[-1]})" in run[-1]
+        else:
+            assert suite in rest
+    assert len(rest) == len(set(r[:-1] if r[-2:-1] == ("-k",) else r for r in rest))
+    assert len(runs) < len(suites) / 2  # the point of merging: few process starts
     assert len(shared) == len(set(shared))
