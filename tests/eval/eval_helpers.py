@@ -10,33 +10,14 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 8
 
 
 def save_byte_tokenizer(path: Path) -> None:
-    """A byte-level tokenizer of 256 tokens into checkpoint ``path``: token ``i`` is byte
-    ``i`` (as moewire eval reads a checkpoint without one), and ``<eos>`` replaces byte 0,
-    which no test text holds; no merges, so a text's tokens are its bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """``moewire.checkpoints.save_byte_tokenizer`` (token ``i`` is byte ``i``, ``<eos>``
+    replaces byte 0, which no test text holds), whose byte table is ``ByteLevel``'s alphabet."""
+    from tokenizers import pre_tokenizers
 
-    chars = _byte_chars()
-    assert set(chars.values()) == set(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {chars[b]: b for b in range(1, 256)} | {"<eos>": 0}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(path)
+    from moewire import checkpoints
 
-
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte-to-character table (the one ``ByteLevel`` uses)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+    assert set(checkpoints._byte_chars().values()) == set(pre_tokenizers.ByteLevel.alphabet())
+    checkpoints.save_byte_tokenizer(path)
 
 
 #: The local task's documents: "a + b =", the right sum at ``gold``, a wrong one beside it

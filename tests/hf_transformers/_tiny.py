@@ -48,19 +48,9 @@ def checkpoint(family: str, path: Path, seed: int = 0, **shape: int) -> Path:
     with torch.random.fork_rng():  # the suite's global RNG stays as it was
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(config(family, **shape))
-        _randomize(model)
+        _randomize(model)  # moewire.checkpoints': the routers' and experts' draws
     model.to(torch.bfloat16).save_pretrained(path)
     return path
-
-
-def _randomize(model) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Routers: visible preferences; the rest stays at the model's init.
-            if name.endswith("gate.weight"):
-                p.normal_(0.0, 0.5)
-            elif "experts" in name:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
 
 
 # -- DeepSeek-V4: an FP4 checkpoint (transformers' own Mega-MoE) and its BF16 twin ("moewire"),
@@ -72,6 +62,7 @@ from moewire.checkpoints import (  # noqa: E402
     L2_SCALE,
     V4,
     V4_QUANTIZATION,
+    _randomize,
     decode,
     deepseek_v4_config,
 )
