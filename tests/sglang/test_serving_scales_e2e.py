@@ -19,8 +19,6 @@ by the loader, naming the file and the fix.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,9 +27,9 @@ import pytest
 import torch
 from torch import nn
 
+import serving_scales
 from moewire.integrations import sglang as sg
 from moewire.megamoe import api
-from moewire.megamoe.scales_file import read_scales, write_scales
 from moewire.reference import hub_deep_gemm
 
 pytestmark = pytest.mark.sglang
@@ -40,31 +38,15 @@ if _released.wheel_root() is None:  # before the module's fixture runs transform
     pytest.skip("the sglang 0.5.23 wheel is not installed (make test-sglang)",
                 allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "tests" / "hf_transformers" / "serving_scales_source.py"
-RECIPE = "moe_fp8_dispatch_nvfp4_combine"
+RECIPE = serving_scales.RECIPE
 CLAMP = 10.0  # DeepseekV4Config.swiglu_limit (SGLang passes moe_runner_config.swiglu_limit)
 E, K, H, INTER = 8, 2, 512, 512  # the tiny DeepSeek-V4 (tests/hf_transformers/_tiny.py V4)
-
-
-def _transformers_python() -> str:
-    python = os.environ.get("MOEWIRE_TRANSFORMERS_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    if not Path(python).is_file():
-        pytest.fail(f"no Python with transformers 5.23 at {python}: run `make test` once (it "
-                    "builds .venv) or set MOEWIRE_TRANSFORMERS_PYTHON")
-    return python
 
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory) -> Path:
     """The directory ``serving_scales_source.py`` wrote (checkpoint, scales, batch)."""
-    out = tmp_path_factory.mktemp("serving-scales")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    done = subprocess.run([_transformers_python(), str(SOURCE), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return out
+    return serving_scales.calibrate(tmp_path_factory.mktemp("serving-scales"))
 
 
 @pytest.fixture
@@ -137,28 +119,7 @@ def test_sglang_serves_transformers_scales_bit_for_bit(mega_moe, calibrated):
     assert torch.equal(y.view(torch.int16), batch["y"].view(torch.int16))
 
 
-def _other_layer_count(path: Path, out: Path) -> Path:
-    scales = read_scales(path)
-    more = {n.replace("layers.0.", "layers.1."): s for n, s in scales.items()}
-    return write_scales(out, scales | more)
-
-
-def _vllm_names(path: Path, out: Path) -> Path:
-    scales = read_scales(path)
-    return write_scales(out, {n.replace(".mlp.", ".ffn."): s for n, s in scales.items()})
-
-
-# (how the file is made from the served one, the recipe served, the refusal)
-REFUSED = {
-    "vllm-names": (_vllm_names, RECIPE,
-                   r"has scales for \['model\.layers\.0\.ffn\.experts\..*no such module"),
-    "two-layers-for-one": (_other_layer_count, RECIPE,
-                           r"has scales for \['model\.layers\.1\.mlp\.experts\..*no such module"),
-    "other-format": (lambda path, out: path, "moe_fp8",
-                     r"combine_quantizer was saved with format 'nvfp4'"),
-    "not-a-scales-file": (lambda path, out: out.write_text('{"quantizers": {}}') and out,
-                          RECIPE, r"load_scales: .*bad\.json"),
-}
+REFUSED = serving_scales.refused("mlp", "ffn", "vllm")
 
 
 @pytest.mark.parametrize("case", list(REFUSED), ids=list(REFUSED))

@@ -20,8 +20,6 @@ loader, naming the file and the fix.
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
 from pathlib import Path
 
 import _standin as standin
@@ -29,38 +27,24 @@ import pytest
 import torch
 from torch import nn
 
+import serving_scales
+
 pytestmark = pytest.mark.vllm
 
 vllm_mod = pytest.importorskip("moewire.integrations.vllm")
 
 from moewire.megamoe import api  # noqa: E402
-from moewire.megamoe.scales_file import read_scales, write_scales  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "tests" / "hf_transformers" / "serving_scales_source.py"
-RECIPE = "moe_fp8_dispatch_nvfp4_combine"
+RECIPE = serving_scales.RECIPE
 CLAMP = 10.0  # DeepseekV4Config.swiglu_limit
 E, K, H, INTER = 8, 2, 512, 512  # the tiny DeepSeek-V4 (tests/hf_transformers/_tiny.py V4)
 _prefixes = itertools.count()
 
 
-def _transformers_python() -> str:
-    python = os.environ.get("MOEWIRE_TRANSFORMERS_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    if not Path(python).is_file():
-        pytest.fail(f"no Python with transformers 5.23 at {python}: run `make test` once (it "
-                    "builds .venv) or set MOEWIRE_TRANSFORMERS_PYTHON")
-    return python
-
-
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory) -> Path:
     """The directory ``serving_scales_source.py`` wrote (checkpoint, scales, batch)."""
-    out = tmp_path_factory.mktemp("serving-scales")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    done = subprocess.run([_transformers_python(), str(SOURCE), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return out
+    return serving_scales.calibrate(tmp_path_factory.mktemp("serving-scales"))
 
 
 def _experts(config, checkpoint: Path) -> nn.Module:
@@ -114,28 +98,7 @@ def test_vllm_serves_transformers_scales_bit_for_bit(vllm_config, calibrated):
     assert torch.equal(y.view(torch.int16), batch["y"].view(torch.int16))
 
 
-def _other_layer_count(path: Path, out: Path) -> Path:
-    scales = read_scales(path)
-    more = {n.replace("layers.0.", "layers.1."): s for n, s in scales.items()}
-    return write_scales(out, scales | more)
-
-
-def _transformers_names(path: Path, out: Path) -> Path:
-    scales = read_scales(path)
-    return write_scales(out, {n.replace(".ffn.", ".mlp."): s for n, s in scales.items()})
-
-
-# (how the file is made from the served one, the recipe served, the refusal)
-REFUSED = {
-    "transformers-names": (_transformers_names, RECIPE,
-                           r"has scales for \['model\.layers\.0\.mlp\.experts\..*no such module"),
-    "two-layers-for-one": (_other_layer_count, RECIPE,
-                           r"has scales for \['model\.layers\.1\.ffn\.experts\..*no such module"),
-    "other-format": (lambda path, out: path, "moe_fp8",
-                     r"combine_quantizer was saved with format 'nvfp4'"),
-    "not-a-scales-file": (lambda path, out: out.write_text('{"quantizers": {}}') and out,
-                          RECIPE, r"load_scales: .*bad\.json"),
-}
+REFUSED = serving_scales.refused("ffn", "mlp", "transformers")
 
 
 @pytest.mark.parametrize("case", list(REFUSED), ids=list(REFUSED))
