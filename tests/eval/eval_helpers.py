@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 #: The evaluation text of the tests (bytes modulo the tiny vocabulary).
@@ -45,3 +49,29 @@ def write_task(directory: Path) -> str:
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
     )
     return "tiny_sums"
+
+
+def torchrun_eval(checkpoint: Path, tmp: Path, ranks: int, args: list[str],
+                  timeout: float) -> tuple[dict, list[list[str]], str]:
+    """``ranks`` ranks of ``rank_main.py eval CHECKPOINT ARGS`` under real torchrun (the
+    test's text in ``tmp/text.txt``, ``--out tmp/out``): rank 0's results.json, each rank's
+    written paths under ``tmp/out`` (``rank_main.py``'s audit hook) and the command's
+    stdout."""
+    text = tmp / "text.txt"
+    text.write_text(TEXT)
+    writes = tmp / "writes"
+    writes.mkdir()
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MOEWIRE_TEST_WRITES=str(writes),
+               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    out = tmp / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(ranks), str(Path(__file__).resolve().parent / "rank_main.py"), "eval",
+           str(checkpoint), *args, "--text", str(text), "--out", str(out)]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    print(f"{ranks} ranks: {time.perf_counter() - started:.1f} s")
+    assert done.returncode == 0, done.stderr[-4000:]
+    written = [[p for p in json.loads((writes / f"rank{r}.json").read_text())
+                if Path(p).resolve().is_relative_to(out.resolve())] for r in range(ranks)]
+    return json.loads((out / "results.json").read_text()), written, done.stdout

@@ -14,11 +14,6 @@ Kept cheap for 2 cores running 8 ranks: one layer, 32 tokens in windows of 16.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,11 +21,10 @@ import pytest
 pytest.importorskip("transformers.distributed.expert_parallel")
 pytest.importorskip("accelerate")  # transformers' distributed loading needs it
 
-from eval_helpers import TEXT, save_byte_tokenizer, write_task  # noqa: E402
+from eval_helpers import TEXT, save_byte_tokenizer, torchrun_eval, write_task  # noqa: E402
 
 from moewire.eval import evaluate  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 RANKS = 8
 TIMEOUT_S = 300
 ARGS = ["--pairs", "fp8:nvfp4", "--max-tokens", "32", "--seq-len", "16", "--device", "cpu",
@@ -59,26 +53,8 @@ def offline(monkeypatch, tmp_path):
 
 
 def _torchrun(checkpoint: Path, tmp: Path, *extra: str) -> tuple[dict, list[list[str]], str]:
-    """Eight ranks of ``rank_main.py eval``; rank 0's results.json, each rank's written
-    paths under ``tmp/out`` and the command's stdout."""
-    text = tmp / "text.txt"
-    text.write_text(TEXT)
-    writes = tmp / "writes"
-    writes.mkdir()
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MOEWIRE_TEST_WRITES=str(writes),
-               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
-    out = tmp / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(RANKS), str(HERE / "rank_main.py"), "eval", str(checkpoint), *ARGS, "--text",
-           str(text), "--out", str(out), *extra]
-    started = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    print(f"{RANKS} ranks: {time.perf_counter() - started:.1f} s")
-    assert done.returncode == 0, done.stderr[-4000:]
-    written = [[p for p in json.loads((writes / f"rank{r}.json").read_text())
-                if Path(p).resolve().is_relative_to(out.resolve())] for r in range(RANKS)]
-    return json.loads((out / "results.json").read_text()), written, done.stdout
+    """Eight ranks of ``rank_main.py eval`` (:func:`eval_helpers.torchrun_eval`)."""
+    return torchrun_eval(checkpoint, tmp, RANKS, [*ARGS, *extra], TIMEOUT_S)
 
 
 def _check(eight: dict, one: dict, written: list[list[str]], stdout: str,

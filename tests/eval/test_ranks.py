@@ -13,10 +13,6 @@ rank opens for writing, ``rank_main.py``) and prints the table.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,13 +21,12 @@ pytest.importorskip("transformers.distributed.expert_parallel")
 pytest.importorskip("accelerate")  # transformers' distributed loading needs it
 
 import torch  # noqa: E402
-from eval_helpers import TEXT  # noqa: E402
+from eval_helpers import TEXT, torchrun_eval  # noqa: E402
 
 from moewire.cli import main  # noqa: E402
 from moewire.eval import EvalError, evaluate, plan, runner  # noqa: E402
 from moewire.outputs import MANIFEST  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 300
 ARGS = ["--pairs", "fp8:nvfp4", "--max-tokens", "64", "--seq-len", "32"]
 METRICS = ("perplexity", "kl_mean", "kl_p99", "top1_agreement")
@@ -39,25 +34,8 @@ METRICS = ("perplexity", "kl_mean", "kl_p99", "top1_agreement")
 
 def _torchrun(checkpoint: Path, tmp: Path, *extra: str,
               device: str = "cpu") -> tuple[dict, list[list[str]], str]:
-    """Two ranks of ``rank_main.py eval`` under torchrun; returns rank 0's results.json,
-    each rank's written paths under ``tmp/out`` and the command's stdout."""
-    text = tmp / "text.txt"
-    text.write_text(TEXT)
-    writes = tmp / "writes"
-    writes.mkdir()
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MOEWIRE_TEST_WRITES=str(writes),
-               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
-    out = tmp / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(HERE / "rank_main.py"), "eval", str(checkpoint), *ARGS, "--device", device,
-           "--text",
-           str(text), "--out", str(out), *extra]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-4000:]
-    written = [[p for p in json.loads((writes / f"rank{r}.json").read_text())
-                if Path(p).resolve().is_relative_to(out.resolve())] for r in range(2)]
-    return json.loads((out / "results.json").read_text()), written, done.stdout
+    """Two ranks of ``rank_main.py eval`` under torchrun (:func:`eval_helpers.torchrun_eval`)."""
+    return torchrun_eval(checkpoint, tmp, 2, [*ARGS, "--device", device, *extra], TIMEOUT_S)
 
 
 def _one_rank(checkpoint: Path, device: str = "cpu") -> dict:
