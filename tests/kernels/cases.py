@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bitexact import same_bits  # noqa: F401 (kept importable from here)
@@ -13,6 +14,16 @@ from moewire.megamoe.resum import resum
 FORMATS = tuple(row.name for row in FORMAT_ROWS.values() if row.kernel_code is not None)
 NEEDS_AMAX = tuple(name for name in FORMATS if FORMAT_ROWS[name].needs_amax)
 DISTRIBUTIONS = ("normal", "heavy", "tiny", "grid", "edges")
+
+# Under the interpreter on CPU where there is no GPU (tests/kernels/conftest.py sets
+# TRITON_INTERPRET), compiled on CUDA where there is one.
+CUDA = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", id="interpreter",
+                 marks=pytest.mark.skipif(CUDA, reason="CUDA present: the compiled kernel "
+                                          "runs instead of the interpreter")),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
 
 
 def sample(shape, dist: str, gen: torch.Generator, dtype=torch.bfloat16) -> torch.Tensor:

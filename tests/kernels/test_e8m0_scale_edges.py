@@ -16,13 +16,8 @@ from moewire import formats, kernels
 
 pytest.importorskip("triton")
 
-CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", id="interpreter",
-                 marks=pytest.mark.skipif(CUDA, reason="CUDA present: the compiled kernel "
-                                          "runs instead of the interpreter")),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
-]
+from cases import DEVICES  # noqa: E402
+
 FORMATS = ["flydsl_fp8_blockwise_1x32", "te_mxfp8", "trtllm_32e4m3xe8m0", "flashinfer_mxfp8"]
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -23,19 +23,10 @@ from bitexact import assert_same_bits, seed_of
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
+from cases import DEVICES  # noqa: E402
 
 from moewire import kernels  # noqa: E402
 from moewire.kernels import _triton  # noqa: E402
-
-CUDA = torch.cuda.is_available()
-# Under the interpreter on CPU where there is no GPU (tests/kernels/conftest.py sets
-# TRITON_INTERPRET), compiled on CUDA where there is one.
-DEVICES = [
-    pytest.param("cpu", id="interpreter",
-                 marks=pytest.mark.skipif(CUDA, reason="CUDA present: the compiled kernel "
-                                          "runs instead of the interpreter")),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
-]
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
