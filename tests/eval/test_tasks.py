@@ -73,13 +73,7 @@ def test_tasks_report_accuracy_and_stderr_beside_the_baseline(tokenized, tmp_pat
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(tasks, "run_tasks", spy)
-    task = write_task(tmp_path / "tasks")
-    text = tmp_path / "text.txt"
-    text.write_text(TEXT)
-    out = tmp_path / "out"
-    code = main(["eval", str(tokenized), "--pairs", "fp8:nvfp4", "--tasks", task,
-                 "--tasks-path", str(tmp_path / "tasks"), "--text", str(text),
-                 "--max-tokens", "32", "--seq-len", "32", "--device", "cpu", "--out", str(out)])
+    task, out, code = _eval_with_a_task(tokenized, tmp_path)
     printed = capsys.readouterr().out
     assert code == 0
     report = json.loads((out / "results.json").read_text())
@@ -179,13 +173,7 @@ def test_a_failing_task_leaves_the_metrics_on_disk_and_ends_in_one_line(tokenize
         raise ConnectionError("Couldn't reach 'x' on the Hub (OfflineModeIsEnabled)\nsecond line")
 
     monkeypatch.setattr(tasks, "run_tasks", offline_hub)
-    task = write_task(tmp_path / "tasks")
-    text = tmp_path / "text.txt"
-    text.write_text(TEXT)
-    out = tmp_path / "out"
-    code = main(["eval", str(tokenized), "--pairs", "fp8:nvfp4", "--tasks", task,
-                 "--tasks-path", str(tmp_path / "tasks"), "--text", str(text),
-                 "--max-tokens", "32", "--seq-len", "32", "--device", "cpu", "--out", str(out)])
+    task, out, code = _eval_with_a_task(tokenized, tmp_path)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1] == (
@@ -197,3 +185,17 @@ def test_a_failing_task_leaves_the_metrics_on_disk_and_ends_in_one_line(tokenize
     assert [r["name"] for r in report["pairs"]] == ["bf16:bf16", "fp8:nvfp4"]
     assert report["pairs"][1]["kl_mean"] > 0 and math.isfinite(report["pairs"][1]["perplexity"])
     assert (out / "kl.png").stat().st_size > 0
+
+
+def _eval_with_a_task(checkpoint, tmp_path) -> tuple[str, object, int]:
+    """``moewire eval CHECKPOINT --pairs fp8:nvfp4 --tasks TASK`` on the local task and the
+    test text, 32 tokens on the CPU: (the task's name, --out, the exit code)."""
+    task = write_task(tmp_path / "tasks")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "out"
+    code = main(["eval", str(checkpoint), "--pairs", "fp8:nvfp4", "--tasks", task,
+                 "--tasks-path", str(tmp_path / "tasks"), "--text", str(text),
+                 "--max-tokens", "32", "--seq-len", "32", "--device", "cpu", "--out", str(out)])
+    return task, out, code
+
