@@ -142,13 +142,15 @@ def _nvfp4(x: np.ndarray, gs: np.ndarray) -> np.ndarray:
 
 def nvfp4(x: np.ndarray, amax) -> np.ndarray:
     amax = F32(amax)
-    gs = amax * recip32(2688.0) if amax > 0 else F32(1e-12)
+    gs = amax * recip32(2688.0)
+    gs = gs if gs > 0 else F32(1e-12)  # also where a subnormal amax's product underflows
     return _nvfp4(x, np.asarray(gs, dtype=F32))
 
 
 def nvfp4_token(x: np.ndarray, amax=None) -> np.ndarray:
     row = np.max(np.abs(x), axis=-1, keepdims=True)[..., None]
-    gs = np.where(row == 0, F32(1e-12), row * recip32(2688.0)).astype(F32)
+    gs = (row * recip32(2688.0)).astype(F32)
+    gs = np.where(gs == 0, F32(1e-12), gs).astype(F32)
     return _nvfp4(x, gs)
 
 

@@ -386,7 +386,8 @@ def _tensor_consts(amax, FMT: tl.constexpr):
     per program and before any loop over rows: ``fp8`` (``fp8_e4m3fnuz``: 240 for 448):
     ``(s, fl(1 / s), 0, 0)`` with ``s = 448 * fl(1 / safe)`` (ModelOpt's ``448 / safe``,
     evaluated as torch does); ``nvfp4``:
-    :func:`_nvfp4_consts` of ``gs = fl(amax * fl(1 / 2688))`` (``1e-12`` for ``amax <= 0``);
+    :func:`_nvfp4_consts` of ``gs = fl(amax * fl(1 / 2688))`` (``1e-12`` unless ``gs > 0``:
+    ``amax <= 0`` or NaN, or a subnormal amax whose product underflows to 0);
     every other format: unused zeros."""
     if FMT == 1 or FMT == 13:
         FP8_MAX: tl.constexpr = 448.0 if FMT == 1 else 240.0
@@ -394,7 +395,8 @@ def _tensor_consts(amax, FMT: tl.constexpr):
         s = FP8_MAX * tl.math.div_rn(1.0, safe)
         out = s, tl.math.div_rn(1.0, s), 0.0, 0.0
     elif FMT == 7:
-        out = _nvfp4_consts(tl.where(amax > 0, amax * _INV_2688, 1e-12))
+        gs = amax * _INV_2688
+        out = _nvfp4_consts(tl.where(gs > 0, gs, 1e-12))
     else:
         out = amax, 0.0, 0.0, 0.0
     return out
@@ -450,11 +452,11 @@ def _qdq(x, sc, FMT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_SIGN: tl.constexp
         if FMT == 7:
             out = _nvfp4_blocks(x, sc, ZERO_SIGN, HW_CAST)
         else:
-            # The row's own global scale; a NaN row keeps a NaN one (the reference tests
-            # ``amax == 0``).
-            ref = tl.reduce(tl.abs(x), None, _max_nan)
-            out = _nvfp4_blocks(x, _nvfp4_consts(tl.where(ref != 0, ref * _INV_2688, 1e-12)),
-                                ZERO_SIGN, HW_CAST)
+            # The row's own global scale, 1e-12 where it is 0 (a zero row, or a subnormal
+            # row max whose product underflows); a NaN row keeps a NaN one.
+            gs = tl.reduce(tl.abs(x), None, _max_nan) * _INV_2688
+            out = _nvfp4_blocks(x, _nvfp4_consts(tl.where(gs != 0, gs, 1e-12)), ZERO_SIGN,
+                                HW_CAST)
     elif FMT <= 11 or FMT == 20:
         # deepgemm_fp8_combine (9), trtllm_32e4m3xe8m0 (10), te_mxfp8 (11) and
         # flydsl_fp8_blockwise_1x32 (20, DeepGEMM's rule on 32 columns).
