@@ -174,9 +174,9 @@ def test_only_rank_0_prints_a_refusal(checkpoint, tmp_path, no_model, monkeypatc
     """Every rank refuses alike (the same arguments and files); rank 0 says it once."""
     for name, value in _launch(3, rank=1).items():
         monkeypatch.setenv(name, value)
+    path = checkpoint("mixtral")  # built (its progress bars printed) before the capture
     capsys.readouterr()
-    code = main(["eval", str(checkpoint("mixtral")), "--device", "cpu", "--out",
-                 str(tmp_path / "out")])
+    code = main(["eval", str(path), "--device", "cpu", "--out", str(tmp_path / "out")])
     assert code == 2 and capsys.readouterr().err == ""
 
 
