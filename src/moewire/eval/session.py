@@ -48,9 +48,10 @@ class Session:
     With ``cuda_graph`` (on a CUDA device, one rank), :meth:`measure` captures each run's
     forward over a window once (:class:`moewire.eval.graphs.WindowGraphs`, after the runs'
     calibration, whose eager forwards ran the layout check) and replays it for every window
-    of that shape; a shorter last window runs eagerly. The replay runs the same kernels on
-    the same data as the eager forward and adds to the same sums; the GPU tests compare
-    every run's metrics with the eager run's, bit for bit. Under several ranks every window
+    of that shape; a shorter last window runs eagerly. The replay runs moewire's kernels on
+    the same data as the eager forward and adds to the same sums; the model's attention may
+    not (transformers 5.23 masks it differently under capture: ``EvalConfig.cuda_graph``),
+    and the GPU tests compare every run's metrics with the eager run's, bit for bit. Under several ranks every window
     runs eagerly (the collectives of expert parallelism are not captured).
     """
 

@@ -63,11 +63,12 @@ class EvalConfig:
             stays beside this run's (:func:`moewire.outputs.prepare_output_dir`).
         cuda_graph: on a CUDA device (one rank), capture each run's forward over a window
             once and replay it for every window (:mod:`moewire.eval.graphs`), the same
-            kernels on the same data as the eager forward. Opt-in (``--cuda-graph``): on an
-            H100 the ``nvfp4:nvfp4`` run still differs from the eager run in the 7th-8th
-            significant digit of its perplexity and KL mean (every other run is equal), so
-            eager stays the default until the GPU tier (``tests/eval/test_eval_graphs.py``)
-            shows the two equal bit for bit.
+            kernels on the same data as the eager forward. Opt-in (``--cuda-graph``):
+            transformers 5.23 builds a materialised causal mask under CUDA stream capture
+            (``masking_utils.find_packed_sequence_indices`` counts capture as tracing) where
+            the eager forward calls SDPA with ``is_causal=True``, so a few logits differ by
+            one BF16 ulp; eager stays the default until the GPU tier
+            (``tests/eval/test_eval_graphs.py``) shows the two equal bit for bit.
     """
 
     pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS
