@@ -51,8 +51,9 @@ class Session:
     of that shape; a shorter last window runs eagerly. The replay runs moewire's kernels on
     the same data as the eager forward and adds to the same sums; the model's attention may
     not (transformers 5.23 masks it differently under capture: ``EvalConfig.cuda_graph``),
-    and the GPU tests compare every run's metrics with the eager run's, bit for bit. Under several ranks every window
-    runs eagerly (the collectives of expert parallelism are not captured).
+    and the GPU tests compare every run's metrics with the eager run's, bit for bit. Under
+    several ranks every window runs eagerly (the collectives of expert parallelism are not
+    captured).
     """
 
     def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]],
