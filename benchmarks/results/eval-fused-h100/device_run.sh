@@ -1,25 +1,19 @@
 #!/usr/bin/env bash
 # One device call (H100 or H200; torch 2.11, Python 3.12): moewire eval with the fused
-# metrics kernel and CUDA graphs on by default. The GPU tier of what it touches (graphed
-# equals eager bit for bit, memory back after return and after an error, the metrics kernel
-# against float64, NVFP4's global-scale fallback; the real SM90 kernel when .real-kernel/ is
-# carried), then benchmarks/eval_throughput.py at Qwen3-30B-A3B's shapes, eager and graphed
-# in one run, on the stand-in and on the real SM90 kernel. Logs and JSON go to $OUT.
+# metrics kernel, eager and under CUDA graphs (--cuda-graph). The GPU tier of what it
+# touches (graphed equals eager bit for bit, memory back after return and after an error,
+# the metrics kernel against float64, NVFP4's global-scale fallback; the real SM90 kernel
+# when .real-kernel/ is carried), then benchmarks/eval_throughput.py at Qwen3-30B-A3B's
+# shapes, eager and graphed in one run, on the real SM90 kernel and the stand-in.
+# Logs and JSON go to $OUT (TOKENS overrides the token counts).
 #   OUT=/tmp/out bash benchmarks/results/eval-fused-h100/device_run.sh [tests] [KERNEL ...]
 # (no argument: the tests, then both kernels' benchmark)
 set -u
-OUT=${OUT:-/tmp/moewire-eval-fused}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
-    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES=60000000000
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
-  | tee "$OUT/gpu.txt"
-RK="bash .real-kernel/run.sh"
-[ -f .real-kernel/run.sh ] || RK="env PYTHONPATH=${PYTHONPATH:-}:$PWD/src:$PWD python3"
+OUT=${OUT:-/tmp/moewire-eval-fused}
+. benchmarks/device_setup.sh
 WHAT=${*:-tests deepgemm-sm90 stand-in}
-case " $WHAT " in *" tests "*) OUT=/tmp/rk timeout 300 $RK -m pytest -q -o addopts="" -m gpu -p no:cacheprovider -rfE \
+case " $WHAT " in *" tests "*)
+  OUT=/tmp/rk timeout 300 $RK -m pytest -q -o addopts="" -m gpu -p no:cacheprovider -rfE \
   tests/eval/test_eval_graphs.py tests/eval/test_eval_memory.py tests/eval/test_streaming.py \
   tests/kernels/test_logit_metrics.py tests/formats/test_nvfp4_gs_underflow.py 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -25;;

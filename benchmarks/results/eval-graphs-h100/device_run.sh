@@ -6,16 +6,8 @@
 # kernel. Logs and JSON go to $OUT.
 #   OUT=/tmp/out bash benchmarks/results/eval-graphs-h100/device_run.sh
 set -u
-OUT=${OUT:-/tmp/moewire-eval-graphs}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
-    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 MOEWIRE_REFERENCE_WEIGHT_CACHE_BYTES=60000000000
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
-  | tee "$OUT/gpu.txt"
-RK="bash .real-kernel/run.sh"
-[ -f .real-kernel/run.sh ] || RK="env PYTHONPATH=${PYTHONPATH:-}:$PWD/src:$PWD python3"
+OUT=${OUT:-/tmp/moewire-eval-graphs}
+. benchmarks/device_setup.sh
 OUT=/tmp/rk timeout 240 $RK -m pytest -q -o addopts="" -m gpu -p no:cacheprovider -rfE \
   tests/eval/test_eval_graphs.py tests/eval/test_eval_memory.py 2>&1 | tee "$OUT/gpu_tests.log" \
   | tail -30
