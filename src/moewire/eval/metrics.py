@@ -33,12 +33,12 @@ Where float64 is needed, and where not:
 On CUDA (with moewire's kernels available, :func:`fused`) the logits' sums take one fused
 kernel instead (:mod:`moewire.kernels.logit_metrics`): it reads both runs' logits in place
 (two passes over each row, about 2.5 GB per window of 2048 tokens at a vocabulary of
-151936, against some twenty float64 passes) and forms the KL from FP32 terms of the size
-of the log-probability differences themselves, summed in FP64, so it keeps the float64
-KL's relative precision (the tests hold it to 1e-5 per token from a KL of 1e-9 up, the NLL
-to 1e-6). It is the same kernel eagerly and under CUDA graphs, so graphed and eager
-evaluations still agree bit for bit; ``MOEWIRE_DISABLE_KERNELS=1`` takes the float64 path
-on CUDA too.
+151936, against some twenty float64 passes) and forms the KL from FP64 terms of the size
+of the log-probability differences themselves (FP32 exponentials), summed in FP64, so it
+keeps the float64 KL's relative precision (the tests hold it to 1e-5 per token from a KL
+of 1e-9 up, the NLL to 1e-6). It is the same kernel eagerly and under CUDA graphs, so it
+adds no difference between graphed and eager evaluations; ``MOEWIRE_DISABLE_KERNELS=1``
+takes the float64 path on CUDA too.
 """
 
 from __future__ import annotations

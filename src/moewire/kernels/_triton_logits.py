@@ -55,8 +55,9 @@ def _row_argmax(best, best_at, BIG: tl.constexpr):
 def logit_sums_kernel(z_ptr, z0_ptr, t_ptr, f32_ptr, f64_ptr, i32_ptr, V: tl.constexpr, stride_z,
                       stride_z0, BLOCK: tl.constexpr):
     """Row ``r``: pass 1 the maxima ``m``/``m0``, their first indices and ``z[t]``; pass 2
-    ``S``, ``S0``, ``A``, ``B`` summed per lane in FP64 from FP32 terms. Writes
-    ``f32[r] = (m, m0, z[t])``, ``f64[r] = (S, S0, A, B)``, ``i32[r] = (argmax z, argmax z0)``."""
+    ``S``, ``S0``, ``A``, ``B`` summed per lane in FP64 (FP32 exponentials, FP64 terms;
+    lanes past ``V`` add 0). Writes ``f32[r] = (m, z[t])``, ``f64[r] = (S, S0, A, B)``,
+    ``i32[r] = (argmax z, argmax z0)``."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     z_row = z_ptr + r * stride_z
@@ -99,11 +100,10 @@ def logit_sums_kernel(z_ptr, z0_ptr, t_ptr, f32_ptr, f64_ptr, i32_ptr, V: tl.con
         diff = tl.where(tl.abs(u) < 0.5, e0d * _expm1_small(-u), (e - e0).to(tl.float64))
         s += e.to(tl.float64)
         s0 += e0d
-        a += tl.where(ok, e0d * u, 0.0)
-        b += tl.where(ok, diff, 0.0)
-    tl.store(f32_ptr + 3 * r, m)
-    tl.store(f32_ptr + 3 * r + 1, m0)
-    tl.store(f32_ptr + 3 * r + 2, zt)
+        a += e0d * u
+        b += diff
+    tl.store(f32_ptr + 2 * r, m)
+    tl.store(f32_ptr + 2 * r + 1, zt)
     tl.store(f64_ptr + 4 * r, tl.sum(s, 0))
     tl.store(f64_ptr + 4 * r + 1, tl.sum(s0, 0))
     tl.store(f64_ptr + 4 * r + 2, tl.sum(a, 0))

@@ -40,6 +40,8 @@ there is the definition, and the tests compare the two (relative error of the KL
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from moewire.kernels.launch import _check_device, _impl
@@ -50,7 +52,7 @@ __all__ = ["LogitSums", "logit_sums"]
 _BLOCK = 2048
 
 
-class LogitSums:
+class LogitSums(NamedTuple):
     """The per-row results of :func:`logit_sums` (float64 ``[T]`` unless said).
 
     Attributes:
@@ -59,8 +61,9 @@ class LogitSums:
         agree: bool ``[T]``, the argmaxes agree.
     """
 
-    def __init__(self, kl: torch.Tensor, nll: torch.Tensor, agree: torch.Tensor) -> None:
-        self.kl, self.nll, self.agree = kl, nll, agree
+    kl: torch.Tensor
+    nll: torch.Tensor
+    agree: torch.Tensor
 
 
 def logit_sums(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> LogitSums:
@@ -90,14 +93,14 @@ def logit_sums(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -
 
     rows, vocab = logits.shape
     dev = logits.device
-    f32 = torch.empty((rows, 3), dtype=torch.float32, device=dev)
+    f32 = torch.empty((rows, 2), dtype=torch.float32, device=dev)
     f64 = torch.empty((rows, 4), dtype=torch.float64, device=dev)
     i32 = torch.empty((rows, 2), dtype=torch.int32, device=dev)
     if rows:
         _triton_logits.logit_sums_kernel[(rows,)](
             logits, ref, targets.contiguous(), f32, f64, i32, vocab, logits.stride(0),
             ref.stride(0), BLOCK=_BLOCK, num_warps=8)
-    m, _, zt = f32.double().unbind(1)
+    m, zt = f32.double().unbind(1)
     s, s0, a, b = f64.unbind(1)
     kl = (a / s0 + torch.log1p(b / s0)).clamp(min=0.0)
     nll = m + s.log() - zt
