@@ -149,6 +149,7 @@ def run_eval(path: Path, pairs, text: str, tokens: int, args: argparse.Namespace
     return {
         "cuda_graph": report["cuda_graph"]["used"],
         "graph_pool_bytes": report["cuda_graph"]["pool_bytes"],
+        "graph_fallback": report["cuda_graph"]["fallback"],
         "eval_seconds": seconds, "eval_phases": report["seconds"],
         "end_to_end_tokens_per_second": tokens / seconds,
         "end_to_end_fraction": tokens / seconds / plain_tps,
@@ -275,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
               f"forward's tokens/s; end to end at {rows[-1]['tokens']} tokens: "
               f"{last['end_to_end_fraction']:.2f} ({last['eval_seconds']:.1f} s: "
               + ", ".join(f"{k} {v:.1f}" for k, v in last["eval_phases"].items()) + ")")
+    for row in rows:
+        for ev in row["evals"]:
+            if ev.get("graph_fallback"):
+                print(f"{row['tokens']} tokens: CUDA graphs dropped: {ev['graph_fallback']}")
     print(f"metrics of one window of {args.seq_len} tokens: {window['add_logits_ms']:.1f} ms a "
           f"run, the baseline's reference {window['reference_ms']:.1f} ms more; the plain "
           f"forward of one window: {args.seq_len / rows[-1]['plain_tokens_per_second'] * 1e3:.1f}"

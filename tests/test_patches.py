@@ -98,3 +98,37 @@ def test_the_ledger_holds_patched_objects_weakly():
     del module
     gc.collect()
     assert patches.active_patches() == []
+
+
+def test_a_block_patch_is_undone_on_exit_even_after_an_error():
+    """Break: restore only on a clean exit: the error would leave the patch (and its ledger
+    entry) in place."""
+    module = _module()
+    original = module.fn
+    with pytest.raises(KeyError), patches.patched_attr(module, "fn", lambda: "inside"):
+        assert module.fn() == "inside"
+        assert patches.is_patched(module, "fn")
+        raise KeyError("boom")
+    assert module.fn is original
+    assert patches.active_patches() == []
+
+
+def test_a_nested_block_with_the_same_value_leaves_the_outer_one_in_place():
+    """Break: undo on every exit: the inner block's exit would restore the original while
+    the outer block still runs."""
+    module = _module()
+    original, inside = module.fn, (lambda: "inside")
+    with patches.patched_attr(module, "fn", inside):
+        with patches.patched_attr(module, "fn", inside):
+            pass
+        assert module.fn is inside
+    assert module.fn is original
+
+
+def test_a_block_patch_someone_replaced_inside_is_left_to_them():
+    module = _module()
+    theirs = lambda: "theirs"  # noqa: E731
+    with patches.patched_attr(module, "fn", lambda: "inside"):
+        module.fn = theirs
+    assert module.fn is theirs
+    assert patches.active_patches() == []

@@ -511,10 +511,10 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="remove an earlier run's files from --out first (only the files a "
                    "moewire run wrote)")
-    p.add_argument("--cuda-graph", action="store_true",
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="on a CUDA device (one rank): capture each run's window forward once in "
-                        "a CUDA graph and replay it for every window (faster; opt-in until "
-                        "the GPU tests show it equal to the eager run bit for bit)")
+                        "a CUDA graph and replay it for every window, the eager run's numbers "
+                        "bit for bit (default on; --no-cuda-graph runs every window eagerly)")
     p.add_argument("--no-tensor-parallel", action="store_true",
                    help="under torchrun: keep the dense layers (attention, embeddings, shared "
                         "experts) whole on every rank instead of the model's tensor-parallel "

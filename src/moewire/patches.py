@@ -3,10 +3,12 @@
 moewire interposes on other packages' objects: the call-time globals of an experts
 forward's module (:mod:`moewire.megamoe.hooks`), the class of DeepGEMM's module objects
 (``_HookedModule``), vLLM's ``_import_deep_gemm`` and staging globals
-(:mod:`moewire.integrations.vllm.bridge`) and ``BaseModelLoader.load_model``
-(:mod:`moewire.integrations.vllm`). Each such change goes through :func:`patch_attr` or
-:func:`patch_class`, which record the original value first; :func:`undo_all` puts every
-original back (``moewire.unquantize`` calls it once no converted module remains).
+(:mod:`moewire.integrations.vllm.bridge`), ``BaseModelLoader.load_model``
+(:mod:`moewire.integrations.vllm`) and, for one forward at a time, transformers'
+packed-sequence probe (:mod:`moewire.eval.masking`). Each such change goes through
+:func:`patch_attr`, :func:`patch_class` or :func:`patched_attr` (for a block), which
+record the original first; :func:`undo_all` puts every original back
+(``moewire.unquantize`` calls it once no converted module remains).
 
 The ledger holds the patched objects weakly where they allow it (modules, classes), so a
 record never keeps an object alive nor outlives it; the originals are held strongly (they
@@ -16,11 +18,13 @@ must come back).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["active_patches", "is_patched", "patch_attr", "patch_class", "undo_all"]
+__all__ = ["active_patches", "is_patched", "patch_attr", "patch_class", "patched_attr",
+           "undo_all"]
 
 # The attribute was not in the object's own namespace (inherited, or absent): undo deletes it.
 _MISSING = object()
@@ -106,6 +110,43 @@ def active_patches() -> list[tuple[Any, str | None]]:
     ]
 
 
+def _restore(patch: _Patch) -> bool:
+    """Put ``patch``'s original back unless someone replaced moewire's value since."""
+    obj = patch.target()
+    if obj is None:
+        return False
+    if patch.name is None:
+        if type(obj) is not patch.value:
+            return False
+        obj.__class__ = patch.original
+        return True
+    if _own(obj, patch.name) is not patch.value:
+        return False
+    if patch.original is _MISSING:
+        delattr(obj, patch.name)
+    else:
+        setattr(obj, patch.name, patch.original)
+    return True
+
+
+@contextmanager
+def patched_attr(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """:func:`patch_attr` for the block only: the original comes back on exit, error or
+    not. Inside a block that already set the same value, it changes nothing (the outer
+    block restores)."""
+    if is_patched(obj, name) and _own(obj, name) is value:
+        yield
+        return
+    patch_attr(obj, name, value)
+    try:
+        yield
+    finally:
+        patch = _entry(obj, name)
+        if patch is not None:
+            _LEDGER.remove(patch)
+            _restore(patch)
+
+
 def undo_all() -> int:
     """Put back every original, newest patch first, and empty the ledger.
 
@@ -117,20 +158,5 @@ def undo_all() -> int:
     """
     undone = 0
     while _LEDGER:
-        patch = _LEDGER.pop()
-        obj = patch.target()
-        if obj is None:
-            continue
-        if patch.name is None:
-            if type(obj) is patch.value:
-                obj.__class__ = patch.original
-                undone += 1
-            continue
-        if _own(obj, patch.name) is not patch.value:
-            continue
-        if patch.original is _MISSING:
-            delattr(obj, patch.name)
-        else:
-            setattr(obj, patch.name, patch.original)
-        undone += 1
+        undone += _restore(_LEDGER.pop())
     return undone

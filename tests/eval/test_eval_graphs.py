@@ -1,7 +1,8 @@
 """``moewire eval`` under CUDA graphs: every run's forward captured once and replayed for
 every window gives the eager run's metrics bit for bit (the stand-in and the real SM90
 kernel, a shorter last window, the mixed recipe's repeated captures); a forward that cannot
-be captured is refused with the fix; on CPU the flag changes nothing."""
+be captured is refused with the fix; a replay that differs from the eager forward on the
+first window drops the graphs; on CPU the flag changes nothing; graphs are the default."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def test_a_forward_that_cannot_be_captured_is_refused_with_the_fix(checkpoint, m
 
     monkeypatch.setattr(metrics.Totals, "add_layer", syncing_add_layer)
     with pytest.raises(RuntimeError, match=r"the forward of run fp8:nvfp4 cannot be captured "
-                       r"in a CUDA graph .*without --cuda-graph"):
+                       r"in a CUDA graph .*--no-cuda-graph"):
         evaluate(checkpoint("qwen3_moe"), [("fp8", "nvfp4")], text=TEXT, max_tokens=64,
                  seq_len=32, device="cuda", cuda_graph=True, log=lambda s: None)
     # Eagerly the same forward runs.
@@ -107,12 +108,34 @@ def test_a_forward_that_cannot_be_captured_is_refused_with_the_fix(checkpoint, m
     assert report["pairs"][1]["kl_mean"] > 0.0
 
 
-@pytest.mark.parametrize(("argv", "want"), [([], False), (["--cuda-graph"], True)],
-                         ids=["default-eager", "opt-in"])
-def test_the_cli_runs_eagerly_unless_asked_for_graphs(checkpoint, tmp_path, monkeypatch, argv,
-                                                      want):
-    """Graphs are opt-in (``--cuda-graph``) until the GPU tier shows them equal to the eager
-    run: the CLI passes the flag, and the API's default is eager."""
+@pytest.mark.gpu
+@needs_cuda
+def test_a_replay_that_differs_from_the_eager_forward_drops_the_graphs(checkpoint,
+                                                                      monkeypatch):
+    """Break: keep the graphs (or keep the first window's sums) after the first window's
+    check fails: the report would say graphs were used, or the sums would count window 0
+    twice and differ from the eager run."""
+    from moewire.eval import graphs
+
+    monkeypatch.setattr(graphs.WindowGraphs, "agrees", lambda self, run, logits: run != 1)
+    config = EvalConfig(pairs=[("fp8", "nvfp4")], text=TEXT, max_tokens=96, seq_len=32,
+                        device="cuda")
+    eager, graphed = _both(checkpoint("qwen3_moe"), config)
+    assert graphed["cuda_graph"]["used"] is False
+    assert graphed["cuda_graph"]["fallback"] == (
+        "the replayed forward of run fp8:nvfp4 differs from its eager forward on the first "
+        "window; every window ran eagerly")
+    assert eager["cuda_graph"]["fallback"] is None
+    assert _metrics(graphed) == _metrics(eager)
+
+
+@pytest.mark.parametrize(("argv", "want"),
+                         [([], True), (["--no-cuda-graph"], False), (["--cuda-graph"], True)],
+                         ids=["default-graphed", "off", "on"])
+def test_the_cli_captures_graphs_unless_told_not_to(checkpoint, tmp_path, monkeypatch, argv,
+                                                    want):
+    """Graphs are the default (the GPU tier shows them equal to the eager run);
+    ``--no-cuda-graph`` runs every window eagerly, and the API's default is the CLI's."""
     import moewire.eval as eval_pkg
     from moewire.cli import main
 
@@ -126,4 +149,4 @@ def test_the_cli_runs_eagerly_unless_asked_for_graphs(checkpoint, tmp_path, monk
     assert main(["eval", str(checkpoint("qwen3_moe")), "--out", str(tmp_path / "o"),
                  *argv]) == 130
     assert [c.cuda_graph for c in seen] == [want]
-    assert EvalConfig().cuda_graph is False
+    assert EvalConfig().cuda_graph is True

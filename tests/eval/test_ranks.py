@@ -154,13 +154,14 @@ REFUSALS = {
 def test_a_distributed_mistake_is_one_line_before_the_ranks_join(case, checkpoint, tmp_path,
                                                                 no_model, monkeypatch, capsys):
     env, argv, patch, message = REFUSALS[case]
+    # Written before the patches: a faked CUDA device count would reach torch's fork_rng.
+    path = checkpoint("mixtral")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     if patch is not None:
         patch(monkeypatch)
-    path = checkpoint("mixtral")
     capsys.readouterr()
     code = main(["eval", str(path), "--device", "cpu", "--out", str(tmp_path / "out"), *argv])
     err = capsys.readouterr().err

@@ -28,7 +28,10 @@ the eager forward would have shared with the metrics' float64 chunks.
 
 Each run's forward runs once eagerly, its hooks off, on the capture stream before the
 graphs are captured (the warm-up torch asks for: libraries' lazy set-up, the stream's cuBLAS
-workspace).
+workspace). Its logits' :func:`fingerprint` is kept, and the first replay of each run (the
+same window) must give the same one (:meth:`WindowGraphs.agrees`): a capture that changed
+the numbers is caught on the first window, and the session then runs every window eagerly
+(:meth:`moewire.eval.session.Session.measure`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,34 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[index]
 
 
+#: Rows of logits turned into float64 at a time by :func:`fingerprint`.
+_ROWS = 128
+
+
+def fingerprint(logits: torch.Tensor) -> torch.Tensor:
+    """Exact checksums of the bits of ``logits`` (``[T, V]``, 16- or 32-bit), float64 ``[T, 2]``.
+
+    Row ``t``'s checksums are ``sum_j b[t, j] * w[j, c]`` for ``c`` in 0, 1, where ``b`` is the
+    row's bits read as int16 (``[T, V]`` for BF16, ``[T, 2V]`` for FP32) and ``w`` two fixed
+    columns of integers in ``[1, 1024]`` (seed 0). Every product and partial sum is an integer
+    below ``2^15 * 2^10 * 2^19 = 2^44 < 2^53`` (rows of up to ``2^19`` int16), so the float64
+    sums are exact in any order: two rows that differ in one element (one ulp, a sign, a NaN's
+    payload) always differ in both checksums; several differences cancel in both only when
+    they cancel under two independent random weightings.
+    """
+    if logits.dim() != 2 or logits.element_size() not in (2, 4):
+        raise ValueError(f"fingerprint: logits must be [T, V] of a 16- or 32-bit dtype, got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    bits = logits.contiguous().view(torch.int16)
+    if bits.shape[1] > 2**19:
+        raise ValueError(f"fingerprint: rows of {bits.shape[1]} int16 exceed 2^19, where the "
+                         "float64 checksums stop being exact")
+    weights = torch.randint(1, 1025, (bits.shape[1], 2), dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(0)).to(logits.device)
+    return torch.cat([bits[r:r + _ROWS].to(torch.float64) @ weights
+                      for r in range(0, bits.shape[0], _ROWS)])
+
+
 def _pool_bytes(pool: tuple[int, int] | None) -> int:
     """Bytes of the segments the allocator holds for memory pool ``pool``."""
     return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
@@ -69,7 +100,7 @@ class WindowGraphs:
 
     Raises:
         RuntimeError: a run's forward cannot be captured; the message names the run and says
-            to run eagerly (``cuda_graph=False``, no ``--cuda-graph``).
+            to run eagerly (``cuda_graph=False``, ``--no-cuda-graph``).
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], names: Sequence[str],
@@ -79,8 +110,8 @@ class WindowGraphs:
         self.inputs = example.clone()
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for run in range(len(names)):
-                forward(run, self.inputs, hooks=False)
+            self._eager = [fingerprint(forward(run, self.inputs, hooks=False))
+                           for run in range(len(names))]
         torch.cuda.current_stream(device).wait_stream(stream)
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self._logits: list[torch.Tensor] = []
@@ -97,7 +128,7 @@ class WindowGraphs:
                 raise RuntimeError(
                     f"eval: the forward of run {name} cannot be captured in a CUDA graph "
                     f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                    "pass cuda_graph=False (moewire eval without --cuda-graph) to run every "
+                    "pass cuda_graph=False (moewire eval --no-cuda-graph) to run every "
                     "window eagerly") from exc
             pool = graph.pool()
             self._graphs.append(graph)
@@ -111,6 +142,11 @@ class WindowGraphs:
         """Keep ``tensors`` (written by one graph, read by later ones: the baseline's experts
         outputs the hooks copied) alive as long as the graphs, whoever else drops them."""
         self._held.extend(tensors)
+
+    def agrees(self, run: int, logits: torch.Tensor) -> bool:
+        """Whether ``logits``, run ``run``'s first replay (on the captured example window),
+        have the :func:`fingerprint` of its eager warm-up forward on the same window."""
+        return torch.equal(fingerprint(logits), self._eager[run])
 
     def fits(self, inputs: torch.Tensor) -> bool:
         """Whether ``inputs`` has the captured window's shape (a shorter last window runs

@@ -401,7 +401,10 @@ def _run_plan(plan: Plan, out: OutputDir | None, log: Callable[[str], None],
         report["seconds"].update(calibrate=calibrated - loaded, measure=measured - calibrated,
                                  capture=session.capture_seconds)
         report["cuda_graph"] = {"used": session.cuda_graph,
-                                "pool_bytes": session.graph_reserved_bytes}
+                                "pool_bytes": session.graph_reserved_bytes,
+                                "fallback": session.graph_fallback}
+        if session.graph_fallback is not None:
+            log(f"eval: CUDA graphs dropped: {session.graph_fallback}")
         report["tokens_per_second"] = windows.tokens * len(every) / (measured - calibrated)
         results = [_result(run, totals.result(i), windows.tokens) for i, run in enumerate(main)]
         for r in results:

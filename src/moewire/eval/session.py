@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from moewire.eval.masking import unpacked_windows
 from moewire.eval.metrics import Reference, Totals
 from moewire.eval.plan import Windows
 from moewire.eval.recipe import WireCost, pair_entries
@@ -48,10 +49,11 @@ class Session:
     With ``cuda_graph`` (on a CUDA device, one rank), :meth:`measure` captures each run's
     forward over a window once (:class:`moewire.eval.graphs.WindowGraphs`, after the runs'
     calibration, whose eager forwards ran the layout check) and replays it for every window
-    of that shape; a shorter last window runs eagerly. The replay runs moewire's kernels on
-    the same data as the eager forward and adds to the same sums; the model's attention may
-    not (transformers 5.23 masks it differently under capture: ``EvalConfig.cuda_graph``),
-    and the GPU tests compare every run's metrics with the eager run's, bit for bit. Under
+    of that shape; a shorter last window runs eagerly. The replay runs the eager forward's
+    kernels on the same data and adds to the same sums: moewire's kernels are the same, and
+    the model's attention gets the same inputs (:func:`moewire.eval.masking.unpacked_windows`).
+    Each run's first replay is checked against its eager forward, and the GPU tests compare
+    every run's metrics with the eager run's, bit for bit. Under
     several ranks every window runs eagerly (the collectives of expert parallelism are not
     captured).
     """
@@ -73,6 +75,8 @@ class Session:
         #: pool held beyond the allocator's reserve before a capture.
         self.capture_seconds = 0.0
         self.graph_reserved_bytes = 0
+        #: Why the graphs were dropped after their capture (``None``: they were not).
+        self.graph_fallback: str | None = None
         # Converts every experts module; each run then brings its own quantizers.
         moewire.quantize(model, {"quant_cfg": pair_entries(*BASELINE)})
         self._handles = [m.register_forward_hook(self._hook(i))
@@ -91,7 +95,8 @@ class Session:
         return hook
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
+        # One window is one sequence: the same attention inputs eagerly and under capture.
+        with torch.no_grad(), unpacked_windows():
             return self.model(inputs[None], use_cache=False).logits[0]
 
     def _run_forward(self, runs: list[Run], i: int, inputs: torch.Tensor,
@@ -127,7 +132,26 @@ class Session:
 
     def measure(self, runs: list[Run], windows: Windows,
                 progress: ProgressFn, stage: str) -> Totals:
-        """Every run over every window in lockstep, the baseline (``runs[0]``) first."""
+        """Every run over every window in lockstep, the baseline (``runs[0]``) first.
+
+        Under CUDA graphs, a run whose first replay does not give its eager forward's logits
+        bit for bit (:meth:`moewire.eval.graphs.WindowGraphs.agrees`) drops the graphs: the
+        sums start again and every window runs eagerly, and :attr:`graph_fallback` says which
+        run differed (the report's ``cuda_graph.fallback``).
+        """
+        seconds = [run.seconds for run in runs]
+        try:
+            return self._measure(runs, windows, progress, stage)
+        except _GraphsDisagree as exc:
+            reason = str(exc)
+        # Outside the handler: its traceback (the replay's logits, the graphs' pool) is gone.
+        self.cuda_graph, self.graph_fallback = False, reason
+        for run, before in zip(runs, seconds, strict=True):
+            run.seconds = before
+        return self._measure(runs, windows, progress, stage)
+
+    def _measure(self, runs: list[Run], windows: Windows,
+                 progress: ProgressFn, stage: str) -> Totals:
         totals = Totals(len(runs), [n for n, _ in self.modules], windows.tokens, self.device)
         self._totals = totals
         graphs = None
@@ -142,6 +166,10 @@ class Session:
                     started = time.perf_counter()
                     if graphs is not None and graphs.fits(inputs):
                         logits = graphs.replay(i, inputs)
+                        if w == 0 and not graphs.agrees(i, logits):
+                            raise _GraphsDisagree(
+                                f"the replayed forward of run {run.name} differs from its "
+                                "eager forward on the first window; every window ran eagerly")
                     else:
                         logits = self._run_forward(runs, i, inputs)
                     ref = ref if ref is not None else Reference.of(logits)
@@ -185,6 +213,10 @@ class Session:
         self.modules = []
         self._first = torch.empty(0)
         del self.model
+
+
+class _GraphsDisagree(Exception):
+    """A run's first replay differs from its eager forward (:meth:`Session.measure`)."""
 
 
 @contextmanager

@@ -62,13 +62,14 @@ class EvalConfig:
             then those files are removed first (and the log says which), so no earlier file
             stays beside this run's (:func:`moewire.outputs.prepare_output_dir`).
         cuda_graph: on a CUDA device (one rank), capture each run's forward over a window
-            once and replay it for every window (:mod:`moewire.eval.graphs`), the same
-            kernels on the same data as the eager forward. Opt-in (``--cuda-graph``):
-            transformers 5.23 builds a materialised causal mask under CUDA stream capture
-            (``masking_utils.find_packed_sequence_indices`` counts capture as tracing) where
-            the eager forward calls SDPA with ``is_causal=True``, so a few logits differ by
-            one BF16 ulp; eager stays the default until the GPU tier
-            (``tests/eval/test_eval_graphs.py``) shows the two equal bit for bit.
+            once and replay it for every window (:mod:`moewire.eval.graphs`): the eager
+            forward's kernels on the same data, so the same numbers bit for bit
+            (:mod:`moewire.eval.masking` gives the attention the same inputs under capture;
+            the GPU tier, ``tests/eval/test_eval_graphs.py``, compares the two). Each run's
+            first replay is checked against its eager forward; a difference drops the
+            graphs and runs every window eagerly, and the report says why
+            (``cuda_graph.fallback``). On by default; ``False`` (``--no-cuda-graph``) runs
+            every window eagerly. Ignored on CPU and under several ranks.
     """
 
     pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS
@@ -89,7 +90,7 @@ class EvalConfig:
     tasks_path: str | os.PathLike | None = None
     task_limit: int | None = None
     force: bool = False
-    cuda_graph: bool = False
+    cuda_graph: bool = True
     text_source: str | None = None
 
 
