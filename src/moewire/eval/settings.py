@@ -63,7 +63,7 @@ class EvalConfig:
             stays beside this run's (:func:`moewire.outputs.prepare_output_dir`).
         cuda_graph: on a CUDA device (one rank), capture each run's forward over a window
             once and replay it for every window (:mod:`moewire.eval.graphs`): the eager
-            forward's kernels on the same data, so the same numbers bit for bit
+            forward's kernels on the same data, for the same numbers bit for bit
             (:mod:`moewire.eval.masking` gives the attention the same inputs under capture;
             the GPU tier, ``tests/eval/test_eval_graphs.py``, compares the two). Each run's
             first replay is checked against its eager forward; a difference drops the
