@@ -1,8 +1,9 @@
-# Sourced by the benchmarks' device scripts (benchmarks/results/*/device_run.sh), from the
-# repository root on a GPU host, with OUT set: installs the carried wheels of .whl/ (if any)
-# into /tmp/site, sets the environment the eval benchmarks need, records the GPU in
-# $OUT/gpu.txt, and sets RK to the command that runs a Python script, through DeepGEMM's real
-# SM90 kit when .real-kernel/ is carried, else plain python3 with src/ on the path.
+# Sourced by the benchmarks' device scripts (benchmarks/eval_device_run.sh,
+# benchmarks/results/*/device_run.sh, the load profile's call), from the repository root on
+# a GPU host, with OUT set: installs the carried wheels of .whl/ (if any) into /tmp/site,
+# sets the environment the eval benchmarks need, records the GPU in $OUT/gpu.txt, and sets RK
+# to the command that runs a Python script, through DeepGEMM's real SM90 kit when
+# .real-kernel/ is carried, else plain python3 with src/ on the path.
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
     --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then

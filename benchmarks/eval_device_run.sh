@@ -9,7 +9,7 @@
 # (no argument: the tests, then both kernels' benchmark). Used by
 # benchmarks/results/eval-fused-h100/ and eval-graphs-default/.
 set -u
-OUT=${OUT:-/tmp/moewire-eval-fused}
+OUT=${OUT:-/tmp/moewire-eval}
 . benchmarks/device_setup.sh
 WHAT=${*:-tests deepgemm-sm90 stand-in}
 case " $WHAT " in *" tests "*)

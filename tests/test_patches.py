@@ -132,3 +132,16 @@ def test_a_block_patch_someone_replaced_inside_is_left_to_them():
         module.fn = theirs
     assert module.fn is theirs
     assert patches.active_patches() == []
+
+
+def test_a_block_patch_over_a_lasting_patch_gives_that_patch_back():
+    """Break: drop the ledger entry on exit: the lasting patch's original would come back
+    at the block's end, and ``undo_all`` would no longer know the lasting patch."""
+    module = _module()
+    original, lasting = module.fn, (lambda: "lasting")
+    patches.patch_attr(module, "fn", lasting)
+    with patches.patched_attr(module, "fn", lambda: "inside"):
+        assert module.fn() == "inside"
+    assert module.fn is lasting
+    assert patches.undo_all() == 1
+    assert module.fn is original

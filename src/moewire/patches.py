@@ -131,18 +131,25 @@ def _restore(patch: _Patch) -> bool:
 
 @contextmanager
 def patched_attr(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """:func:`patch_attr` for the block only: the original comes back on exit, error or
+    """:func:`patch_attr` for the block only: what was there comes back on exit, error or
     not. Inside a block that already set the same value, it changes nothing (the outer
-    block restores)."""
-    if is_patched(obj, name) and _own(obj, name) is value:
+    block restores); over an earlier :func:`patch_attr` of moewire's, that patch's value
+    comes back and its record (with the true original) stays."""
+    outer = _entry(obj, name)
+    if outer is not None and _own(obj, name) is value:
         yield
         return
+    before = outer.value if outer is not None else None
     patch_attr(obj, name, value)
     try:
         yield
     finally:
         patch = _entry(obj, name)
-        if patch is not None:
+        if patch is not None and patch is outer:
+            if _own(obj, name) is value:
+                setattr(obj, name, before)
+            patch.value = before
+        elif patch is not None:
             _LEDGER.remove(patch)
             _restore(patch)
 

@@ -66,23 +66,20 @@ def main() -> int:
                 local_files_only=True, device_map="cuda").eval()
 
         rows.append(("from_pretrained (moewire experts)", timed(load)))
+
+        def prepare_seconds(kernel: str) -> float:
+            model = load()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            mt.prepare(model, None, max_num_tokens=2048, kernel=kernel)
+            torch.cuda.synchronize()
+            return time.perf_counter() - started
+
         for kernel in ("stand-in", "deepgemm-sm90"):
-            models = []
-
-            def prep(kernel=kernel, models=models):
-                models.clear()
-                model = load()
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                mt.prepare(model, None, max_num_tokens=2048, kernel=kernel)
-                torch.cuda.synchronize()
-                models.append(time.perf_counter() - started)
-                del model
-
             try:
-                prep()
+                prepare_seconds(kernel)  # warm-up
                 rows.append((f"prepare, {kernel}",
-                             statistics.median([(prep(), models[0])[1] for _ in range(2)])))
+                             statistics.median(prepare_seconds(kernel) for _ in range(2))))
             except Exception as exc:  # noqa: BLE001 - the row says why
                 rows.append((f"prepare, {kernel}: {type(exc).__name__}: {exc}"[:120], float("nan")))
     print(f"checkpoint {size / 1e9:.2f} GB, {torch.cuda.get_device_name()}")

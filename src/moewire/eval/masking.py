@@ -45,10 +45,8 @@ def unpacked_windows() -> Iterator[None]:
     try:
         from transformers import masking_utils
     except ImportError:
-        yield
-        return
-    probe = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if probe is None:
+        masking_utils = None
+    if getattr(masking_utils, "find_packed_sequence_indices", None) is None:
         yield
         return
     with patches.patched_attr(masking_utils, "find_packed_sequence_indices", _not_packed):
